@@ -1,0 +1,25 @@
+"""Hook points, the hook-name table, the hook registry and the activation cache.
+
+This package depends on nothing else of ours; ``interp`` and ``analyses`` build on it.
+"""
+
+from .cache import ActivationCache, AttentionMeta, additive_mask, allowed_keys
+from .names import HOOK_TABLE, HookSpec, expand_names, spec_for, suggest_names
+from .points import HookFn, HookHandle, HookPoint, HookRegistry, NameFilter
+
+__all__ = [
+    "ActivationCache",
+    "AttentionMeta",
+    "HOOK_TABLE",
+    "HookFn",
+    "HookHandle",
+    "HookPoint",
+    "HookRegistry",
+    "HookSpec",
+    "NameFilter",
+    "additive_mask",
+    "allowed_keys",
+    "expand_names",
+    "spec_for",
+    "suggest_names",
+]

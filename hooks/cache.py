@@ -1,0 +1,191 @@
+"""ActivationCache: the tensors captured by ``run_with_cache``, addressed by hook name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .names import HOOK_TABLE, unknown_name_error
+
+__all__ = ["ActivationCache", "AttentionMeta"]
+
+_SHORT = {spec.short: spec for spec in HOOK_TABLE}
+
+
+@dataclass
+class AttentionMeta:
+    """What is needed to rebuild attention patterns from cached q and k, exactly as the eager path does.
+
+    scaling: per layer, the module's own score scale.
+    attention_mask: (b, k) with 1 for real tokens, or None for no padding.
+    """
+
+    scaling: list[float]
+    causal: bool
+    n_heads: int
+    n_kv_heads: int
+    attention_mask: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ActivationCache:
+    """Captured activations. ``cache[name]``, or the shorthand ``cache["pattern", 3]``.
+
+    >>> cache = ActivationCache({"blocks.0.attn.hook_z": torch.zeros(1, 2, 3, 4)})
+    >>> cache["z", 0].shape
+    torch.Size([1, 2, 3, 4])
+    """
+
+    def __init__(self, store: dict[str, torch.Tensor], meta: AttentionMeta | None = None):
+        self._store = store
+        self.meta = meta
+
+    # -- mapping -------------------------------------------------------------------------------------
+    def _name(self, key) -> str:
+        if isinstance(key, tuple):
+            if len(key) != 2 or not isinstance(key[1], int):
+                raise KeyError(f"The shorthand is cache[kind, layer], e.g. cache['pattern', 3]; got {key!r}.")
+            kind, layer = key
+            spec = _SHORT.get(kind.removeprefix("hook_"))
+            if spec is None:
+                raise KeyError(f"Unknown hook kind {kind!r}; kinds are {sorted(_SHORT)}.")
+            name = spec.name(layer)
+        else:
+            name = key
+        if name not in self._store:
+            raise self._missing(name)
+        return name
+
+    def _missing(self, name: str) -> KeyError:
+        if name.endswith(("hook_pattern", "hook_attn_scores")) and any(k.endswith("hook_q") for k in self._store):
+            layer = name.split(".")[1]
+            return KeyError(
+                f"{name} was not captured: flash-path runs do not build n x n patterns. Use "
+                f"cache.pattern({layer}) to rebuild it from the cached q and k, or model.set_attn('eager')."
+            )
+        if self._store and name not in self._store:
+            err = unknown_name_error(name, list(self._store))
+            return KeyError(f"{name!r} is not in this cache. {err.args[0].split('. ', 1)[-1]}")
+        return KeyError(f"{name!r} is not in this (empty) cache.")
+
+    def __getitem__(self, key) -> torch.Tensor:
+        return self._store[self._name(key)]
+
+    def __contains__(self, key) -> bool:
+        try:
+            self._name(key)
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._store)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def keys(self):
+        return self._store.keys()
+
+    def items(self):
+        return self._store.items()
+
+    def __repr__(self) -> str:
+        return f"ActivationCache({len(self)} tensors: {', '.join(list(self._store)[:4])}{', ...' if len(self) > 4 else ''})"
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ActivationCache:
+        """A copy of the cache with every tensor moved (and, if given, floating tensors cast)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
+
+        meta = self.meta
+        if meta is not None and meta.attention_mask is not None:
+            meta = AttentionMeta(**{**meta.__dict__, "attention_mask": meta.attention_mask.to(device)})
+        return ActivationCache({k: move(v) for k, v in self._store.items()}, meta)
+
+    # -- stacking ------------------------------------------------------------------------------------
+    def _layers_of(self, kind: str) -> list[int]:
+        spec = _SHORT.get(kind.removeprefix("hook_"))
+        if spec is None or not spec.per_layer:
+            raise KeyError(f"stack() takes a per-layer kind such as 'z' or 'resid_post'; got {kind!r}.")
+        return [l for l in range(len(self._store)) if spec.name(l) in self._store]
+
+    def stack(self, kind: str, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """One per-layer activation stacked over layers: ``(l, ...)``."""
+        layers = self._layers_of(kind) if layers is None else list(layers)
+        if not layers:
+            raise KeyError(f"No {kind!r} activations in this cache; capture them with run_with_cache(names=...).")
+        return torch.stack([self[kind, l] for l in layers])
+
+    def stack_head_results(self, layers: Sequence[int] | None = None) -> tuple[torch.Tensor, list[str]]:
+        """Every head's output in d_model, stacked: ``(l * h, b, p, m)`` with labels ``"L{l}H{h}"``.
+
+        Needs ``hook_result`` in the cache (it is opt-in: ``run_with_cache(names=lambda n: "result" in n)``).
+        """
+        layers = self._layers_of("result") if layers is None else list(layers)
+        if not layers:
+            raise KeyError("No hook_result in this cache: it is opt-in. Capture it with names=lambda n: 'hook_result' in n.")
+        parts, labels = [], []
+        for l in layers:
+            result = self["result", l]  # (b, p, h, m)
+            parts.append(result.permute(2, 0, 1, 3))
+            labels += [f"L{l}H{h}" for h in range(result.shape[2])]
+        return torch.cat(parts), labels
+
+    # -- patterns from q and k -------------------------------------------------------------------------
+    def pattern(self, layer: int, heads: int | Sequence[int] | None = None) -> torch.Tensor:
+        """The attention pattern ``(b, h, q, k)`` of ``heads`` (all if None) in ``layer``.
+
+        Returns the cached pattern if the run was eager; otherwise rebuilds it from the cached q and k
+        exactly as the eager path computes it (scores in the model's dtype, fp32 softmax, masked entries at
+        the dtype's minimum), so only the selected heads' n x n matrices are built.
+        """
+        if isinstance(heads, int):
+            heads = [heads]
+        name = f"blocks.{layer}.attn.hook_pattern"
+        if name in self._store:
+            pattern = self._store[name]
+            return pattern if heads is None else pattern[:, list(heads)]
+        if self.meta is None or f"blocks.{layer}.attn.hook_q" not in self._store or f"blocks.{layer}.attn.hook_k" not in self._store:
+            raise KeyError(
+                f"cache.pattern({layer}) needs blocks.{layer}.attn.hook_q and hook_k in the cache; "
+                "run_with_cache captures them by default."
+            )
+        meta = self.meta
+        q = self._store[f"blocks.{layer}.attn.hook_q"]  # (b, p, h, d)
+        k = self._store[f"blocks.{layer}.attn.hook_k"]  # (b, p, g, d)
+        heads = list(range(meta.n_heads)) if heads is None else list(heads)
+        bad = [h for h in heads if not 0 <= h < meta.n_heads]
+        if bad:
+            raise IndexError(f"Heads run 0..{meta.n_heads - 1}; got {bad}.")
+        group = meta.n_heads // meta.n_kv_heads
+        q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
+        k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
+        scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[layer]
+        mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device)
+        if mask is not None:
+            scores = scores + mask
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+
+
+def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device) -> torch.Tensor | None:
+    """Boolean ``(b or 1, 1, q, k)``: which keys each query may attend to, or None for all."""
+    allowed = None
+    if meta.causal:
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)[None, None]
+    if meta.attention_mask is not None:
+        pad = meta.attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        allowed = pad if allowed is None else allowed & pad
+    return allowed
+
+
+def additive_mask(meta: AttentionMeta, n_q: int, n_k: int, dtype, device) -> torch.Tensor | None:
+    """HF eager's additive mask: 0 where allowed, the dtype's minimum elsewhere."""
+    allowed = allowed_keys(meta, n_q, n_k, device)
+    if allowed is None:
+        return None
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)

@@ -1,0 +1,138 @@
+"""The one table of hook names, with the shape and meaning of what each one carries.
+
+Axis glossary: ``b`` batch, ``p`` position, ``q`` query position, ``k`` key position, ``h`` head,
+``g`` key/value head (grouped-query attention), ``d`` head dim, ``m`` d_model.
+
+Names follow TransformerLens. Where our meaning differs from TransformerLens, ``meaning`` says so.
+Tests read this table: every name must fire once per layer with the documented shape.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+__all__ = ["HookSpec", "HOOK_TABLE", "expand_names", "spec_for", "suggest_names", "unknown_name_error"]
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One row of the hook table.
+
+    template: the name, with ``{l}`` standing for the layer index.
+    shape: named dims of the tensor a hook receives, e.g. ``"(b, p, h, d)"``.
+    eager_only: the tensor is an n x n matrix that only the eager path builds.
+    opt_in: not captured by ``run_with_cache`` unless asked for by name (costs memory or compute).
+    optional: only present for model families whose table names the module it comes from.
+    """
+
+    template: str
+    shape: str
+    meaning: str
+    eager_only: bool = False
+    opt_in: bool = False
+    optional: bool = False
+
+    @property
+    def per_layer(self) -> bool:
+        return "{l}" in self.template
+
+    @property
+    def short(self) -> str:
+        """``"blocks.{l}.attn.hook_q"`` -> ``"q"``; used by the cache's ``cache["q", 3]`` shorthand."""
+        return self.template.rsplit("hook_", 1)[1]
+
+    def name(self, layer: int | None = None) -> str:
+        return self.template.format(l=layer) if self.per_layer else self.template
+
+
+HOOK_TABLE: tuple[HookSpec, ...] = (
+    HookSpec("hook_embed", "(b, p, m)", "token embeddings: the output of the model's input embedding module"),
+    HookSpec("blocks.{l}.hook_resid_pre", "(b, p, m)", "residual stream entering block l"),
+    HookSpec(
+        "blocks.{l}.hook_resid_mid",
+        "(b, p, m)",
+        "residual stream between attention and MLP (pre-LN families: the input of the second norm, "
+        "observe only; BERT: the attention block's normed output)",
+        optional=True,
+    ),
+    HookSpec("blocks.{l}.hook_resid_post", "(b, p, m)", "residual stream leaving block l"),
+    HookSpec(
+        "blocks.{l}.hook_attn_out",
+        "(b, p, m)",
+        "attention output after the output projection (BERT: before its residual add and LayerNorm)",
+    ),
+    HookSpec(
+        "blocks.{l}.hook_mlp_out",
+        "(b, p, m)",
+        "MLP output (BERT: before its residual add and LayerNorm)",
+        optional=True,
+    ),
+    HookSpec(
+        "blocks.{l}.attn.hook_q",
+        "(b, p, h, d)",
+        "queries as the attention kernel sees them: after RoPE (TransformerLens: before rotary)",
+    ),
+    HookSpec(
+        "blocks.{l}.attn.hook_k",
+        "(b, p, g, d)",
+        "keys as the kernel sees them: after RoPE, in key/value heads for GQA (TransformerLens: before rotary)",
+    ),
+    HookSpec("blocks.{l}.attn.hook_v", "(b, p, g, d)", "values, in key/value heads for GQA"),
+    HookSpec(
+        "blocks.{l}.attn.hook_attn_scores",
+        "(b, h, q, k)",
+        "scaled and masked scores before softmax (masked entries hold the dtype's minimum); eager only",
+        eager_only=True,
+    ),
+    HookSpec("blocks.{l}.attn.hook_pattern", "(b, h, q, k)", "attention pattern, softmax of the scores; eager only",
+             eager_only=True),
+    HookSpec("blocks.{l}.attn.hook_z", "(b, p, h, d)", "per-head output, pattern @ v, before the output projection"),
+    HookSpec(
+        "blocks.{l}.attn.hook_lse",
+        "(b, h, q)",
+        "fp32 logsumexp of each query row's scores (not in TransformerLens); any weight is exp(score - lse)",
+    ),
+    HookSpec(
+        "blocks.{l}.attn.hook_result",
+        "(b, p, h, m)",
+        "per-head output projected to d_model, without the output bias; they sum to attn_out minus the bias",
+        opt_in=True,
+    ),
+)
+
+_BY_TEMPLATE = {spec.template: spec for spec in HOOK_TABLE}
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+
+
+def spec_for(name: str) -> HookSpec:
+    """The table row of a concrete hook name, e.g. ``"blocks.3.attn.hook_z"``."""
+    return _BY_TEMPLATE[_LAYER_RE.sub(".{l}.", name, count=1)]
+
+
+def expand_names(n_layers: int, skip_optional: tuple[str, ...] = ()) -> list[str]:
+    """All concrete hook names for a model with ``n_layers`` blocks, in firing order per block.
+
+    ``skip_optional`` lists the optional templates the model's family does not have.
+    """
+    names = [spec.template for spec in HOOK_TABLE if not spec.per_layer]
+    layer_specs = [s for s in HOOK_TABLE if s.per_layer and s.template not in skip_optional]
+    for layer in range(n_layers):
+        names.extend(spec.name(layer) for spec in layer_specs)
+    return names
+
+
+def suggest_names(name: str, valid: list[str], n: int = 3) -> list[str]:
+    """The closest valid names to a misspelt one."""
+    return difflib.get_close_matches(name, valid, n=n, cutoff=0.5)
+
+
+def unknown_name_error(name: str, valid: list[str]) -> ValueError:
+    close = suggest_names(name, valid)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    layers = sorted({int(m) for v in valid for m in _LAYER_RE.findall(v)})
+    span = f" Layers run 0..{layers[-1]}." if layers else ""
+    return ValueError(
+        f"Unknown hook name {name!r}.{hint}{span} See model.hook_names() for the full list."
+    )

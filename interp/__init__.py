@@ -1,0 +1,17 @@
+"""interp: HuggingFace models with our own eager and flash attention, hook points and activation cache.
+
+>>> import interp
+>>> model = interp.load_model("toy-induction", attn="flash")  # doctest: +SKIP
+>>> logits, cache = model.run_with_cache(tokens)  # doctest: +SKIP
+
+Importing registers the attention keys ``interp_exact`` and ``interp_fused`` with transformers and does
+nothing else.
+"""
+
+from . import attention as _attention  # noqa: F401  (registers our attention and mask functions)
+from .attention import EAGER_KEY, FLASH_KEY
+from .loading import BUNDLED, load_model
+from .model import HookedModel, ModelConfig
+
+__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "load_model"]
+__version__ = "0.1.0"

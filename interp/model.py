@@ -1,0 +1,333 @@
+"""HookedModel: a HuggingFace model whose attention step is ours, with named hook points."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from einops import rearrange
+from transformers.pytorch_utils import Conv1D
+
+from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookRegistry, NameFilter, spec_for
+
+from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks
+from .families import Family, check_supported
+
+__all__ = ["HookedModel", "ModelConfig"]
+
+_ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
+_MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "result")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    causal: bool
+    max_positions: int
+    vocab_size: int
+    family: str
+
+
+def _config_of(hf, family: Family) -> ModelConfig:
+    c = hf.config
+    n_heads = c.num_attention_heads
+    return ModelConfig(
+        n_layers=c.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(c, "num_key_value_heads", None) or n_heads,
+        d_head=getattr(c, "head_dim", None) or c.hidden_size // n_heads,
+        d_model=c.hidden_size,
+        causal=family.causal,
+        max_positions=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        family=family.name,
+    )
+
+
+def _replace_first(output, fn):
+    """Apply fn to a module's output tensor, or to the first element of a tuple output."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    return (fn(output[0]), *output[1:])
+
+
+class HookedModel:
+    """A HF model (``.hf``) with our attention, hook points and activation cache.
+
+    ``model(input_ids, attention_mask=None)`` returns the HF model's own output. Inputs may be token ids
+    ``(b, p)`` or ``(p,)``, the mapping ``to_tokens`` returns, or text (tokenized with ``to_tokens``).
+    """
+
+    def __init__(self, hf: torch.nn.Module, tokenizer=None, attn: str = "flash"):
+        self.family = check_supported(hf.config)
+        self.hf = hf
+        self.tokenizer = tokenizer
+        self.cfg = _config_of(hf, self.family)
+        self._blocks = hf.base_model.get_submodule(self.family.layers)
+        if len(self._blocks) != self.cfg.n_layers:
+            raise ValueError(f"Expected {self.cfg.n_layers} blocks at {self.family.layers}; found {len(self._blocks)}.")
+        self._attn_modules = [block.get_submodule(self.family.attn) for block in self._blocks]
+        self._scaling = [float(getattr(m, "scaling", self.cfg.d_head**-0.5)) for m in self._attn_modules]
+
+        points = [HookPoint("hook_embed")]
+        norm_input = self.family.resid_mid[1] == "input"
+        for layer in range(self.cfg.n_layers):
+            for spec in HOOK_TABLE:
+                if spec.per_layer:
+                    read_only = None
+                    if spec.short == "resid_mid" and norm_input:
+                        read_only = "on pre-LN models it is not a module output; edit hook_attn_out instead"
+                    elif spec.short == "lse":
+                        read_only = "it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
+                    points.append(HookPoint(spec.name(layer), layer, read_only))
+        self._registry = HookRegistry(points, on_change=self._sync_module_hooks, check=self._check_points)
+        self._layer_hooks = []
+        for layer, module in enumerate(self._attn_modules):
+            lh = LayerHooks({k: self._registry[f"blocks.{layer}.attn.hook_{k}"] for k in _ATTN_KINDS})
+            attach_layer_hooks(module, lh)
+            self._layer_hooks.append(lh)
+        self._torch_handles: dict[str, object] = {}
+        self.attn: str | None = None
+        self.set_attn(attn)
+
+    # -- attention path --------------------------------------------------------------------------------
+    def set_attn(self, attn: str) -> HookedModel:
+        """Switch between the exact ``"eager"`` path and the fused ``"flash"`` path."""
+        if attn not in ATTN_KEYS:
+            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
+        if attn == "flash":
+            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
+            if eager_only:
+                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
+        key = ATTN_KEYS[attn]
+        self.hf.set_attn_implementation(key)
+        if self.hf.config._attn_implementation != key:
+            raise RuntimeError(
+                f"transformers did not take our attention function for {type(self.hf).__name__} "
+                f"(config._attn_implementation is {self.hf.config._attn_implementation!r}); this class may not "
+                "use the attention interface."
+            )
+        self.attn = attn
+        self._probe()
+        return self
+
+    def _probe(self) -> None:
+        """Run two tokens and check that our attention function really ran (HF may ignore the key)."""
+        fired = []
+        with self.hooks([("blocks.0.attn.hook_z", lambda z, hook: fired.append(hook.name))]), torch.no_grad():
+            self(torch.zeros(1, 2, dtype=torch.long))
+        if not fired:
+            raise RuntimeError(
+                f"{type(self.hf).__name__} did not call interp's attention function; it does not dispatch through "
+                "transformers' attention interface, so it is not supported."
+            )
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def hook_names(self) -> list[str]:
+        return self._registry.names()
+
+    def _check_points(self, points: list[HookPoint]) -> None:
+        if self.attn == "flash":
+            bad = [p.name for p in points if spec_for(p.name).eager_only]
+            if bad:
+                raise ValueError(
+                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
+                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads)."
+                )
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
+        """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
+        with self._registry.hooks(fwd_hooks):
+            yield self
+
+    def reset_hooks(self) -> None:
+        """Remove every hook added through this model."""
+        self._registry.clear()
+
+    def _sync_module_hooks(self) -> None:
+        """Attach a torch hook where a module-level point has listeners; detach it where none are left."""
+        for lh in self._layer_hooks:
+            lh.refresh()
+        wanted = {"hook_embed"} if self._registry["hook_embed"] else set()
+        for layer in range(self.cfg.n_layers):
+            wanted.update(f"blocks.{layer}.{kind}" for kind in _MODULE_KINDS
+                          if self._registry[spec_name(layer, kind)])
+        for key in list(self._torch_handles):
+            if key not in wanted:
+                self._torch_handles.pop(key).remove()
+        for key in wanted - self._torch_handles.keys():
+            self._torch_handles[key] = self._attach(key)
+
+    def _attach(self, key: str):
+        if key == "hook_embed":
+            point = self._registry["hook_embed"]
+            return self.hf.get_input_embeddings().register_forward_hook(lambda m, i, out: point(out))
+        _, layer, kind = key.split(".")
+        layer = int(layer)
+        block, point = self._blocks[layer], self._registry[spec_name(layer, kind)]
+        fam = self.family
+        if kind == "resid_pre":
+            def pre(module, args, kwargs):
+                if args:
+                    return (point(args[0]), *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": point(kwargs["hidden_states"])}
+            return block.register_forward_pre_hook(pre, with_kwargs=True)
+        if kind == "resid_mid" and fam.resid_mid[1] == "input":
+            def observe(module, args):
+                point(args[0])  # observe only: the block adds its residual from its own variable
+            return block.get_submodule(fam.resid_mid[0]).register_forward_pre_hook(observe)
+        if kind == "result":
+            return block.get_submodule(fam.o_proj).register_forward_hook(self._result_hook(point))
+        path = {"resid_post": "", "attn_out": fam.attn_out, "mlp_out": fam.mlp_out, "resid_mid": fam.resid_mid[0]}[kind]
+        module = block.get_submodule(path) if path else block
+        return module.register_forward_hook(lambda m, i, out: _replace_first(out, point))
+
+    def _result_hook(self, point: HookPoint):
+        """Replace the output projection by a per-head sum, so that an edit to hook_result reaches the model."""
+        h, d = self.cfg.n_heads, self.cfg.d_head
+
+        def hook(o_proj, args, out):
+            z = rearrange(args[0], "b p (h d) -> b p h d", h=h, d=d)
+            if isinstance(o_proj, Conv1D):
+                w = rearrange(o_proj.weight, "(h d) m -> h d m", h=h)
+            else:
+                w = rearrange(o_proj.weight, "m (h d) -> h d m", h=h)
+            result = point(torch.einsum("bphd,hdm->bphm", z, w))
+            summed = result.sum(dim=2)
+            return summed if o_proj.bias is None else summed + o_proj.bias
+
+        return hook
+
+    # -- inputs ----------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    def to_tokens(self, text: str | Sequence[str], max_length: int | None = None):
+        """Tokenize text into ``{"input_ids": (b, p), "attention_mask": (b, p)}``, padded (left for causal
+        models, right for encoders) and on the model's device."""
+        if self.tokenizer is None:
+            raise ValueError("This model has no tokenizer; pass token ids (b, p) instead of text.")
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or any(not isinstance(t, str) for t in texts):
+            raise ValueError(f"to_tokens takes a non-empty string or list of strings; got {text!r}.")
+        tok = self.tokenizer
+        tok.padding_side = "left" if self.cfg.causal else "right"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        enc = tok(texts, return_tensors="pt", padding=True, truncation=max_length is not None, max_length=max_length)
+        return {"input_ids": enc["input_ids"].to(self.device), "attention_mask": enc["attention_mask"].to(self.device)}
+
+    def to_str_tokens(self, tokens) -> list[str] | list[list[str]]:
+        """Token strings of text, of ids ``(p,)`` or of a batch ``(b, p)`` (a list per sequence)."""
+        if isinstance(tokens, Mapping):
+            tokens = tokens["input_ids"]
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)["input_ids"][0]
+        ids = torch.as_tensor(tokens)
+        if ids.ndim == 2:
+            return [self.to_str_tokens(row) for row in ids]
+        if self.tokenizer is None:
+            return [str(int(i)) for i in ids]
+        return self.tokenizer.convert_ids_to_tokens(ids.tolist())
+
+    def _inputs(self, inputs, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
+            inputs = self.to_tokens(inputs)
+        if isinstance(inputs, Mapping):
+            attention_mask = inputs.get("attention_mask", attention_mask)
+            inputs = inputs["input_ids"]
+        ids = torch.as_tensor(inputs)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.is_floating_point():
+            raise ValueError(f"input_ids must be integer token ids of shape (batch, pos); got {ids.dtype} {tuple(ids.shape)}.")
+        if ids.numel() == 0:
+            raise ValueError(f"Empty input: input_ids has shape {tuple(ids.shape)}; give at least one token.")
+        if ids.shape[1] > self.cfg.max_positions:
+            raise ValueError(
+                f"Input has {ids.shape[1]} positions but this model takes at most {self.cfg.max_positions} "
+                "(max_position_embeddings); truncate or split it."
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"Token ids must lie in [0, {self.cfg.vocab_size}); got ids from {lo} to {hi}.")
+        ids = ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = torch.as_tensor(attention_mask).to(self.device)
+            if attention_mask.ndim == 1:
+                attention_mask = attention_mask[None]
+            if attention_mask.shape != ids.shape:
+                raise ValueError(f"attention_mask must match input_ids {tuple(ids.shape)}; got {tuple(attention_mask.shape)}.")
+            if bool((attention_mask.sum(-1) == 0).any()):
+                raise ValueError("attention_mask has a row with no real token; every sequence needs at least one.")
+        return ids, attention_mask
+
+    # -- running ---------------------------------------------------------------------------------------
+    def __call__(self, inputs, attention_mask=None, **kwargs):
+        ids, mask = self._inputs(inputs, attention_mask)
+        if self.cfg.causal:
+            kwargs.setdefault("use_cache", False)  # analysis needs no KV cache, and hooks must not edit one
+        return self.hf(input_ids=ids, attention_mask=mask, **kwargs)
+
+    forward = __call__
+
+    def run_with_hooks(self, inputs, attention_mask=None, fwd_hooks: Iterable = (), **kwargs):
+        with self.hooks(fwd_hooks):
+            return self(inputs, attention_mask, **kwargs)
+
+    def default_cache_names(self) -> list[str]:
+        """What ``run_with_cache`` captures by default: all but opt-in points and, on flash, eager-only ones."""
+        return [n for n in self.hook_names()
+                if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
+
+    def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
+                       **kwargs) -> tuple[object, ActivationCache]:
+        """Run once and capture activations (references, not copies) into an ActivationCache."""
+        ids, mask = self._inputs(inputs, attention_mask)
+        selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
+        store: dict[str, torch.Tensor] = {}
+
+        def save(tensor, hook):
+            store[hook.name] = tensor.detach() if detach else tensor
+
+        with self.hooks([(selected, save)]):
+            output = self(ids, mask, **kwargs)
+        order = {n: i for i, n in enumerate(self.hook_names())}
+        store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
+        meta = AttentionMeta(self._scaling, self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
+                             None if mask is None or bool(mask.all()) else mask)
+        return output, ActivationCache(store, meta)
+
+    # -- description -----------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        return {
+            "class": type(self.hf).__name__,
+            **asdict(self.cfg),
+            "attn": self.attn,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "n_params": sum(p.numel() for p in self.hf.parameters()),
+            "tokenizer": type(self.tokenizer).__name__ if self.tokenizer is not None else None,
+        }
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return (f"HookedModel({type(self.hf).__name__}: {c.n_layers} layers x {c.n_heads} heads "
+                f"({c.n_kv_heads} kv), d_model {c.d_model}, attn={self.attn!r})")
+
+
+def spec_name(layer: int, kind: str) -> str:
+    """Concrete name of a per-layer module-level point, e.g. (3, "resid_pre") -> blocks.3.hook_resid_pre."""
+    return f"blocks.{layer}.attn.hook_{kind}" if kind == "result" else f"blocks.{layer}.hook_{kind}"
