@@ -61,12 +61,12 @@ def resolve_source(source: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise NotADirectoryError(f"{path} is a file; expected a model folder saved by save_pretrained (with config.json).")
-    looks_like_path = text.startswith((".", "/", "~")) or os.sep in text and text.count("/") != 1
-    if not looks_like_path and text.count("/") == 1:
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    if not looks_like_path:
         raise FileNotFoundError(
-            f"{text!r} looks like a hub id, but interp loads models from local folders only (no network). Download "
-            "it elsewhere with save_pretrained, copy the folder here, and pass its path; or use a bundled model: "
-            f"{', '.join(BUNDLED)}."
+            f"No model folder {text!r} here. If it is a hub id: interp loads models from local folders only (no "
+            "network); save the model elsewhere with save_pretrained, copy the folder here and pass its path. "
+            f"Bundled models: {', '.join(BUNDLED)}."
         )
     raise FileNotFoundError(
         f"No model folder at {str(path)!r}. Pass a folder saved by save_pretrained, a transformers model instance, "
