@@ -199,8 +199,11 @@ class HookedModel:
                 w = rearrange(o_proj.weight, "(h d) m -> h d m", h=h)
             else:
                 w = rearrange(o_proj.weight, "m (h d) -> h d m", h=h)
-            result = point(torch.einsum("bphd,hdm->bphm", z, w))
-            summed = result.sum(dim=2)
+            result = torch.einsum("bphd,hdm->bphm", z, w)
+            edited = point(result)
+            if edited is result:  # observed only: keep the projection's own output, bit for bit
+                return out
+            summed = edited.sum(dim=2)
             return summed if o_proj.bias is None else summed + o_proj.bias
 
         return hook
