@@ -40,7 +40,7 @@ class HookPoint:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         for fn in tuple(self.fns):
             out = fn(x, self)
-            if out is None:
+            if out is None or out is x:
                 continue
             if self.read_only is not None:
                 raise ValueError(f"{self.name} is observe-only: {self.read_only}")
