@@ -20,6 +20,8 @@ class AttentionMeta:
 
     scaling: per layer, the module's own score scale.
     attention_mask: (b, k) with 1 for real tokens, or None for no padding.
+    heads_per_layer, kv_heads_per_layer: per-layer head counts when layers differ (pruned models);
+    None means ``n_heads``/``n_kv_heads`` in every layer.
     """
 
     scaling: list[float]
@@ -28,6 +30,14 @@ class AttentionMeta:
     n_kv_heads: int
     attention_mask: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
+    heads_per_layer: tuple[int, ...] | None = None
+    kv_heads_per_layer: tuple[int, ...] | None = None
+
+    def heads(self, layer: int) -> tuple[int, int]:
+        """(query heads, key/value heads) of ``layer``."""
+        if self.heads_per_layer is None:
+            return self.n_heads, self.n_kv_heads
+        return self.heads_per_layer[layer], self.kv_heads_per_layer[layer]
 
 
 class ActivationCache:
@@ -157,11 +167,12 @@ class ActivationCache:
         meta = self.meta
         q = self._store[f"blocks.{layer}.attn.hook_q"]  # (b, p, h, d)
         k = self._store[f"blocks.{layer}.attn.hook_k"]  # (b, p, g, d)
-        heads = list(range(meta.n_heads)) if heads is None else list(heads)
-        bad = [h for h in heads if not 0 <= h < meta.n_heads]
+        n_heads, n_kv_heads = meta.heads(layer)
+        heads = list(range(n_heads)) if heads is None else list(heads)
+        bad = [h for h in heads if not 0 <= h < n_heads]
         if bad:
-            raise IndexError(f"Heads run 0..{meta.n_heads - 1}; got {bad}.")
-        group = meta.n_heads // meta.n_kv_heads
+            raise IndexError(f"Heads of layer {layer} run 0..{n_heads - 1}; got {bad}.")
+        group = n_heads // n_kv_heads
         q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
         k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
         scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[layer]

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from .attention import ATTN_KEYS
 from .families import check_supported
 from .model import HookedModel
+from .pruning import CONFIG_KEY, from_pretrained_pruned
 
 __all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device"]
 
@@ -117,8 +118,13 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     family = check_supported(config)  # refuse before loading any weight
     auto_class = getattr(transformers, family.auto_class)
-    hf = auto_class.from_pretrained(folder, config=config, local_files_only=True, attn_implementation=ATTN_KEYS[attn],
-                                    dtype=torch_dtype if torch_dtype is not None else "auto")
+    if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
+        hf = from_pretrained_pruned(auto_class, folder, config, family, ATTN_KEYS[attn],
+                                    torch_dtype if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
+    else:
+        hf = auto_class.from_pretrained(folder, config=config, local_files_only=True,
+                                        attn_implementation=ATTN_KEYS[attn],
+                                        dtype=torch_dtype if torch_dtype is not None else "auto")
     hf = hf.to(resolve_device(device)).eval()
     tokenizer = None
     if any((folder / f).exists() for f in _TOKENIZER_FILES):

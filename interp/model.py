@@ -14,6 +14,7 @@ from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookReg
 
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks
 from .families import Family, check_supported
+from .pruning import check_head_counts, head_counts
 
 __all__ = ["HookedModel", "ModelConfig"]
 
@@ -23,6 +24,10 @@ _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Shape of a hooked model. ``n_heads``/``n_kv_heads`` are the HF config's values; a pruned model
+    (``analyses.prune_model``) has fewer heads in some layers: ``heads_per_layer``/``kv_heads_per_layer``
+    hold every layer's own counts (empty tuples mean ``n_heads``/``n_kv_heads`` in every layer)."""
+
     n_layers: int
     n_heads: int
     n_kv_heads: int
@@ -32,11 +37,27 @@ class ModelConfig:
     max_positions: int
     vocab_size: int
     family: str
+    heads_per_layer: tuple[int, ...] = ()
+    kv_heads_per_layer: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.heads_per_layer:
+            object.__setattr__(self, "heads_per_layer", (self.n_heads,) * self.n_layers)
+        if not self.kv_heads_per_layer:
+            object.__setattr__(self, "kv_heads_per_layer", (self.n_kv_heads,) * self.n_layers)
+        if len(self.heads_per_layer) != self.n_layers or len(self.kv_heads_per_layer) != self.n_layers:
+            raise ValueError(f"heads_per_layer and kv_heads_per_layer need {self.n_layers} entries; got "
+                             f"{self.heads_per_layer} and {self.kv_heads_per_layer}.")
+
+    @property
+    def pruned(self) -> bool:
+        return any(h != self.n_heads for h in self.heads_per_layer)
 
 
 def _config_of(hf, family: Family) -> ModelConfig:
     c = hf.config
     n_heads = c.num_attention_heads
+    heads_per_layer, kv_heads_per_layer = head_counts(c)
     return ModelConfig(
         n_layers=c.num_hidden_layers,
         n_heads=n_heads,
@@ -47,6 +68,8 @@ def _config_of(hf, family: Family) -> ModelConfig:
         max_positions=c.max_position_embeddings,
         vocab_size=c.vocab_size,
         family=family.name,
+        heads_per_layer=heads_per_layer,
+        kv_heads_per_layer=kv_heads_per_layer,
     )
 
 
@@ -72,6 +95,7 @@ class HookedModel:
         self._blocks = hf.base_model.get_submodule(self.family.layers)
         if len(self._blocks) != self.cfg.n_layers:
             raise ValueError(f"Expected {self.cfg.n_layers} blocks at {self.family.layers}; found {len(self._blocks)}.")
+        check_head_counts(hf, self.family, self.cfg.heads_per_layer, self.cfg.d_head)
         self._attn_modules = [block.get_submodule(self.family.attn) for block in self._blocks]
         self._scaling = [float(getattr(m, "scaling", self.cfg.d_head**-0.5)) for m in self._attn_modules]
 
@@ -191,7 +215,7 @@ class HookedModel:
 
     def _result_hook(self, point: HookPoint):
         """Replace the output projection by a per-head sum, so that an edit to hook_result reaches the model."""
-        h, d = self.cfg.n_heads, self.cfg.d_head
+        h, d = self.cfg.heads_per_layer[point.layer], self.cfg.d_head
 
         def hook(o_proj, args, out):
             z = rearrange(args[0], "b p (h d) -> b p h d", h=h, d=d)
@@ -310,7 +334,8 @@ class HookedModel:
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
         meta = AttentionMeta(self._scaling, self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
-                             None if mask is None or bool(mask.all()) else mask)
+                             None if mask is None or bool(mask.all()) else mask,
+                             heads_per_layer=self.cfg.heads_per_layer, kv_heads_per_layer=self.cfg.kv_heads_per_layer)
         return output, ActivationCache(store, meta)
 
     # -- description -----------------------------------------------------------------------------------
@@ -327,8 +352,11 @@ class HookedModel:
 
     def __repr__(self) -> str:
         c = self.cfg
-        return (f"HookedModel({type(self.hf).__name__}: {c.n_layers} layers x {c.n_heads} heads "
-                f"({c.n_kv_heads} kv), d_model {c.d_model}, attn={self.attn!r})")
+        heads = f"{c.n_heads} heads ({c.n_kv_heads} kv)"
+        if c.pruned:
+            heads = f"pruned heads {list(c.heads_per_layer)} ({list(c.kv_heads_per_layer)} kv)"
+        return (f"HookedModel({type(self.hf).__name__}: {c.n_layers} layers x {heads}, d_model {c.d_model}, "
+                f"attn={self.attn!r})")
 
 
 def spec_name(layer: int, kind: str) -> str:

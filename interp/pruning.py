@@ -1,0 +1,310 @@
+"""Structural head pruning: slice attention heads out of a HF model's q/k/v/o weights.
+
+``analyses.prune_model`` decides which heads go; this module does the slicing and the bookkeeping that
+loading needs, so that ``interp`` never imports ``analyses``. A pruned model records the heads it keeps,
+in the original numbering, in its config::
+
+    config.interp_pruned_heads = {layer: [kept heads]}   # layers not listed keep all their heads
+
+From that record and the original ``num_attention_heads``/``num_key_value_heads`` the layout of every
+layer follows (``plan_layer``), so a saved folder is rebuilt by slicing a freshly built model the same
+way and then loading its weights (``from_pretrained_pruned``).
+
+Rules, and why:
+
+- **Grouped-query attention.** The attention function repeats each key/value head ``n_rep = q_heads //
+  kv_heads`` times, so every remaining key/value head must serve the same number of consecutive query
+  heads. A KV head goes only when all its query heads go. When the surviving groups keep different
+  numbers of query heads (sizes ``s_g``), each KV head serves ``r = gcd(s_g)`` query heads and the KV head
+  of a group that keeps ``s_g`` heads is duplicated ``s_g / r`` times. The result is exact; it is smallest
+  when every group keeps the same number of heads (then nothing is duplicated), and ``kv_heads`` can grow
+  when groups are pruned unevenly.
+- **A layer with no heads left.** transformers' attention modules reshape with ``-1`` heads and cannot run
+  with none, so such a layer keeps one placeholder head whose q/k/v/o weights and biases are zero: its
+  output is exactly the output projection's bias, as zero-ablating every head gives.
+"""
+
+from __future__ import annotations
+
+import math
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.pytorch_utils import Conv1D
+
+from .families import Family
+
+__all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "head_counts", "slice_heads",
+           "check_head_counts", "from_pretrained_pruned"]
+
+CONFIG_KEY = "interp_pruned_heads"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a family keeps its head projections, relative to the attention module (``o`` to the block).
+
+    fused: q, k and v are one module with outputs [q | k | v] (GPT-2's c_attn).
+    counts: the attention module attributes that hold head counts, set by ``_set_counts``.
+    """
+
+    q: str
+    k: str
+    v: str
+    fused: bool
+
+
+# What differs per family for slicing; the family table (families.py) says where attention and o_proj live.
+_LAYOUTS = {
+    "gpt2": _Layout(q="c_attn", k="c_attn", v="c_attn", fused=True),
+    "llama": _Layout(q="q_proj", k="k_proj", v="v_proj", fused=False),
+    "bert": _Layout(q="query", k="key", v="value", fused=False),
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The layout of one pruned layer, in original head numbers.
+
+    q: the original query head behind each remaining query head, in order.
+    kv: the original key/value head behind each remaining key/value head (may repeat, see the module doc).
+    placeholder: the layer lost every head and keeps one zeroed head (``q == kv == (0,)``).
+    """
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+    placeholder: bool = False
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head after pruning (the attention function's ``n_rep``)."""
+        return len(self.q) // len(self.kv)
+
+
+def plan_layer(n_heads: int, n_kv_heads: int, kept: Sequence[int]) -> LayerPlan:
+    """The layer layout that keeps the query heads ``kept`` of ``n_heads`` (``n_kv_heads`` KV heads).
+
+    >>> plan_layer(8, 2, [0, 1, 2, 3, 4, 5])   # groups keep 4 and 2 heads: each KV head serves 2
+    LayerPlan(q=(0, 1, 2, 3, 4, 5), kv=(0, 0, 1), placeholder=False)
+    >>> plan_layer(8, 2, [4, 6])
+    LayerPlan(q=(4, 6), kv=(1,), placeholder=False)
+    """
+    kept = sorted(set(int(h) for h in kept))
+    if any(not 0 <= h < n_heads for h in kept):
+        raise ValueError(f"Kept heads must lie in 0..{n_heads - 1}; got {kept}.")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{n_heads} query heads cannot be grouped over {n_kv_heads} key/value heads.")
+    if not kept:
+        return LayerPlan(q=(0,), kv=(0,), placeholder=True)
+    group = n_heads // n_kv_heads
+    sizes = {}
+    for h in kept:  # kept is sorted, so the groups come out in order
+        sizes[h // group] = sizes.get(h // group, 0) + 1
+    r = math.gcd(*sizes.values())
+    kv = tuple(g for g, s in sizes.items() for _ in range(s // r))
+    return LayerPlan(q=tuple(kept), kv=kv)
+
+
+def _original_counts(config) -> tuple[int, int, int]:
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    return config.num_hidden_layers, n_heads, n_kv
+
+
+def kept_heads(config) -> dict[int, list[int]]:
+    """Every layer's kept heads, in original numbering (all heads for a model that was never pruned)."""
+    n_layers, n_heads, _ = _original_counts(config)
+    record = getattr(config, CONFIG_KEY, None) or {}
+    if not isinstance(record, Mapping):
+        raise ValueError(f"config.{CONFIG_KEY} must map layer -> kept heads; got {type(record).__name__}.")
+    kept = {layer: list(range(n_heads)) for layer in range(n_layers)}
+    for layer, heads in record.items():  # JSON turns the int keys into strings
+        layer = int(layer)
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"config.{CONFIG_KEY} names layer {layer}; layers run 0..{n_layers - 1}.")
+        kept[layer] = sorted(int(h) for h in heads)
+    return kept
+
+
+def _plans(config) -> list[LayerPlan]:
+    _, n_heads, n_kv = _original_counts(config)
+    return [plan_layer(n_heads, n_kv, heads) for heads in kept_heads(config).values()]
+
+
+def head_counts(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query heads, key/value heads) of every layer as the weights hold them (placeholders count as 1)."""
+    plans = _plans(config)
+    return tuple(len(p.q) for p in plans), tuple(len(p.kv) for p in plans)
+
+
+# -- slicing ---------------------------------------------------------------------------------------------
+def _head_rows(heads: Sequence[int], d_head: int, offset: int = 0) -> torch.Tensor:
+    """Feature indices of ``heads`` in a (h d) axis: head h owns features h*d .. h*d + d - 1."""
+    idx = torch.tensor(heads, dtype=torch.long)[:, None] * d_head + torch.arange(d_head)
+    return idx.flatten() + offset
+
+
+def _weight_axes(module: torch.nn.Module) -> tuple[int, int]:
+    """(output axis, input axis) of a projection's weight: Linear is (out, in), GPT-2's Conv1D (in, out)."""
+    if isinstance(module, Conv1D):
+        return 1, 0
+    if isinstance(module, torch.nn.Linear):
+        return 0, 1
+    raise TypeError(f"Cannot slice heads out of a {type(module).__name__}; expected nn.Linear or Conv1D.")
+
+
+def _select(module: torch.nn.Module, index: torch.Tensor, side: str, zero: torch.Tensor | None = None) -> None:
+    """Keep only features ``index`` on the ``side`` ("out" or "in") of a projection, in place.
+
+    zero: positions (in the new numbering) whose weights, and output bias, are set to 0.
+    """
+    out_axis, in_axis = _weight_axes(module)
+    axis = out_axis if side == "out" else in_axis
+    index = index.to(module.weight.device)
+    weight = module.weight.detach().index_select(axis, index).clone()
+    if zero is not None:
+        weight.index_fill_(axis, zero.to(weight.device), 0)
+    module.weight = torch.nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+    if side == "out" and module.bias is not None:
+        bias = module.bias.detach().index_select(0, index).clone()
+        if zero is not None:
+            bias.index_fill_(0, zero.to(bias.device), 0)
+        module.bias = torch.nn.Parameter(bias, requires_grad=module.bias.requires_grad)
+    n = len(index)
+    if isinstance(module, Conv1D):
+        if side == "out":
+            module.nf = n
+        else:
+            module.nx = n
+    elif side == "out":
+        module.out_features = n
+    else:
+        module.in_features = n
+
+
+def _slice_layer(attn: torch.nn.Module, o_proj: torch.nn.Module, layout: _Layout, local: LayerPlan,
+                 n_q: int, n_kv: int, d_head: int) -> None:
+    """Slice one layer to ``local`` (head numbers of the module as it is now: n_q query, n_kv KV heads)."""
+    q_idx, kv_idx = _head_rows(local.q, d_head), _head_rows(local.kv, d_head)
+    q_zero = torch.arange(len(q_idx)) if local.placeholder else None
+    kv_zero = torch.arange(len(kv_idx)) if local.placeholder else None
+    if layout.fused:  # [q | k | v] along the output features
+        qkv = attn.get_submodule(layout.q)
+        index = torch.cat([q_idx, _head_rows(local.kv, d_head, n_q * d_head),
+                           _head_rows(local.kv, d_head, (n_q + n_kv) * d_head)])
+        _select(qkv, index, "out", torch.arange(len(index)) if local.placeholder else None)
+    else:
+        _select(attn.get_submodule(layout.q), q_idx, "out", q_zero)
+        _select(attn.get_submodule(layout.k), kv_idx, "out", kv_zero)
+        _select(attn.get_submodule(layout.v), kv_idx, "out", kv_zero)
+    _select(o_proj, q_idx, "in", q_zero)
+    _set_counts(attn, len(local.q), len(local.kv), d_head)
+
+
+def _set_counts(attn: torch.nn.Module, n_q: int, n_kv: int, d_head: int) -> None:
+    """Update the head-count attributes HF attention modules read in forward (they reshape with -1)."""
+    for name, value in (("num_heads", n_q), ("num_attention_heads", n_q), ("all_head_size", n_q * d_head),
+                        ("split_size", n_q * d_head), ("num_key_value_groups", n_q // n_kv),
+                        ("num_key_value_heads", n_kv)):
+        if hasattr(attn, name):
+            setattr(attn, name, value)
+
+
+def _layout_of(family: Family) -> _Layout:
+    try:
+        return _LAYOUTS[family.name]
+    except KeyError:
+        raise NotImplementedError(f"Head pruning is not implemented for the {family.name} family.") from None
+
+
+def slice_heads(hf: torch.nn.Module, family: Family, keep: Mapping[int, Sequence[int]]) -> None:
+    """Slice ``hf`` in place so that layer ``l`` keeps the query heads ``keep[l]`` (original numbering).
+
+    ``hf`` may already be pruned (its config records what it kept); every layer of ``keep`` must be a
+    subset of what the layer keeps now. Records the result in ``hf.config.interp_pruned_heads``.
+    """
+    layout = _layout_of(family)
+    config = hf.config
+    n_layers, n_heads, n_kv = _original_counts(config)
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    before = kept_heads(config)
+    blocks = hf.base_model.get_submodule(family.layers)
+    record = {layer: heads for layer, heads in before.items() if len(heads) < n_heads}
+    for layer, heads in keep.items():
+        layer, heads = int(layer), sorted(set(int(h) for h in heads))
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"Layer {layer} is out of range; layers run 0..{n_layers - 1}.")
+        missing = sorted(set(heads) - set(before[layer]))
+        if missing:
+            raise ValueError(f"Layer {layer} no longer has heads {missing} (it keeps {before[layer]}).")
+        if heads == before[layer]:
+            continue
+        old, new = plan_layer(n_heads, n_kv, before[layer]), plan_layer(n_heads, n_kv, heads)
+        # Map the new layout to head numbers of the module as it is now.
+        q_local = [0] if new.placeholder else [old.q.index(h) for h in new.q]
+        kv_local = [0] if new.placeholder else [old.kv.index(g) for g in new.kv]
+        local = LayerPlan(q=tuple(q_local), kv=tuple(kv_local), placeholder=new.placeholder)
+        block = blocks[layer]
+        _slice_layer(block.get_submodule(family.attn), block.get_submodule(family.o_proj), layout, local,
+                     len(old.q), len(old.kv), d_head)
+        record[layer] = heads
+    setattr(config, CONFIG_KEY, {layer: record[layer] for layer in sorted(record)})
+
+
+def check_head_counts(hf: torch.nn.Module, family: Family, heads_per_layer: Sequence[int], d_head: int) -> None:
+    """Raise if a layer's output projection does not take ``heads * d_head`` features (config and weights
+    disagree, e.g. a pruned folder loaded without its ``interp_pruned_heads`` record)."""
+    blocks = hf.base_model.get_submodule(family.layers)
+    for layer, (block, n) in enumerate(zip(blocks, heads_per_layer)):
+        o_proj = block.get_submodule(family.o_proj)
+        got = o_proj.weight.shape[_weight_axes(o_proj)[1]]
+        if got != n * d_head:
+            raise ValueError(
+                f"Layer {layer}: the config says {n} heads of size {d_head} ({n * d_head} features) but the "
+                f"output projection takes {got}. A pruned model must keep config.{CONFIG_KEY}; load pruned "
+                "folders with interp.load_model."
+            )
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        return load_file(single)
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(load_file(folder / name))
+        return state
+    raise FileNotFoundError(
+        f"{folder} records pruned heads but holds no model.safetensors; save pruned models with "
+        "save_pretrained (safetensors, the default)."
+    )
+
+
+def from_pretrained_pruned(auto_class, folder: Path, config, family: Family, attn_key: str,
+                           dtype: torch.dtype | None) -> torch.nn.Module:
+    """Build the model ``config`` describes, slice it as its ``interp_pruned_heads`` says, load the weights."""
+    keep = kept_heads(config)
+    record = dict(getattr(config, CONFIG_KEY))
+    setattr(config, CONFIG_KEY, {})  # build the unpruned shape first, then slice to the record
+    kwargs = {"attn_implementation": attn_key}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    hf = auto_class.from_config(config, **kwargs)
+    slice_heads(hf, family, {int(layer): keep[int(layer)] for layer in record})
+    state = _read_state_dict(folder)
+    result = hf.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"{folder}: weights that the pruned model has no place for: {result.unexpected_keys[:5]}")
+    loaded = {t.data_ptr() for name, t in hf.state_dict().items() if name in state}
+    untied = [k for k in result.missing_keys if hf.state_dict()[k].data_ptr() not in loaded]
+    if untied:
+        raise ValueError(f"{folder}: weights missing from the checkpoint: {untied[:5]}")
+    return hf
