@@ -201,7 +201,11 @@ def _fused_cuda(query, key, value, mask, scale, causal):
     bias = None
     if mask is not None:
         b, h, q, _ = query.shape
-        bias = mask.to(query.dtype).expand(b, h, q, key.shape[2])
+        # A fully masked (padding) query row would give NaN in the memory-efficient kernel, and NaN * 0
+        # would then leak into real rows through the padded keys: let such rows attend everywhere
+        # instead (as HF's _unmask_unattended did). Their output is never a real token's.
+        bias = mask.masked_fill(torch.isinf(mask).all(-1, keepdim=True), 0.0)
+        bias = bias.to(query.dtype).expand(b, h, q, key.shape[2])
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), bias, True, 0.0, causal, scale=scale
     )
