@@ -1,3 +1,12 @@
 """Analyses of attention heads built on ``interp`` and ``hooks``."""
 
 __all__: list[str] = []
+
+# Ablation and pruning (issue 4)
+from .ablation import ablate_heads, ablation_scan  # noqa: E402
+from .metrics import (embedding_similarity, first_copy_loss, lm_loss, logit_difference,  # noqa: E402
+                      second_copy_loss)
+from .pruning import curve_summary, head_importance, prune_model, pruning_curve  # noqa: E402
+
+__all__ += ["ablate_heads", "ablation_scan", "curve_summary", "embedding_similarity", "first_copy_loss",
+            "head_importance", "lm_loss", "logit_difference", "prune_model", "pruning_curve", "second_copy_loss"]

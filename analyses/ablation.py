@@ -1,0 +1,227 @@
+"""Head ablation: replace heads' outputs (their slice of ``hook_z``) and measure what changes.
+
+- **zero**: the head's output is 0 (what structural pruning gives).
+- **mean**: its mean over the real tokens of a reference batch (Wang et al. 2022, IOI).
+- **resample**: its value on other inputs, position by position (Chan et al. 2022, causal scrubbing).
+
+The edit happens inside the forward pass through ``hook_z`` (before the output projection), so it works
+on both attention paths and for grouped-query attention. Nothing on the model changes: hooks live only
+for the duration of a ``with`` block or a study, and are removed also when it raises.
+
+``ablation_scan`` ablates every head alone in few forward passes: the batch is replicated, and copy ``i``
+ablates head ``i``, as many copies per forward as a memory budget allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+
+import pandas as pd
+import torch
+
+from .metrics import Batch, as_metric, batch_of
+
+__all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
+
+Head = tuple[int, int]
+METHODS = ("zero", "mean", "resample")
+
+
+def all_heads(model) -> list[Head]:
+    """Every ``(layer, head)`` of the model, layer by layer (a pruned model's own head numbers)."""
+    return [(l, h) for l, n in enumerate(model.cfg.heads_per_layer) for h in range(n)]
+
+
+def check_heads(model, heads, allow_empty: bool = False) -> list[Head]:
+    """``heads`` as a sorted list of ``(layer, head)`` pairs; clear errors for anything out of range."""
+    if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
+        heads = [heads]
+    try:
+        pairs = [(int(l), int(h)) for l, h in heads]
+    except (TypeError, ValueError):
+        raise TypeError(f"heads must be (layer, head) pairs, e.g. [(0, 1), (1, 3)]; got {heads!r}.") from None
+    if not pairs and not allow_empty:
+        raise ValueError("The head list is empty; give at least one (layer, head) pair.")
+    counts = model.cfg.heads_per_layer
+    for l, h in pairs:
+        if not 0 <= l < len(counts):
+            raise ValueError(f"Layer {l} is out of range in {(l, h)}: layers run 0..{len(counts) - 1}.")
+        if not 0 <= h < counts[l]:
+            raise ValueError(f"Head {h} is out of range in {(l, h)}: layer {l} has heads 0..{counts[l] - 1}.")
+    return sorted(set(pairs))
+
+
+def _check_method(method: str, reference) -> None:
+    if method not in METHODS:
+        raise ValueError(f"Unknown ablation method {method!r}; use one of {', '.join(METHODS)}.")
+    if method != "zero" and reference is None:
+        raise ValueError(f"{method} ablation needs reference inputs (reference=...): the batch whose head outputs "
+                         f"{'are averaged' if method == 'mean' else 'replace the originals'}.")
+
+
+def _z_names(model) -> list[str]:
+    return [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers)]
+
+
+class _Replacement:
+    """What an ablated head's z becomes, per layer: 0, a mean ``(h, d)``, or z on other inputs ``(b, p, h, d)``."""
+
+    def __init__(self, model, method: str, reference=None):
+        _check_method(method, reference)
+        self.method, self.values = method, {}
+        if method == "zero":
+            return
+        batch = batch_of(model, reference)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=_z_names(model))
+        for layer in range(model.cfg.n_layers):
+            z = cache["z", layer]  # (b, p, h, d)
+            if method == "mean":
+                weights = torch.ones(z.shape[:2], dtype=z.dtype, device=z.device)
+                if batch["attention_mask"] is not None:
+                    weights = batch["attention_mask"].to(z.dtype)
+                z = (z * weights[:, :, None, None]).sum((0, 1)) / weights.sum()  # (h, d)
+            self.values[layer] = z
+
+    def value(self, layer: int, z: torch.Tensor, copies: int = 1) -> torch.Tensor:
+        """A tensor broadcastable to ``z: (copies * b, p, h, d)``."""
+        if self.method == "zero":
+            return torch.zeros((), dtype=z.dtype, device=z.device)
+        value = self.values[layer].to(z.dtype)
+        if self.method == "mean":
+            return value
+        if value.shape[0] * copies != z.shape[0] or value.shape[1:] != z.shape[1:]:
+            raise ValueError(
+                f"resample ablation replaces z position by position, so the reference inputs must have the shape "
+                f"of the inputs: reference z is {tuple(value.shape)}, the model ran on "
+                f"{(z.shape[0] // copies, *z.shape[1:])} (batch, pos, heads, d_head)."
+            )
+        return value.repeat(copies, 1, 1, 1) if copies > 1 else value
+
+
+def _ablation_hooks(model, masks: dict[int, torch.Tensor], replacement: _Replacement, copies: int = 1):
+    """Hooks on hook_z that swap in the replacement where ``masks[layer]: (rows, h)`` is True.
+
+    rows is 1 (the same heads in every sequence) or the batch size (a different head per copy)."""
+
+    def hook(z, point):
+        mask = masks[point.layer].to(z.device)  # (rows, h)
+        if mask.shape[0] > 1:
+            mask = mask.repeat_interleave(z.shape[0] // mask.shape[0], dim=0)
+        return torch.where(mask[:, None, :, None], replacement.value(point.layer, z, copies), z)
+
+    return [(f"blocks.{layer}.attn.hook_z", hook) for layer in sorted(masks)]
+
+
+def _head_masks(model, groups: Sequence[Iterable[Head]]) -> dict[int, torch.Tensor]:
+    """One boolean ``(len(groups), h)`` mask per layer that any group touches: row i marks group i's heads."""
+    masks: dict[int, torch.Tensor] = {}
+    for row, heads in enumerate(groups):
+        for l, h in heads:
+            if l not in masks:
+                masks[l] = torch.zeros(len(groups), model.cfg.heads_per_layer[l], dtype=torch.bool)
+            masks[l][row, h] = True
+    return masks
+
+
+@contextmanager
+def ablate_heads(model, heads, method: str = "zero", reference=None):
+    """Ablate ``heads`` (``(layer, head)`` pairs) inside a ``with`` block.
+
+    method: ``"zero"``, ``"mean"`` (mean over ``reference``'s real tokens) or ``"resample"`` (z on
+    ``reference``, which must have the shape of the inputs the model then runs on). On exit, also after an
+    exception, the model is exactly as before.
+
+    >>> with ablate_heads(model, [(1, 0), (1, 3)]):  # doctest: +SKIP
+    ...     loss = model(tokens, labels=tokens).loss
+    """
+    heads = check_heads(model, heads)
+    replacement = _Replacement(model, method, reference)
+    with model.hooks(_ablation_hooks(model, _head_masks(model, [heads]), replacement)):
+        yield model
+
+
+def _slice_output(output, start: int, stop: int, total: int):
+    """Rows ``start:stop`` of every batch-sized tensor in a model output (tuples of tensors included)."""
+
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == total:
+            return value[start:stop]
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+
+    if isinstance(output, torch.Tensor):
+        return cut(output)
+    return type(output)(**{k: cut(v) for k, v in output.items()})
+
+
+def _run(model, batch: Batch, copies: int = 1):
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if copies > 1:
+        ids = ids.repeat(copies, 1)
+        mask = None if mask is None else mask.repeat(copies, 1)
+    return model(ids, mask)
+
+
+def _copies_per_forward(model, batch: Batch, memory_budget: float) -> int:
+    """How many copies of the batch fit in ``memory_budget`` bytes of activations (an estimate).
+
+    Per token: the output row (vocab logits or d_model), about 12 x d_model of layer activations alive at once
+    (residual, q/k/v, z, MLP), and on the eager path one row of the n x n pattern per head.
+    """
+    b, p = batch["input_ids"].shape
+    cfg = model.cfg
+    has_head = getattr(model.hf, "get_output_embeddings", lambda: None)() is not None
+    per_token = (cfg.vocab_size if has_head else cfg.d_model) + 12 * cfg.d_model
+    if model.attn == "eager":
+        per_token += 2 * max(cfg.heads_per_layer) * p
+    per_copy = b * p * per_token * torch.finfo(model.dtype).bits // 8
+    return max(1, int(memory_budget // per_copy))
+
+
+def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, reference=None,
+                  memory_budget: float = 2**30, heads_per_forward: int | None = None, ablated=()) -> pd.DataFrame:
+    """The effect of ablating each head alone: one row per head with ``layer``, ``head``, ``metric``,
+    ``delta`` (metric - baseline) and ``baseline`` (the metric with no head ablated).
+
+    inputs: text, token ids ``(b, p)`` or a mapping with ``input_ids``/``attention_mask``.
+    metric: ``metric(output, inputs) -> float`` (see ``analyses.metrics``), called once per head on that
+    head's copy of the batch, exactly as a run with only that head ablated.
+    heads: the heads to scan (default all). ablated: heads zero-ablated in every run, baseline included
+    (e.g. heads pruned so far). memory_budget: bytes of activations one forward may use (an estimate,
+    see ``_copies_per_forward``); ``heads_per_forward`` overrides it (1 = one head per forward).
+    """
+    metric = as_metric(metric)
+    batch = batch_of(model, inputs)
+    heads = all_heads(model) if heads is None else check_heads(model, heads)
+    ablated = check_heads(model, ablated, allow_empty=True)
+    replacement = _Replacement(model, method, reference)
+    zero = _Replacement(model, "zero")
+    if heads_per_forward is None:
+        heads_per_forward = _copies_per_forward(model, batch, memory_budget)
+    if heads_per_forward < 1:
+        raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
+
+    with torch.no_grad():
+        base_hooks = _ablation_hooks(model, _head_masks(model, [ablated]), zero) if ablated else []
+        with model.hooks(base_hooks):
+            baseline = metric(_run(model, batch), batch)
+        rows = []
+        for start in range(0, len(heads), heads_per_forward):
+            group = heads[start:start + heads_per_forward]
+            copies = len(group)
+            hooks = _ablation_hooks(model, _head_masks(model, [[head] for head in group]), replacement, copies)
+            if ablated:
+                base = _head_masks(model, [ablated])
+                hooks = _ablation_hooks(model, base, zero, copies) + hooks  # zero first, then the scanned head
+            with model.hooks(hooks):
+                output = _run(model, batch, copies)
+            b = batch["input_ids"].shape[0]
+            for i, (layer, head) in enumerate(group):
+                value = metric(_slice_output(output, i * b, (i + 1) * b, copies * b), batch)
+                rows.append({"layer": layer, "head": head, "metric": value, "delta": value - baseline,
+                             "baseline": baseline})
+            del output
+    return pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])

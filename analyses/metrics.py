@@ -1,0 +1,228 @@
+"""Metrics for ablation and pruning studies: ``metric(output, inputs) -> float``.
+
+``output`` is what the hooked model returns (a HF ``ModelOutput``), ``inputs`` the batch it ran on:
+``{"input_ids": (b, p), "attention_mask": (b, p) or None}``. Any such callable works in the studies; the
+ready-made ones below are ``Metric`` objects, which also give per-example values (the batched ablation
+scan compares them copy by copy) and a differentiable per-example ``loss`` for ``head_importance``.
+
+>>> out = type("Out", (), {"logits": torch.tensor([[[0.0, 2.0, -1.0]]])})()
+>>> logit_difference(1, 2)(out, {"input_ids": torch.tensor([[0]]), "attention_mask": None})
+3.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Metric", "as_metric", "batch_of", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
+           "embedding_similarity", "mean_pool"]
+
+Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
+
+
+def batch_of(model, inputs) -> Batch:
+    """Normalise a study's inputs into ``{"input_ids": (b, p), "attention_mask": (b, p) or None}`` on the
+    model's device: text (tokenized with ``model.to_tokens``), token ids ``(b, p)``/``(p,)``, or a mapping."""
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
+        inputs = model.to_tokens(inputs)
+    if isinstance(inputs, Mapping):
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    else:
+        ids, mask = inputs, None
+    ids = torch.as_tensor(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise ValueError(f"inputs must be text, token ids (batch, pos) or a mapping with input_ids; got shape "
+                         f"{tuple(ids.shape)}.")
+    ids = ids.to(model.device)
+    if mask is not None:
+        mask = torch.as_tensor(mask).to(model.device).reshape(ids.shape)
+        if bool(mask.all()):
+            mask = None  # no padding: let the model take its unmasked path
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _main_output(output) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    if isinstance(output, torch.Tensor):
+        return output
+    raise TypeError(f"Expected a model output with logits or last_hidden_state; got {type(output).__name__}.")
+
+
+def _mask(inputs: Batch) -> torch.Tensor:
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+
+
+class Metric:
+    """A metric with a per-example form.
+
+    ``per_example(output, inputs) -> (b,)``; calling the metric gives the mean as a float.
+    ``higher_is_better`` says which way is good (the ablation order of pruning needs it).
+    ``loss(output, inputs) -> (b,)`` is what ``head_importance`` differentiates: by default the metric
+    itself, negated when higher is better.
+    """
+
+    name = "metric"
+    higher_is_better = False
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, output, inputs: Batch) -> torch.Tensor:
+        value = self.per_example(output, inputs)
+        return -value if self.higher_is_better else value
+
+    def __call__(self, output, inputs: Batch) -> float:
+        return float(self.per_example(output, inputs).float().mean())
+
+    def __repr__(self) -> str:
+        return f"<metric {self.name}>"
+
+
+class _Callable(Metric):
+    def __init__(self, fn: Callable, higher_is_better: bool | None):
+        self.fn, self.name = fn, getattr(fn, "__name__", "metric")
+        self.higher_is_better = higher_is_better
+
+    def __call__(self, output, inputs: Batch) -> float:
+        return float(self.fn(output, inputs))
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        return torch.as_tensor(self.fn(output, inputs), dtype=torch.float32).reshape(1)
+
+    def loss(self, output, inputs: Batch) -> torch.Tensor:
+        value = self.fn(output, inputs)
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+            raise TypeError(
+                f"head_importance needs a differentiable loss; {self.name} returned {type(value).__name__} without "
+                "a gradient. Pass loss=fn(output, inputs) returning a tensor, (batch,) or a scalar."
+            )
+        return -value if self.higher_is_better else value
+
+
+def as_metric(metric: Any, higher_is_better: bool | None = None) -> Metric:
+    """A ``Metric`` from a ready-made one or from any callable ``fn(output, inputs) -> float``."""
+    if isinstance(metric, Metric):
+        return metric
+    if not callable(metric):
+        raise TypeError(f"metric must be callable as metric(output, inputs) -> float; got {type(metric).__name__}.")
+    return _Callable(metric, higher_is_better)
+
+
+class _LMLoss(Metric):
+    """Causal LM loss: mean next-token cross-entropy over each sequence's real tokens (padding skipped)."""
+
+    name, higher_is_better = "lm_loss", False
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        logits, ids, mask = _main_output(output), inputs["input_ids"], _mask(inputs)
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), ids[:, 1:], reduction="none")  # (b, p-1)
+        valid = (mask[:, 1:] & mask[:, :-1]).float()
+        return (nll * valid).sum(1) / valid.sum(1).clamp(min=1)
+
+
+class _CopyLoss(Metric):
+    """Next-token loss inside one copy of repeated sequences ``[bos?, x, x]`` (``analyses.toy``).
+
+    The length of ``x`` follows from the sequence length: odd means a start token, ``(p - 1) / 2``. The first
+    copy covers every target of the first ``x``; the second covers ``x_1 .. x_{L-1}`` of the second copy
+    (each predictable from an earlier occurrence; ``x_0`` is not). Same definition as ``toy.copy_losses``.
+    """
+
+    higher_is_better = False
+
+    def __init__(self, which: str):
+        self.which, self.name = which, f"{which}_copy_loss"
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        logits, ids = _main_output(output), inputs["input_ids"]
+        if inputs.get("attention_mask") is not None:
+            raise ValueError("Copy losses take unpadded repeated sequences [bos?, x, x]; got an attention mask.")
+        offset, length = ids.shape[1] % 2, ids.shape[1] // 2
+        if length < 2 or not torch.equal(ids[:, offset:offset + length], ids[:, offset + length:]):
+            raise ValueError(f"{self.name} needs repeated sequences [bos?, x, x] with len(x) >= 2; the two halves "
+                             f"of these {tuple(ids.shape)} inputs differ. Build them with analyses.toy.repeated_sequences.")
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), ids[:, 1:], reduction="none")  # (b, p-1)
+        if self.which == "first":
+            return nll[:, max(offset - 1, 0): offset - 1 + length].mean(1)
+        return nll[:, offset + length: offset - 1 + 2 * length].mean(1)
+
+
+class _LogitDifference(Metric):
+    """logits[correct] - logits[wrong] at one position (default the last), averaged over the batch."""
+
+    higher_is_better = True
+
+    def __init__(self, correct: int, wrong: int, position: int):
+        self.correct, self.wrong, self.position = int(correct), int(wrong), int(position)
+        self.name = f"logit_difference({self.correct}, {self.wrong})"
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        logits = _main_output(output)[:, self.position].float()  # (b, vocab)
+        return logits[:, self.correct] - logits[:, self.wrong]
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sentence embeddings ``(b, m)``: the mean of ``hidden: (b, p, m)`` over real tokens, as
+    sentence-transformers pools MiniLM."""
+    weights = mask.to(hidden.dtype)[:, :, None]
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+
+
+class _EmbeddingSimilarity(Metric):
+    """Cosine similarity of mean-pooled sentence embeddings to the unablated model's on the same inputs.
+
+    At the unablated model the similarity is 1, its maximum, so its gradient is zero and cannot rank heads.
+    ``loss`` is therefore a sensitivity probe: ``u_x . e(x)``, with e the normalised embedding and u_x a
+    fixed random Gaussian direction per example. Then E|dL/dgate_h| is proportional to the size of
+    de(x)/dgate_h, which sets the similarity loss to second order (1 - cos ~ |de|^2 / 2).
+    """
+
+    name, higher_is_better = "embedding_similarity", True
+
+    def __init__(self, reference: torch.Tensor, ids: torch.Tensor, seed: int):
+        self.reference, self.ids = reference, ids  # (b, m) normalised; (b, p)
+        g = torch.Generator().manual_seed(seed)
+        self.probe = torch.randn(reference.shape, generator=g).to(reference.device)
+
+    def _embed(self, output, inputs: Batch) -> torch.Tensor:
+        ids = inputs["input_ids"]
+        if ids.shape != self.ids.shape or not torch.equal(ids, self.ids.to(ids.device)):
+            raise ValueError("embedding_similarity compares with the unablated model on the inputs it was built with; "
+                             f"got other inputs {tuple(ids.shape)}. Build the metric with these inputs.")
+        return F.normalize(mean_pool(_main_output(output).float(), _mask(inputs)), dim=-1)
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        return (self._embed(output, inputs) * self.reference).sum(-1)
+
+    def loss(self, output, inputs: Batch) -> torch.Tensor:
+        return (self._embed(output, inputs) * self.probe).sum(-1)
+
+
+lm_loss: Metric = _LMLoss()
+first_copy_loss: Metric = _CopyLoss("first")
+second_copy_loss: Metric = _CopyLoss("second")
+
+
+def logit_difference(correct: int, wrong: int, position: int = -1) -> Metric:
+    """Metric: ``logits[:, position, correct] - logits[:, position, wrong]`` (higher is better)."""
+    return _LogitDifference(correct, wrong, position)
+
+
+def embedding_similarity(model, inputs, seed: int = 0) -> Metric:
+    """Metric for encoders: mean cosine similarity of the mean-pooled embeddings of ``inputs`` to the ones the
+    model gives now, unablated (so 1.0 before any ablation). ``seed`` fixes the probe directions of its loss."""
+    batch = batch_of(model, inputs)
+    with torch.no_grad():
+        hidden = _main_output(model(batch["input_ids"], batch["attention_mask"])).float()
+    reference = F.normalize(mean_pool(hidden, _mask(batch)), dim=-1)
+    return _EmbeddingSimilarity(reference, batch["input_ids"], seed)

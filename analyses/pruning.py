@@ -1,0 +1,224 @@
+"""How many heads can go: head importance, pruning curves and structurally pruned models.
+
+Following Michel et al. 2019 ("Are Sixteen Heads Really Better than One?"): a gate xi_h = 1 multiplies each
+head's output; a head's importance is E_x |dL(x)/dxi_h|, L2-normalised within each layer. Pruning removes
+the least important ``step`` of the remaining heads at a time, recomputing the ranking, and records the
+metric. Along the curve heads are zero-ablated, which is exactly what ``prune_model`` computes with smaller
+weights (tested to 1e-5).
+
+Every study leaves the model as it found it: weights bit-identical, no hook, no gradient, train/eval mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from interp import HookedModel
+from interp.pruning import kept_heads, plan_layer, slice_heads
+
+from .ablation import Head, _ablation_hooks, _head_masks, _Replacement, _run, ablation_scan, all_heads, check_heads
+from .metrics import as_metric, batch_of
+
+__all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
+
+ORDERS = ("importance", "ablation", "random")
+
+
+def _loss_fn(loss, metric=None) -> Callable:
+    if loss is None and metric is None:
+        raise ValueError("head_importance needs a loss: loss=fn(output, inputs) -> tensor, or a metric from "
+                         "analyses.metrics such as lm_loss.")
+    source = as_metric(loss if loss is not None else metric)
+    return source.loss
+
+
+def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
+    """Michel et al.'s head importance: one row per head with ``layer``, ``head``, ``importance`` (L2-normalised
+    within each layer) and ``importance_raw`` (E_x |dL(x)/dxi_h|).
+
+    loss: a metric from ``analyses.metrics`` (its ``loss``: e.g. ``lm_loss``, ``second_copy_loss``,
+    ``embedding_similarity(...)``) or ``fn(output, inputs) -> tensor``: per-example losses ``(b,)``, or a
+    scalar taken as their mean. Each sequence has its own gates, so one backward gives every example's
+    gradient. ablated: heads zero-ablated throughout (their gate is 0); they get no row.
+    Runs in eval mode (no dropout); parameters get no gradient; modes and requires_grad are restored.
+    """
+    loss_fn = _loss_fn(loss)
+    batch = batch_of(model, inputs)
+    ablated = set(check_heads(model, ablated, allow_empty=True))
+    b, counts = batch["input_ids"].shape[0], model.cfg.heads_per_layer
+    gates = [torch.ones(b, n, device=model.device, dtype=model.dtype, requires_grad=True) for n in counts]
+    keep = [torch.tensor([(l, h) not in ablated for h in range(n)], device=model.device, dtype=model.dtype)
+            for l, n in enumerate(counts)]
+
+    def gate(z, point):  # z: (b, p, h, d)
+        return z * (gates[point.layer] * keep[point.layer])[:, None, :, None]
+
+    hf = model.hf
+    modes = {m: m.training for m in hf.modules()}
+    requires = {p: p.requires_grad for p in hf.parameters()}
+    try:
+        hf.eval()
+        for p in requires:
+            p.requires_grad_(False)
+        with torch.enable_grad(), model.hooks([(lambda n: n.endswith("attn.hook_z"), gate)]):
+            value = loss_fn(model(batch["input_ids"], batch["attention_mask"]), batch)
+            if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
+            total = value.sum() if value.ndim == 1 else value * b
+            grads = torch.autograd.grad(total, gates, allow_unused=True)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        for p, flag in requires.items():
+            p.requires_grad_(flag)
+
+    rows = []
+    for l, (g, n) in enumerate(zip(grads, counts)):
+        raw = torch.zeros(n) if g is None else g.detach().abs().float().mean(0).cpu()  # (h,)
+        live = [h for h in range(n) if (l, h) not in ablated]
+        norm = float(raw[live].norm()) if live else 0.0
+        for h in live:
+            rows.append({"layer": l, "head": h, "importance": float(raw[h]) / norm if norm > 0 else 0.0,
+                         "importance_raw": float(raw[h])})
+    return pd.DataFrame(rows, columns=["layer", "head", "importance", "importance_raw"])
+
+
+def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
+    hooks = _ablation_hooks(model, _head_masks(model, [pruned]), _Replacement(model, "zero")) if pruned else []
+    with torch.no_grad(), model.hooks(hooks):
+        return metric(_run(model, batch), batch)
+
+
+def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers: bool) -> list[Head]:
+    """The first ``n`` heads of ``ranked`` whose removal leaves every layer a head (unless allowed)."""
+    left, chosen = Counter(remaining), []
+    for l, h in ranked:
+        if len(chosen) == n:
+            break
+        if left[l] > 1 or allow_empty_layers:
+            chosen.append((l, h))
+            left[l] -= 1
+    return chosen
+
+
+def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better) -> list[Head]:
+    """``candidates`` from least to most important."""
+    if order == "random":
+        return [candidates[i] for i in rng.permutation(len(candidates))]
+    if order == "importance":
+        df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned)
+        score = {(r.layer, r.head): r.importance for r in df.itertuples()}
+    else:
+        df = ablation_scan(model, inputs, metric, heads=candidates, ablated=pruned)
+        sign = 1.0 if higher_is_better else -1.0  # damage: how much worse the metric gets
+        score = {(r.layer, r.head): -sign * r.delta for r in df.itertuples()}
+    return sorted(candidates, key=lambda head: (score[head], head))
+
+
+def pruning_curve(model, inputs, metric, order: str = "importance", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
+                  loss=None, allow_empty_layers: bool = False, max_fraction: float = 1.0,
+                  higher_is_better: bool | None = None) -> pd.DataFrame:
+    """Prune the least important ``step`` of the remaining heads at a time, recording ``metric``.
+
+    Returns one row per step: ``fraction_pruned``, ``heads_pruned``, ``metric``, ``order``, ``seed``.
+    order: ``"importance"`` (Michel et al., recomputed on the surviving heads at each step, from ``loss`` or
+    the metric's own loss), ``"ablation"`` (each surviving head's single-ablation effect, recomputed at each
+    step) or ``"random"`` (one curve per seed in ``seeds``; average them with ``curve_summary``).
+    Heads are zero-ablated, as ``prune_model`` removes them. The last head of a layer is never pruned unless
+    ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"Unknown pruning order {order!r}; use one of {', '.join(ORDERS)}.")
+    if not 0 < step <= 1:
+        raise ValueError(f"step is the fraction of the remaining heads pruned at each step, in (0, 1]; got {step}.")
+    metric = as_metric(metric, higher_is_better)
+    if higher_is_better is None:
+        higher_is_better = metric.higher_is_better
+    if order == "ablation" and higher_is_better is None:
+        raise ValueError("order='ablation' needs to know which way the metric is good: pass higher_is_better.")
+    if order == "random" and not len(seeds):
+        raise ValueError("order='random' needs at least one seed.")
+    batch = batch_of(model, inputs)
+    heads = all_heads(model)
+    rows = []
+    for seed in (seeds if order == "random" else [None]):
+        rng = np.random.default_rng(seed)
+        pruned: list[Head] = []
+        while True:
+            rows.append({"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned),
+                         "metric": _evaluate(model, batch, metric, pruned), "order": order, "seed": seed})
+            remaining = Counter(l for l, h in heads if (l, h) not in pruned)
+            candidates = [head for head in heads if head not in pruned]
+            n = max(1, round(step * len(candidates)))
+            n = min(n, math.floor(max_fraction * len(heads) + 1e-9) - len(pruned))
+            if n <= 0 or not candidates:
+                break
+            ranked = _ranking(model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better)
+            chosen = _pick(ranked, n, remaining, allow_empty_layers)
+            if not chosen:
+                break
+            pruned += chosen
+    df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
+    df["seed"] = df["seed"].astype("Int64")
+    return df
+
+
+def curve_summary(curves: pd.DataFrame, threshold: float | None = None) -> pd.DataFrame:
+    """Per order: the area under the metric-vs-fraction curve (random seeds averaged first, trapezoid rule)
+    and, with ``threshold``, the largest fraction pruned before the metric first falls below it."""
+    rows = []
+    for order, df in curves.groupby("order", sort=False):
+        mean = df.groupby("fraction_pruned")["metric"].mean().sort_index()
+        x, y = mean.index.to_numpy(float), mean.to_numpy(float)
+        row = {"order": order, "area": float(np.trapezoid(y, x)), "max_fraction": float(x[-1]),
+               "seeds": int(df["seed"].nunique()) or 1}
+        if threshold is not None:
+            below = np.flatnonzero(y < threshold)
+            if not below.size:
+                fraction = x[-1]
+            else:  # NaN when even the unpruned model is below the threshold
+                fraction = x[below[0] - 1] if below[0] > 0 else float("nan")
+            row[f"fraction_at_{threshold:g}"] = float(fraction)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
+    """A new ``HookedModel`` without ``heads`` (``(layer, head)`` pairs in ``model``'s numbering): its q/k/v/o
+    weights are sliced, so it is physically smaller, and its output equals the original with those heads
+    zero-ablated. The original is untouched.
+
+    Grouped-query attention: a KV head goes only when all its query heads go; when groups keep unequal numbers
+    of heads, KV heads are duplicated so each serves the same number (rule in ``interp/pruning.py``). A layer
+    loses every head only with ``allow_empty_layers=True`` (it keeps one zeroed placeholder head).
+    Save with ``pruned.hf.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
+    records the kept heads in ``interp_pruned_heads``).
+    """
+    heads = check_heads(model, heads)
+    if model._registry.active():
+        raise ValueError(f"Remove the hooks on {model._registry.active()[:3]} before pruning: prune_model copies "
+                         "the model, and torch hooks would be copied with it.")
+    cfg = model.cfg
+    original = kept_heads(model.hf.config)
+    n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads
+    keep, emptied = {}, []
+    for layer in sorted({l for l, _ in heads}):
+        plan = plan_layer(n_heads, n_kv, original[layer])
+        gone = {plan.q[h] for l, h in heads if l == layer and not plan.placeholder}
+        keep[layer] = [h for h in original[layer] if h not in gone]
+        if not keep[layer] and original[layer]:
+            emptied.append(layer)
+    if emptied and not allow_empty_layers:
+        raise ValueError(f"This would prune every head of layer(s) {emptied}. Keep at least one head per layer, or "
+                         "pass allow_empty_layers=True (the layer's attention output is then only its bias).")
+    hf = copy.deepcopy(model.hf)
+    slice_heads(hf, model.family, keep)
+    return HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
