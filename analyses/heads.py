@@ -1,0 +1,277 @@
+"""detect_heads: score and label every attention head of a model, on generated or given prompts.
+
+Scores are computed inside per-layer hooks while the model runs, and nothing n x n is kept: on the flash
+path each weight is rebuilt from the captured q, k and logsumexp (``analyses.scores``), on the eager path
+it is read from ``hook_pattern``. The forward stops after the last layer's attention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, label_heads,
+                     order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)
+
+__all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
+
+CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt"
+_REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random tokens when prompts is None
+
+
+def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int = 64, seed: int = 0,
+                 batch_size: int = 32, thresholds: dict[str, float] | None = None,
+                 n_bootstrap: int = 1000) -> pd.DataFrame:
+    """Score every head of ``model`` and label it; one row per (layer, head).
+
+    kinds: score kinds to compute (None: all that apply): ``previous_token``, ``next_token`` (bidirectional
+        models only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions
+        in ``analyses.scores``.
+    prompts: None, or the inputs for every score: texts, token-id sequences (lists or 1-D tensors), a
+        2-D tensor of ids, or ``model.to_tokens`` output. Each must fit the model's positions.
+        With None, ``duplicate_token`` and ``induction`` run on ``n_prompts`` repeated random token
+        sequences (``repeated_random_tokens``) and the other scores on ``n_prompts`` prompts of the
+        bundled corpus of plain English sentences; a model without a tokenizer uses the random
+        sequences for every score.
+    n_prompts, seq_len: number and length in tokens (specials included) of generated prompts.
+    seed: seeds the generated prompts and the bootstrap.
+    batch_size: prompts per forward pass (padded: left for causal models, right for encoders).
+    thresholds: per kind, the score a head needs for that label (``positional`` reads
+        ``positional_fraction``); defaults ``scores.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
+    n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
+
+    Returns columns ``layer``, ``head``, one per score, ``positional_offset``, ``positional_fraction``,
+    ``label`` (the score that clears its threshold by the largest factor, else ``"none"``), then the
+    interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
+    """
+    cfg = model.cfg
+    kinds = check_kinds(kinds, cfg.causal)
+    limits = resolve_thresholds(thresholds)
+    for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+
+    if prompts is not None:
+        ids = prompt_ids(model, prompts)
+        sets = [(kinds, ids, f"{len(ids)} given prompts")]
+    else:
+        if not isinstance(seq_len, int) or seq_len > cfg.max_positions:
+            raise ValueError(f"seq_len must be an integer of at most {cfg.max_positions} (the model's positions); "
+                             f"got {seq_len!r}.")
+        generator = torch.Generator().manual_seed(seed)
+        repeat_kinds = [k for k in kinds if k in _REPEAT_KINDS or model.tokenizer is None]
+        text_kinds = [k for k in kinds if k not in repeat_kinds]
+        sets = []
+        if repeat_kinds:
+            ids = repeated_random_tokens(model, n_prompts, seq_len, generator)
+            sets.append((repeat_kinds, ids, f"{n_prompts} repeated random token sequences of {seq_len} tokens"))
+        if text_kinds:
+            ids = corpus_prompts(model, n_prompts, seq_len, generator)
+            sets.append((text_kinds, ids, f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
+
+    frames = [_tally(model, ids, set_kinds, batch_size).frame(n_bootstrap, seed).set_index(["layer", "head"])
+              for set_kinds, ids, _ in sets]
+    df = pd.concat(frames, axis=1).reset_index()
+    df["label"] = label_heads(df, limits)
+    df = order_columns(df)
+    df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
+                    attn=model.attn)
+    return df
+
+
+# -- running ---------------------------------------------------------------------------------------------
+class _Done(Exception):
+    """Raised from the last layer's hook: nothing after the last attention is needed."""
+
+
+def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int) -> Tally:
+    cfg = model.cfg
+    lengths = torch.tensor([len(p) for p in prompts])
+    order = torch.argsort(lengths, stable=True)  # similar lengths share a batch: less padding
+    tally = Tally(kinds, len(prompts), cfg.heads_per_layer, int(lengths.max()))
+    pad_id = getattr(model.tokenizer, "pad_token_id", None) or 0
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            index = order[start:start + batch_size]
+            ids, mask = _pad([prompts[i] for i in index], cfg.causal, pad_id)
+            targets = build_targets(ids, mask, cfg.causal, kinds)
+            tally.add_rows(index, targets)
+            _score_batch(model, ids, mask, index, targets, tally)
+    return tally
+
+
+def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> None:
+    """One forward pass; each layer's scores are added from inside its hooks."""
+    last = model.cfg.n_layers - 1
+    names = lambda kind: [f"blocks.{l}.attn.hook_{kind}" for l in range(last + 1)]  # noqa: E731
+
+    if model.attn == "eager":
+        def on_pattern(pattern, hook):  # (b, h, q, k)
+            tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
+                            lambda: argmax_from_pattern(pattern, targets))
+            if hook.layer == last:
+                raise _Done
+
+        fwd_hooks = [(names("pattern"), on_pattern)]
+    else:
+        held: dict[str, torch.Tensor] = {}
+
+        def hold(tensor, hook):  # q: (b, p, h, d), k: (b, p, g, d); released by the same layer's lse hook
+            held[hook.name.rsplit("_", 1)[1]] = tensor
+
+        def on_lse(lse, hook):  # (b, h, q), fires after q and k of the same layer
+            q, k = held.pop("q"), held.pop("k")
+            scaling = model._scaling[hook.layer]  # the attention module's own score scale
+            tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_qk(q, k, lse, scaling, pairs),
+                            lambda: argmax_from_qk(q, k, targets))
+            if hook.layer == last:
+                raise _Done
+
+        fwd_hooks = [(names("q") + names("k"), hold), (names("lse"), on_lse)]
+    try:
+        with model.hooks(fwd_hooks):
+            model(ids.to(model.device), mask.to(model.device))  # an all-ones mask builds no n x n mask on flash
+    except _Done:
+        return
+    raise RuntimeError("The last layer's attention hook did not fire; the model skipped interp's attention.")
+
+
+def _pad(rows: list[torch.Tensor], causal: bool, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack 1-D id tensors into (b, p) with padding on the left (causal) or right, and the (b, p) mask."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(n - len(r), n) if causal else slice(0, len(r))
+        ids[i, span], mask[i, span] = r, 1
+    return ids, mask
+
+
+# -- inputs ----------------------------------------------------------------------------------------------
+def prompt_ids(model, prompts) -> list[torch.Tensor]:
+    """The user's prompts as a list of 1-D id tensors, checked against the model's positions and vocabulary."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, Mapping):
+        ids, mask = torch.as_tensor(prompts["input_ids"]), prompts.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
+        prompts = [row[m.bool()] for row, m in zip(ids.cpu(), mask.cpu())]
+    elif isinstance(prompts, torch.Tensor):
+        prompts = list(prompts[None] if prompts.ndim == 1 else prompts)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one text or token-id sequence, or None for the defaults.")
+    if any(isinstance(p, str) for p in prompts):
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts mixes texts and token ids; give one kind.")
+        if model.tokenizer is None:
+            raise ValueError("This model has no tokenizer, so text prompts cannot be scored; give token ids.")
+        prompts = model.tokenizer(list(prompts))["input_ids"]
+    out = []
+    cfg = model.cfg
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p).cpu()
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} has no tokens.")
+        if ids.ndim != 1 or ids.is_floating_point():
+            raise ValueError(f"prompt {i} must be a 1-D sequence of integer token ids; got {ids.dtype} {tuple(ids.shape)}.")
+        if len(ids) > cfg.max_positions:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model takes at most {cfg.max_positions} "
+                             "positions; shorten or split it.")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}).")
+        out.append(ids.long())
+    return out
+
+
+def repeated_random_tokens(model, n_prompts: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Random ordinary tokens ``x`` repeated, framed by the model's start (and end) tokens: ``seq_len`` ids each.
+
+    ``x`` holds ceil(m / 2) distinct tokens (m = seq_len minus the special tokens) when the vocabulary allows,
+    so each second-copy token has exactly one earlier occurrence (Olsson et al. 2022 use 25 tokens, 4 repeats).
+    The frame is what the tokenizer adds to a text ([CLS] ... [SEP] for BERT); a causal model whose tokenizer
+    adds nothing, or that has none, gets ``config.bos_token_id`` in front when it has one.
+    """
+    prefix, suffix = _special_frame(model)
+    m = seq_len - len(prefix) - len(suffix)
+    if m < 4:
+        raise ValueError(f"seq_len {seq_len} leaves {m} random tokens after the special ones; use at least "
+                         f"{len(prefix) + len(suffix) + 4}.")
+    pool = _ordinary_ids(model)
+    half = math.ceil(m / 2)
+    if half <= len(pool):
+        x = torch.stack([pool[torch.randperm(len(pool), generator=generator)[:half]] for _ in range(n_prompts)])
+    else:
+        x = pool[torch.randint(len(pool), (n_prompts, half), generator=generator)]
+    body = torch.cat([x, x], dim=1)[:, :m]  # (n_prompts, m)
+    head, tail = torch.tensor(prefix, dtype=torch.long), torch.tensor(suffix, dtype=torch.long)
+    return [torch.cat([head, row, tail]) for row in body]
+
+
+def corpus_prompts(model, n_prompts: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """``n_prompts`` prompts of whole corpus sentences, drawn without replacement per prompt, up to ``seq_len``
+    tokens with the tokenizer's own special tokens (lengths vary, so batches are padded)."""
+    tok = model.tokenizer
+    sentences = corpus_sentences()
+    lengths = [len(x) for x in tok(sentences, add_special_tokens=False)["input_ids"]]
+    n_special = len(tok("a")["input_ids"]) - len(tok("a", add_special_tokens=False)["input_ids"])
+    budget = seq_len - n_special
+    if budget < 1:
+        raise ValueError(f"seq_len {seq_len} leaves no room for text after {n_special} special tokens.")
+    texts = []
+    for _ in range(n_prompts):
+        picked, used = [], 0
+        for i in torch.randperm(len(sentences), generator=generator).tolist():
+            if picked and used + lengths[i] > budget:
+                break
+            picked.append(sentences[i])
+            used += lengths[i]
+        texts.append(" ".join(picked))
+    encoded = tok(texts, truncation=True, max_length=seq_len)["input_ids"]
+    return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
+
+
+@cache
+def corpus_sentences() -> tuple[str, ...]:
+    """The bundled corpus: plain English sentences written for this project, one per line."""
+    return tuple(line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def _special_frame(model) -> tuple[list[int], list[int]]:
+    tok = model.tokenizer
+    if tok is not None:
+        framed = tok("a")["input_ids"]
+        bare = tok("a", add_special_tokens=False)["input_ids"]
+        at = next(i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare)
+        prefix, suffix = framed[:at], framed[at + len(bare):]
+        if prefix or not model.cfg.causal:
+            return prefix, suffix
+    bos = getattr(model.hf.config, "bos_token_id", None)
+    if model.cfg.causal and isinstance(bos, int) and 0 <= bos < model.cfg.vocab_size:
+        return [bos], []
+    return [], []
+
+
+def _ordinary_ids(model) -> torch.Tensor:
+    """Token ids other than special ones (config's and tokenizer's, and bracketed names like [unused3])."""
+    config, tok = model.hf.config, model.tokenizer
+    special: set[int] = set()
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+                 "unk_token_id", "decoder_start_token_id"):
+        value = getattr(config, attr, None)
+        special.update([value] if isinstance(value, int) else value if isinstance(value, (list, tuple)) else [])
+    limit = model.cfg.vocab_size
+    if tok is not None:
+        special.update(tok.all_special_ids)
+        limit = min(limit, len(tok))
+        names = tok.convert_ids_to_tokens(list(range(limit)))
+        special.update(i for i, t in enumerate(names)
+                       if isinstance(t, str) and len(t) > 2 and (t[0], t[-1]) in (("[", "]"), ("<", ">")))
+    keep = torch.tensor([i for i in range(limit) if i not in special], dtype=torch.long)
+    if len(keep) < 2:
+        raise ValueError(f"The model's vocabulary has {len(keep)} ordinary tokens; random prompts need at least 2.")
+    return keep

@@ -1,0 +1,366 @@
+"""Head scores: one definition per score, read either from a pattern or from q, k and the logsumexp.
+
+Every weight score is a set of (prompt, query, key) index triples, its *pairs*: a query row's score is
+the sum of its weights on its keys, and a head's score is the mean over the rows that have at least one
+pair, pooled over prompts (rows without a target are left out rather than counted as 0). The weights
+come from an n x n pattern (eager path, or a pattern given by hand) or, on the flash path, one at a
+time as ``exp(scale * q_i . k_j - lse_i)``: O(number of pairs) memory, never n x n.
+
+Scores (definitions in shared/REFERENCE.md):
+
+- ``previous_token`` (Olsson et al. 2022): weight i -> i-1; ``next_token`` i -> i+1 (encoders only).
+- ``self``: weight i -> i. ``sink`` (Gu et al. 2024): weight on the first token of the sequence.
+- ``duplicate_token``: total weight on earlier occurrences of the query's token.
+- ``induction`` (Olsson et al. 2022): total weight on the tokens right after earlier occurrences of
+  the query's token; rows whose token did not occur earlier have no target and are not counted.
+- ``positional`` (Voita et al. 2019): ``positional_offset`` is the key - query offset that holds the
+  row's largest weight most often, ``positional_fraction`` the fraction of rows where it does.
+
+The rows of a causal model's first real position are left out of ``self``, ``sink`` and
+``positional``: that row can only attend to itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+__all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "pattern_scores", "label_heads"]
+
+WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
+KINDS = WEIGHT_SCORES + ("positional",)
+
+# ARENA's 0.4 for previous/current/induction; Gu et al.'s 0.3 for sinks; Voita et al.'s 0.9 for positional.
+DEFAULT_THRESHOLDS = {
+    "previous_token": 0.4,
+    "next_token": 0.4,
+    "self": 0.4,
+    "sink": 0.3,
+    "duplicate_token": 0.4,
+    "induction": 0.4,
+    "positional": 0.9,
+}
+
+_PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
+_TILE_BUDGET = 1 << 22  # elements of one (batch, head, query tile, key) score block for the argmax
+
+
+@dataclass
+class Pairs:
+    """Index triples ``(b, q, k)``, each ``(n_pairs,)``, and the rows they cover per prompt: ``(batch,)``."""
+
+    b: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass
+class Targets:
+    """What each score reads in one padded batch; built from the tokens alone, shared by all layers.
+
+    valid: (b, p) real tokens. pairs: score -> Pairs. positional_rows: (b, p) rows of the argmax.
+    """
+
+    valid: torch.Tensor
+    causal: bool
+    pairs: dict[str, Pairs]
+    positional_rows: torch.Tensor | None
+
+
+def _pairs(b, q, k, n_batch: int, n_pos: int) -> Pairs:
+    row_ids = torch.unique(b * n_pos + q)
+    rows = torch.bincount(row_ids // n_pos, minlength=n_batch)
+    return Pairs(b, q, k, rows)
+
+
+def _earlier_occurrences(input_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every (b, i, j) with j < i, both real and ``input_ids[b, j] == input_ids[b, i]``.
+
+    Sorting groups equal tokens, so memory is O(number of such pairs), not O(p^2).
+    """
+    n_batch, n_pos = input_ids.shape
+    flat = valid.flatten().nonzero().squeeze(1)  # (r,) real positions in (b, p) order
+    key = (flat // n_pos) * (int(input_ids.max()) + 1) + input_ids.flatten()[flat]
+    order = torch.argsort(key, stable=True)  # groups of equal (b, token), positions ascending inside
+    _, counts = torch.unique_consecutive(key[order], return_counts=True)
+    start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)  # (r,) group start per rank
+    n_earlier = torch.arange(len(order)) - start
+    query_rank = torch.repeat_interleave(torch.arange(len(order)), n_earlier)  # (n_pairs,)
+    first_pair = torch.cumsum(n_earlier, 0) - n_earlier
+    key_rank = start[query_rank] + torch.arange(len(query_rank)) - first_pair[query_rank]
+    query_pos, key_pos = flat[order[query_rank]], flat[order[key_rank]]
+    return query_pos // n_pos, query_pos % n_pos, key_pos % n_pos
+
+
+def build_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool,
+                  kinds: Iterable[str]) -> Targets:
+    """The pairs of each score in ``kinds`` for a batch ``input_ids: (b, p)`` with padding mask ``(b, p)``."""
+    input_ids = input_ids.cpu()
+    n_batch, n_pos = input_ids.shape
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.cpu().bool()
+    pos = torch.arange(n_pos)
+    first = valid.int().argmax(dim=1)  # (b,) first real position
+    rows = valid & ~(causal & (pos[None] == first[:, None]))  # rows that are not forced
+    kinds = set(kinds)
+    pairs: dict[str, Pairs] = {}
+
+    def shifted(shift: int) -> Pairs:
+        ok = torch.zeros_like(valid)
+        if shift < 0:
+            ok[:, -shift:] = valid[:, -shift:] & valid[:, :shift]
+        else:
+            ok[:, :-shift] = valid[:, :-shift] & valid[:, shift:]
+        b, q = ok.nonzero(as_tuple=True)
+        return _pairs(b, q, q + shift, n_batch, n_pos)
+
+    if "previous_token" in kinds:
+        pairs["previous_token"] = shifted(-1)
+    if "next_token" in kinds:
+        pairs["next_token"] = shifted(1)
+    b, q = rows.nonzero(as_tuple=True)
+    if "self" in kinds:
+        pairs["self"] = _pairs(b, q, q, n_batch, n_pos)
+    if "sink" in kinds:
+        pairs["sink"] = _pairs(b, q, first[b], n_batch, n_pos)
+    if kinds & {"duplicate_token", "induction"}:
+        b, q, k = _earlier_occurrences(input_ids, valid)
+        if "duplicate_token" in kinds:
+            pairs["duplicate_token"] = _pairs(b, q, k, n_batch, n_pos)
+        if "induction" in kinds:
+            nxt = k + 1
+            keep = (nxt < n_pos) & valid[b, nxt.clamp(max=n_pos - 1)]  # causal: nxt <= q since k < q
+            pairs["induction"] = _pairs(b[keep], q[keep], nxt[keep], n_batch, n_pos)
+    return Targets(valid, causal, pairs, rows if "positional" in kinds else None)
+
+
+# -- reading weights -------------------------------------------------------------------------------------
+def weights_from_pattern(pattern: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    """pattern: (b, h, q, k) -> the weight of every pair in every head: (n_pairs, h)."""
+    return pattern[pairs.b, :, pairs.q, pairs.k]
+
+
+def weights_from_qk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float, pairs: Pairs) -> torch.Tensor:
+    """``exp(scaling * q_i . k_j - lse_i)`` for every pair, in fp32: (n_pairs, h).
+
+    q: (b, p, h, d) after RoPE; k: (b, p, g, d) with head h reading key/value head h // (h / g);
+    lse: (b, h, q) logsumexp of the scaled, masked scores. Pairs must be allowed by the mask.
+    """
+    n_heads, n_kv, d_head = q.shape[2], k.shape[2], q.shape[3]
+    b, qi, kj = pairs.b.to(q.device), pairs.q.to(q.device), pairs.k.to(q.device)
+    step = max(1, _PAIR_CHUNK // (n_heads * d_head))
+    out = []
+    for s in range(0, len(b), step):
+        bb, ii, jj = b[s:s + step], qi[s:s + step], kj[s:s + step]
+        qs = q[bb, ii].float().unflatten(1, (n_kv, n_heads // n_kv))  # (n, g, r, d)
+        dots = torch.einsum("ngrd,ngd->ngr", qs, k[bb, jj].float()).flatten(1)  # (n, h)
+        out.append(torch.exp(dots * scaling - lse[bb, :, ii].float()))
+    return torch.cat(out) if out else torch.zeros(0, n_heads, device=q.device)
+
+
+def argmax_from_pattern(pattern: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """Key index of each row's largest allowed weight: (b, h, q)."""
+    allowed = _allowed(targets, 0, pattern.shape[2], pattern.device)
+    return pattern.masked_fill(~allowed, -1.0).argmax(dim=-1)
+
+
+def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """The same from q (b, p, h, d) and k (b, p, g, d), over query tiles: O(tile x p) memory per head.
+
+    The scale and the logsumexp do not move a row's argmax, so raw dot products suffice.
+    """
+    n_batch, n_pos, n_heads, _ = q.shape
+    rep = n_heads // k.shape[2]
+    tile = max(1, _TILE_BUDGET // (n_batch * n_heads * n_pos))
+    out = []
+    for s in range(0, n_pos, tile):
+        e = min(n_pos, s + tile)
+        n_keys = e if targets.causal else n_pos  # causal rows s..e-1 cannot see keys >= e
+        qt = q[:, s:e].unflatten(2, (k.shape[2], rep))  # (b, t, g, r, d)
+        scores = torch.einsum("btgrd,bkgd->bgrtk", qt, k[:, :n_keys]).flatten(1, 2)  # (b, h, t, k)
+        allowed = _allowed(targets, s, e, q.device)[..., :n_keys]
+        out.append(scores.masked_fill(~allowed, float("-inf")).argmax(dim=-1))
+    return torch.cat(out, dim=2)
+
+
+def _allowed(targets: Targets, start: int, end: int, device) -> torch.Tensor:
+    """(b, 1, end - start, p): which keys the query rows start..end-1 may attend to."""
+    valid = targets.valid.to(device)
+    n_pos = valid.shape[1]
+    allowed = valid[:, None, None, :].expand(-1, 1, end - start, n_pos)
+    if targets.causal:
+        rows = torch.arange(start, end, device=device)[:, None]
+        allowed = allowed & (torch.arange(n_pos, device=device)[None] <= rows)
+    return allowed
+
+
+# -- accumulating over batches and layers ----------------------------------------------------------------
+class Tally:
+    """Per-prompt sums ``(prompt, layer, head)`` and row counts ``(prompt,)`` of each weight score, and the
+    positional histogram ``(layer, head, 2 * max_len - 1)`` of row-argmax offsets.
+
+    heads_per_layer: each layer's head count (a pruned model has fewer heads in some layers).
+    """
+
+    def __init__(self, kinds: Iterable[str], n_prompts: int, heads_per_layer: tuple[int, ...], max_len: int):
+        self.kinds = [k for k in KINDS if k in set(kinds)]
+        self.max_len = max_len
+        self.heads_per_layer = tuple(heads_per_layer)
+        n_layers, n_heads = len(self.heads_per_layer), max(self.heads_per_layer)
+        self.sums = {s: torch.zeros(n_prompts, n_layers, n_heads, dtype=torch.float64)
+                     for s in self.kinds if s in WEIGHT_SCORES}
+        self.rows = {s: torch.zeros(n_prompts, dtype=torch.int64) for s in self.sums}
+        self.hist = torch.zeros(n_layers, n_heads, 2 * max_len - 1, dtype=torch.int64) if "positional" in self.kinds else None
+
+    def add_rows(self, index: torch.Tensor, targets: Targets) -> None:
+        """Count the rows of one batch whose prompts sit at ``index: (b,)``; once per batch."""
+        for s in self.sums:
+            self.rows[s][index] = targets.pairs[s].rows
+
+    def add_layer(self, layer: int, index: torch.Tensor, targets: Targets,
+                  weights: Callable[[Pairs], torch.Tensor], argmax: Callable[[], torch.Tensor]) -> None:
+        """Add one layer of one batch: ``weights(pairs) -> (n_pairs, h)``, ``argmax() -> (b, h, q)``."""
+        if self.sums:  # one gather for the pairs of every score, then split
+            scores = list(self.sums)
+            parts = [targets.pairs[s] for s in scores]
+            joined = Pairs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("b", "q", "k")), rows=None)
+            w = weights(joined).double().cpu()  # (n_pairs, h)
+            for s, p, ws in zip(scores, parts, w.split([len(p.b) for p in parts])):
+                per_prompt = torch.zeros(len(index), w.shape[1], dtype=torch.float64).index_add_(0, p.b, ws)
+                self.sums[s][index, layer, : w.shape[1]] = per_prompt
+        if self.hist is not None:
+            key = argmax().cpu()  # (b, h, q)
+            b, q = targets.positional_rows.nonzero(as_tuple=True)
+            offset = key[b, :, q] - q[:, None] + self.max_len - 1  # (rows, h)
+            n_heads, width = key.shape[1], self.hist.shape[2]
+            flat = (torch.arange(n_heads)[None] * width + offset).flatten()
+            n_heads = key.shape[1]
+            self.hist[layer, :n_heads] += torch.bincount(flat, minlength=n_heads * width).view(n_heads, width)
+
+    def frame(self, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+        """One row per (layer, head): each score, positional offset and fraction, and bootstrap 95% intervals
+        over prompts (percentile method, prompts resampled with replacement) for the weight scores."""
+        n_heads = max(self.heads_per_layer)
+        exists = torch.tensor([[h < n for h in range(n_heads)] for n in self.heads_per_layer]).flatten()
+        layer = torch.tensor([l for l, n in enumerate(self.heads_per_layer) for _ in range(n)])
+        head = torch.tensor([h for n in self.heads_per_layer for h in range(n)])
+        columns: dict[str, object] = {"layer": layer.numpy(), "head": head.numpy()}
+        intervals = {}
+        weights = None
+        for s, sums in self.sums.items():
+            n_prompts = sums.shape[0]
+            if weights is None:
+                g = torch.Generator().manual_seed(seed)
+                draws = torch.randint(n_prompts, (n_bootstrap, n_prompts), generator=g)
+                weights = torch.zeros(n_bootstrap, n_prompts, dtype=torch.float64).scatter_add_(
+                    1, draws, torch.ones(n_bootstrap, n_prompts, dtype=torch.float64))
+            flat, rows = sums.flatten(1)[:, exists], self.rows[s].double()
+            columns[s] = _ratio(flat.sum(0), rows.sum()).numpy()
+            boot = _ratio(weights @ flat, (weights @ rows)[:, None])  # (n_bootstrap, l * h)
+            lo_hi = torch.nanquantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
+            intervals[f"{s}_lo"], intervals[f"{s}_hi"] = lo_hi[0].numpy(), lo_hi[1].numpy()
+        if self.hist is not None:
+            hist = self.hist.flatten(0, 1)[exists]
+            total = hist.sum(-1).double()
+            best = hist.max(-1)
+            columns["positional_offset"] = (best.indices - (self.max_len - 1)).numpy()
+            columns["positional_fraction"] = _ratio(best.values.double(), total).numpy()
+        return pd.DataFrame({**columns, **intervals})
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den, NaN where den is 0 (no row had a target)."""
+    return torch.where(den > 0, num / den.clamp(min=1), torch.nan)
+
+
+# -- labels ----------------------------------------------------------------------------------------------
+def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
+    """Each head's class: the score that clears its threshold by the largest factor (score / threshold),
+    or ``"none"``. A score clears its threshold when it is at least the threshold; ``positional`` uses
+    ``positional_fraction``. Only scores present as columns take part."""
+    limits = resolve_thresholds(thresholds)
+    ratios = {}
+    for kind, limit in limits.items():
+        column = "positional_fraction" if kind == "positional" else kind
+        if column in df:
+            score = df[column].astype(float)
+            ratios[kind] = (score / limit).where(score >= limit)
+    if not ratios:
+        return pd.Series("none", index=df.index, name="label")
+    table = pd.DataFrame(ratios)
+    label = table.fillna(-1.0).idxmax(axis=1)
+    return label.where(table.notna().any(axis=1), "none").rename("label")
+
+
+def resolve_thresholds(thresholds: dict[str, float] | None) -> dict[str, float]:
+    """The default thresholds updated with ``thresholds``; unknown names and values outside (0, 1] are refused."""
+    thresholds = dict(thresholds or {})
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    if unknown:
+        raise ValueError(f"Unknown threshold name(s) {unknown}; thresholds are set per kind: {sorted(DEFAULT_THRESHOLDS)}.")
+    bad = {k: v for k, v in thresholds.items() if not (isinstance(v, (int, float)) and 0 < v <= 1)}
+    if bad:
+        raise ValueError(f"Thresholds are fractions in (0, 1]; got {bad}.")
+    return {**DEFAULT_THRESHOLDS, **thresholds}
+
+
+# -- scores of a given pattern ---------------------------------------------------------------------------
+def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   causal: bool = True, kinds: Iterable[str] | None = None,
+                   thresholds: dict[str, float] | None = None, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Scores of a given attention pattern, one row per head (``layer`` is 0), as ``detect_heads`` reports them.
+
+    pattern: (batch, head, query, key); input_ids and attention_mask: (batch, pos), the tokens the
+    pattern was computed on (they define the previous token, earlier occurrences and padding).
+
+    >>> ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
+    >>> shifted = torch.eye(6).roll(-1, dims=1).tril()[None, None]  # row i -> i-1 (row 0 -> itself)
+    >>> shifted[0, 0, 0, 0] = 1.0
+    >>> df = pattern_scores(shifted, ids)
+    >>> float(df.previous_token[0]), float(df.induction[0]), df.label[0]
+    (1.0, 0.0, 'previous_token')
+    """
+    kinds = check_kinds(kinds, causal)
+    if pattern.ndim != 4 or pattern.shape[0] != input_ids.shape[0] or pattern.shape[2:] != (input_ids.shape[1],) * 2:
+        raise ValueError(
+            f"pattern must be (batch, head, pos, pos) matching input_ids {tuple(input_ids.shape)}; got {tuple(pattern.shape)}."
+        )
+    targets = build_targets(input_ids, attention_mask, causal, kinds)
+    tally = Tally(kinds, input_ids.shape[0], (pattern.shape[1],), input_ids.shape[1])
+    index = torch.arange(input_ids.shape[0])
+    tally.add_rows(index, targets)
+    tally.add_layer(0, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
+                    lambda: argmax_from_pattern(pattern, targets))
+    df = tally.frame(n_bootstrap, seed)
+    return order_columns(df.assign(label=label_heads(df, thresholds)))
+
+
+def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
+    """The requested score kinds in canonical order; None means all that apply to the model."""
+    if kinds is None:
+        return [k for k in KINDS if not (causal and k == "next_token")]
+    if isinstance(kinds, str):
+        kinds = [kinds]
+    kinds = list(kinds)
+    if not kinds:
+        raise ValueError(f"kinds is empty; pass None for all, or some of {list(KINDS)}.")
+    for k in kinds:
+        if k not in KINDS:
+            close = difflib.get_close_matches(str(k), KINDS, n=2)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"Unknown score kind {k!r}.{hint} Kinds are {list(KINDS)}.")
+    if causal and "next_token" in kinds:
+        raise ValueError("next_token needs a bidirectional model: under causal masking no row sees the next token.")
+    return [k for k in KINDS if k in kinds]
+
+
+def order_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """layer, head, the scores, positional_offset/fraction, label, then the interval columns."""
+    main = ["layer", "head", *[s for s in WEIGHT_SCORES if s in df], "positional_offset", "positional_fraction", "label"]
+    intervals = [f"{s}_{end}" for s in WEIGHT_SCORES for end in ("lo", "hi")]
+    main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
+    return df[main + intervals + [c for c in df if c not in main + intervals]]
