@@ -15,6 +15,7 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ import torch
 from interp import HookedModel
 from interp.pruning import kept_heads, plan_layer, slice_heads
 
-from .ablation import Head, _ablation_hooks, _head_masks, _Replacement, _run, ablation_scan, all_heads, check_heads
+from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .metrics import as_metric, batch_of
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -92,9 +93,10 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
 
 
 def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
-    hooks = _ablation_hooks(model, _head_masks(model, [pruned]), _Replacement(model, "zero")) if pruned else []
-    with torch.no_grad(), model.hooks(hooks):
-        return metric(_run(model, batch), batch)
+    with ExitStack() as stack, torch.no_grad():
+        if pruned:
+            stack.enter_context(ablate_heads(model, pruned))
+        return metric(model(batch["input_ids"], batch["attention_mask"]), batch)
 
 
 def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers: bool) -> list[Head]:
