@@ -10,3 +10,9 @@ from .pruning import curve_summary, head_importance, prune_model, pruning_curve 
 
 __all__ += ["ablate_heads", "ablation_scan", "curve_summary", "embedding_similarity", "first_copy_loss",
             "head_importance", "lm_loss", "logit_difference", "prune_model", "pruning_curve", "second_copy_loss"]
+
+# Head detection (issue 3)
+from .heads import detect_heads  # noqa: E402
+from .scores import DEFAULT_THRESHOLDS, label_heads, pattern_scores  # noqa: E402
+
+__all__ += ["DEFAULT_THRESHOLDS", "detect_heads", "label_heads", "pattern_scores"]

@@ -108,7 +108,9 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
 def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> None:
     """One forward pass; each layer's scores are added from inside its hooks."""
     last = model.cfg.n_layers - 1
-    names = lambda kind: [f"blocks.{l}.attn.hook_{kind}" for l in range(last + 1)]  # noqa: E731
+
+    def names(kind: str) -> list[str]:
+        return [f"blocks.{layer}.attn.hook_{kind}" for layer in range(last + 1)]
 
     if model.attn == "eager":
         def on_pattern(pattern, hook):  # (b, h, q, k)

@@ -171,20 +171,31 @@ def argmax_from_pattern(pattern: torch.Tensor, targets: Targets) -> torch.Tensor
 def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets) -> torch.Tensor:
     """The same from q (b, p, h, d) and k (b, p, g, d), over query tiles: O(tile x p) memory per head.
 
-    The scale and the logsumexp do not move a row's argmax, so raw dot products suffice.
+    The scale and the logsumexp do not move a row's argmax, so raw dot products suffice. Every tile's scores
+    go into one buffer allocated once: causal tiles see more keys as they go, and fresh blocks of growing size
+    would fragment the allocator's heap until its peak grows like p^2 (measured: +0.85 GiB at 8k tokens).
     """
-    n_batch, n_pos, n_heads, _ = q.shape
-    rep = n_heads // k.shape[2]
-    tile = max(1, _TILE_BUDGET // (n_batch * n_heads * n_pos))
-    out = []
+    n_batch, n_pos, n_heads, d_head = q.shape
+    n_kv = k.shape[2]
+    tile = max(1, min(n_pos, _TILE_BUDGET // (n_batch * n_heads * n_pos)))
+    k_t = k.permute(0, 2, 3, 1).reshape(n_batch * n_kv, d_head, n_pos)  # (b g, d, k), one O(p) copy
+    buffer = torch.empty(n_batch * n_heads * tile * n_pos, dtype=torch.promote_types(q.dtype, k.dtype),
+                         device=q.device)
+    padded = ~targets.valid.to(q.device)[:, None, None, :]  # (b, 1, 1, k)
+    future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)  # key after query, within a tile
+    out = torch.empty(n_batch, n_heads, n_pos, dtype=torch.long, device=q.device)
     for s in range(0, n_pos, tile):
         e = min(n_pos, s + tile)
-        n_keys = e if targets.causal else n_pos  # causal rows s..e-1 cannot see keys >= e
-        qt = q[:, s:e].unflatten(2, (k.shape[2], rep))  # (b, t, g, r, d)
-        scores = torch.einsum("btgrd,bkgd->bgrtk", qt, k[:, :n_keys]).flatten(1, 2)  # (b, h, t, k)
-        allowed = _allowed(targets, s, e, q.device)[..., :n_keys]
-        out.append(scores.masked_fill(~allowed, float("-inf")).argmax(dim=-1))
-    return torch.cat(out, dim=2)
+        t, n_keys = e - s, e if targets.causal else n_pos  # causal rows s..e-1 cannot see keys >= e
+        q_t = q[:, s:e].permute(0, 2, 1, 3).reshape(n_batch * n_kv, (n_heads // n_kv) * t, d_head)  # (b g, r t, d)
+        scores = buffer[: n_batch * n_heads * t * n_keys].view(n_batch * n_kv, -1, n_keys)
+        torch.bmm(q_t, k_t[:, :, :n_keys], out=scores)
+        scores = scores.view(n_batch, n_heads, t, n_keys)  # head h = g * r + j reads key/value head g
+        scores.masked_fill_(padded[..., :n_keys], float("-inf"))
+        if targets.causal:
+            scores[..., s:e].masked_fill_(future[:t, :t], float("-inf"))
+        out[:, :, s:e] = scores.argmax(dim=-1)
+    return out
 
 
 def _allowed(targets: Targets, start: int, end: int, device) -> torch.Tensor:
@@ -238,7 +249,6 @@ class Tally:
             offset = key[b, :, q] - q[:, None] + self.max_len - 1  # (rows, h)
             n_heads, width = key.shape[1], self.hist.shape[2]
             flat = (torch.arange(n_heads)[None] * width + offset).flatten()
-            n_heads = key.shape[1]
             self.hist[layer, :n_heads] += torch.bincount(flat, minlength=n_heads * width).view(n_heads, width)
 
     def frame(self, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:

@@ -201,6 +201,23 @@ def test_flash_equals_eager_on_tiny_models(family):
         _compare_paths(detect_heads(flash, **kwargs), detect_heads(eager, **kwargs))
 
 
+def test_pruned_model_scores_its_remaining_heads():
+    """A pruned model has fewer heads in some layers; layer 0 sees the same input, so its kept heads keep
+    their scores (later layers change: the pruned heads' outputs are gone)."""
+    from analyses import prune_model
+
+    full = interp.load_model(tiny_hf("llama", initializer_range=0.4), attn="flash")
+    pruned = prune_model(full, [(0, 1), (1, 0), (1, 3)])
+    kwargs = dict(n_prompts=8, seq_len=30)
+    df, before = detect_heads(pruned, **kwargs), detect_heads(full, **kwargs)
+    assert df.groupby("layer").size().tolist() == [3, 2]
+    kept = before[(before.layer == 0) & (before["head"] != 1)]
+    numeric = [c for c in df.columns if c not in ("layer", "head", "label")]
+    torch.testing.assert_close(torch.tensor(df[df.layer == 0][numeric].values), torch.tensor(kept[numeric].values),
+                               atol=FLASH_TOL, rtol=0)
+    _compare_paths(df, detect_heads(interp.load_model(copy.deepcopy(pruned.hf), attn="eager"), **kwargs))
+
+
 @pytest.fixture(scope="module")
 def minilm_scores(minilm):
     """MiniLM's scores on both paths (generated inputs: repeated random tokens and corpus prompts)."""
