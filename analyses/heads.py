@@ -24,7 +24,7 @@ CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt"
 _REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random tokens when prompts is None
 
 
-def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int = 64, seed: int = 0,
+def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
                  n_bootstrap: int = 1000) -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per (layer, head).
@@ -38,7 +38,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         sequences (``repeated_random_tokens``) and the other scores on ``n_prompts`` prompts of the
         bundled corpus of plain English sentences; a model without a tokenizer uses the random
         sequences for every score.
-    n_prompts, seq_len: number and length in tokens (specials included) of generated prompts.
+    n_prompts, seq_len: number and length in tokens (specials included) of generated prompts; seq_len
+        defaults to 64, or the model's positions when fewer.
     seed: seeds the generated prompts and the bootstrap.
     batch_size: prompts per forward pass (padded: left for causal models, right for encoders).
     thresholds: per kind, the score a head needs for that label (``positional`` reads
@@ -60,6 +61,7 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         ids = prompt_ids(model, prompts)
         sets = [(kinds, ids, f"{len(ids)} given prompts")]
     else:
+        seq_len = min(64, cfg.max_positions) if seq_len is None else seq_len
         if not isinstance(seq_len, int) or seq_len > cfg.max_positions:
             raise ValueError(f"seq_len must be an integer of at most {cfg.max_positions} (the model's positions); "
                              f"got {seq_len!r}.")
@@ -248,10 +250,11 @@ def _special_frame(model) -> tuple[list[int], list[int]]:
     if tok is not None:
         framed = tok("a")["input_ids"]
         bare = tok("a", add_special_tokens=False)["input_ids"]
-        at = next(i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare)
-        prefix, suffix = framed[:at], framed[at + len(bare):]
-        if prefix or not model.cfg.causal:
-            return prefix, suffix
+        at = next((i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare), None)
+        if at is not None:
+            prefix, suffix = framed[:at], framed[at + len(bare):]
+            if prefix or not model.cfg.causal:
+                return prefix, suffix
     bos = getattr(model.hf.config, "bos_token_id", None)
     if model.cfg.causal and isinstance(bos, int) and 0 <= bos < model.cfg.vocab_size:
         return [bos], []

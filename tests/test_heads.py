@@ -352,6 +352,15 @@ def test_bad_input_is_a_clear_error(tiny_llama, kwargs, message):
     assert message in str(err.value)
 
 
+def test_generated_prompts_fit_short_models_and_carry_the_start_token():
+    short = interp.load_model(tiny_hf("llama", max_position_embeddings=16), attn="flash")
+    ids = repeated_random_tokens(short, 3, 16, torch.Generator().manual_seed(0))
+    assert [len(x) for x in ids] == [16] * 3 and all(x[0] == 0 and (x[1:] != 0).all() for x in ids)  # BOS = 0
+    assert all(torch.equal(x[9:16], x[1:8]) and len(set(x[1:9].tolist())) == 8 for x in ids)  # x distinct, repeated
+    df = detect_heads(short, n_prompts=4)  # default seq_len: 64, capped at the model's 16 positions
+    assert len(df) == 8 and df.attrs["inputs"]["induction"].endswith("of 16 tokens")
+
+
 def test_pattern_shape_is_checked():
     with pytest.raises(ValueError, match=r"pattern must be \(batch, head, pos, pos\)"):
         pattern_scores(torch.ones(1, 2, 5, 4), torch.ones(1, 5, dtype=torch.long))
