@@ -306,8 +306,10 @@ def test_toy_induction_heads_are_in_layer_1_and_needed(toy, toy_scores):
     _, second_ablated = _copy_losses(toy, tokens, length, heads)
     assert second_ablated - second >= 0.5 * gap, (second, second_ablated, gap)
 
-    # Control: as many heads labelled "none", those with the smallest induction score first.
-    unlabelled = df[df.label == "none"].sort_values("induction")
+    # Control: as many heads labelled "none", least implicated in the circuit first (REFERENCE.md: this recipe's
+    # layer-0 previous-token heads score about 0.3, under the 0.4 label, yet induction heads read them).
+    unlabelled = df[df.label == "none"]
+    unlabelled = unlabelled.loc[unlabelled[["previous_token", "induction", "duplicate_token"]].max(axis=1).sort_values().index]
     assert len(unlabelled) >= len(heads), df.label.value_counts()
     control = list(zip(unlabelled.layer, unlabelled["head"]))[: len(heads)]
     _, second_control = _copy_losses(toy, tokens, length, control)
