@@ -130,7 +130,7 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> Non
 
         def on_lse(lse, hook):  # (b, h, q), fires after q and k of the same layer
             q, k = held.pop("q"), held.pop("k")
-            scaling = model._scaling[hook.layer]  # the attention module's own score scale
+            scaling = model.attn_scales[hook.layer]  # the attention module's own score scale
             tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_qk(q, k, lse, scaling, pairs),
                             lambda: argmax_from_qk(q, k, targets))
             if hook.layer == last:

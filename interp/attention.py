@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from hooks import HookPoint
 
-__all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "detach_layer_hooks",
+__all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "attached_layer_hooks", "detach_layer_hooks",
            "eager_attention", "flash_attention", "fused_attention", "REFUSED_KWARGS"]
 
 EAGER_KEY = "interp_exact"
@@ -60,6 +60,10 @@ _LAYER_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.W
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
     _LAYER_HOOKS[module] = hooks
+
+
+def attached_layer_hooks(module: torch.nn.Module) -> LayerHooks | None:
+    return _LAYER_HOOKS.get(module)
 
 
 def detach_layer_hooks(module: torch.nn.Module) -> None:

@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookRegistry, NameFilter, spec_for
 
-from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks
+from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import Family, check_supported
 from .pruning import check_head_counts, head_counts
 
@@ -97,7 +97,7 @@ class HookedModel:
             raise ValueError(f"Expected {self.cfg.n_layers} blocks at {self.family.layers}; found {len(self._blocks)}.")
         check_head_counts(hf, self.family, self.cfg.heads_per_layer, self.cfg.d_head)
         self._attn_modules = [block.get_submodule(self.family.attn) for block in self._blocks]
-        self._scaling = [float(getattr(m, "scaling", self.cfg.d_head**-0.5)) for m in self._attn_modules]
+        self.attn_scales = tuple(float(getattr(m, "scaling", self.cfg.d_head**-0.5)) for m in self._attn_modules)
 
         points = [HookPoint("hook_embed")]
         norm_input = self.family.resid_mid[1] == "input"
@@ -121,8 +121,19 @@ class HookedModel:
         self.set_attn(attn)
 
     # -- attention path --------------------------------------------------------------------------------
+    def _check_attached(self) -> None:
+        """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
+        this one silently without them."""
+        if attached_layer_hooks(self._attn_modules[0]) is not self._layer_hooks[0]:
+            raise RuntimeError(
+                "This HookedModel's HF model was wrapped again by a newer HookedModel (interp.load_model on the "
+                "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
+                "interp.load_model(copy.deepcopy(hf))."
+            )
+
     def set_attn(self, attn: str) -> HookedModel:
         """Switch between the exact ``"eager"`` path and the fused ``"flash"`` path."""
+        self._check_attached()
         if attn not in ATTN_KEYS:
             raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
         if attn == "flash":
@@ -145,7 +156,7 @@ class HookedModel:
         """Run two tokens and check that our attention function really ran (HF may ignore the key)."""
         fired = []
         with self.hooks([("blocks.0.attn.hook_z", lambda z, hook: fired.append(hook.name))]), torch.no_grad():
-            self(torch.zeros(1, 2, dtype=torch.long))
+            self(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
         if not fired:
             raise RuntimeError(
                 f"{type(self.hf).__name__} did not call interp's attention function; it does not dispatch through "
@@ -168,6 +179,7 @@ class HookedModel:
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
         """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
+        self._check_attached()
         with self._registry.hooks(fwd_hooks):
             yield self
 
@@ -303,6 +315,7 @@ class HookedModel:
 
     # -- running ---------------------------------------------------------------------------------------
     def __call__(self, inputs, attention_mask=None, **kwargs):
+        self._check_attached()
         ids, mask = self._inputs(inputs, attention_mask)
         if self.cfg.causal:
             kwargs.setdefault("use_cache", False)  # analysis needs no KV cache, and hooks must not edit one
@@ -333,7 +346,7 @@ class HookedModel:
             output = self(ids, mask, **kwargs)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
-        meta = AttentionMeta(self._scaling, self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
+        meta = AttentionMeta(list(self.attn_scales), self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
                              None if mask is None or bool(mask.all()) else mask,
                              heads_per_layer=self.cfg.heads_per_layer, kv_heads_per_layer=self.cfg.kv_heads_per_layer)
         return output, ActivationCache(store, meta)

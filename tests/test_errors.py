@@ -93,7 +93,7 @@ def test_layer_and_head_out_of_range(gpt2):
     with pytest.raises(ValueError, match=r"Layers run 0\.\.1"):
         gpt2.run_with_hooks(torch.arange(1, 4), fwd_hooks=[("blocks.2.attn.hook_z", lambda t, h: None)])
     _, cache = gpt2.run_with_cache(torch.arange(1, 4))
-    with pytest.raises(IndexError, match=r"Heads run 0\.\.3; got \[4\]"):
+    with pytest.raises(IndexError, match=r"Heads of layer 1 run 0\.\.3; got \[4\]"):
         cache.pattern(1, heads=[4])
     with pytest.raises(KeyError, match="needs blocks.5.attn.hook_q"):
         cache.pattern(5)

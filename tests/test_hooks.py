@@ -163,7 +163,7 @@ def test_flash_lse_equals_eager_lse_and_rebuilds_weights():
     # one weight from q, k and the lse: exp(scale * q_i . k_j - lse_i)
     q, k, lse = flash["q", 1], flash["k", 1], flash["lse", 1]
     i, j, h = 9, 8, 3
-    w = torch.exp(model._scaling[1] * q[0, i, h] @ k[0, j, h // 2] - lse[0, h, i])
+    w = torch.exp(model.attn_scales[1] * q[0, i, h] @ k[0, j, h // 2] - lse[0, h, i])
     assert abs(w - eager["pattern", 1][0, h, i, j]) <= 1e-6
 
 
@@ -280,3 +280,17 @@ def test_unknown_hook_name_suggests_close_names():
     with pytest.raises(ValueError, match=r"Unknown hook name 'blocks\.7\.attn\.hook_z'.*Layers run 0\.\.1"):
         model.run_with_cache(torch.arange(1, 5), names=["blocks.7.attn.hook_z"])
     assert model._registry.active() == []
+
+
+def test_a_second_wrapper_of_the_same_hf_model_takes_over_and_the_first_refuses_to_run():
+    hf = tiny_hf("gpt2")
+    first = interp.load_model(hf, attn="flash")
+    second = interp.load_model(hf, attn="eager")
+    ids = torch.arange(1, 6)
+    fired = []
+    second.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda t, h: fired.append(h.name))])
+    assert fired == ["blocks.0.attn.hook_z"]
+    with pytest.raises(RuntimeError, match="wrapped again"):
+        first(ids)
+    with pytest.raises(RuntimeError, match="wrapped again"):
+        first.run_with_cache(ids)
