@@ -165,12 +165,17 @@ def _run(model, batch: Batch, copies: int = 1):
     return model(ids, mask)
 
 
-def _copies_per_forward(model, batch: Batch, memory_budget: float) -> int:
+def _copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
     """How many copies of the batch fit in ``memory_budget`` bytes of activations (an estimate).
 
     Per token: the output row (vocab logits or d_model), about 12 x d_model of layer activations alive at once
     (residual, q/k/v, z, MLP), and on the eager path one row of the n x n pattern per head.
+    Default budget: 1 GiB on CUDA, where one large forward beats many small ones; 16 MiB on CPU, where a
+    forward is compute-bound beyond a few hundred tokens and larger batches only add memory traffic
+    (measured in BENCHMARKS.md: batching pays there only for small forwards).
     """
+    if memory_budget is None:
+        memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
     b, p = batch["input_ids"].shape
     cfg = model.cfg
     has_head = getattr(model.hf, "get_output_embeddings", lambda: None)() is not None
@@ -182,7 +187,7 @@ def _copies_per_forward(model, batch: Batch, memory_budget: float) -> int:
 
 
 def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, reference=None,
-                  memory_budget: float = 2**30, heads_per_forward: int | None = None, ablated=()) -> pd.DataFrame:
+                  memory_budget: float | None = None, heads_per_forward: int | None = None, ablated=()) -> pd.DataFrame:
     """The effect of ablating each head alone: one row per head with ``layer``, ``head``, ``metric``,
     ``delta`` (metric - baseline) and ``baseline`` (the metric with no head ablated).
 
@@ -190,8 +195,9 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     metric: ``metric(output, inputs) -> float`` (see ``analyses.metrics``), called once per head on that
     head's copy of the batch, exactly as a run with only that head ablated.
     heads: the heads to scan (default all). ablated: heads zero-ablated in every run, baseline included
-    (e.g. heads pruned so far). memory_budget: bytes of activations one forward may use (an estimate,
-    see ``_copies_per_forward``); ``heads_per_forward`` overrides it (1 = one head per forward).
+    (e.g. heads pruned so far). memory_budget: bytes of activations one forward may use (an estimate; default
+    1 GiB on CUDA, 16 MiB on CPU, see ``_copies_per_forward``); ``heads_per_forward`` overrides it (1 = one
+    head per forward).
     """
     metric = as_metric(metric)
     batch = batch_of(model, inputs)

@@ -10,9 +10,10 @@ and +1.9% at batch 1 for BERT-base on a GPU).
 MiniLM loses the 36 heads its importance ranks lowest on the project's sentences (``head_importance`` with
 ``embedding_similarity``, never a layer's last head); the random GPT-2 loses heads 6..11 of every layer.
 
-Scan: ``ablation_scan`` over every head, with the default memory budget (copies of the batch per forward)
-against ``heads_per_forward=1``, on MiniLM with 8 and 64 of the project's sentences and on the toy model
-(8 heads) with 16 repeated sequences.
+Scan: ``ablation_scan`` over every head, one head per forward (``heads_per_forward=1``) against the default
+memory budget (copies of the batch per forward; 16 MiB on CPU, 1 GiB on CUDA) and against every head in a
+single forward, on the toy model (8 heads) with 1 and 16 repeated sequences and on MiniLM (72 heads) with 8
+and 64 of the project's sentences. Median of 3 runs each (1 for the MiniLM cases).
 
     python benchmarks/bench_pruning.py                        # CPU, float32
     python benchmarks/bench_pruning.py --device cuda --dtype bfloat16
@@ -28,8 +29,9 @@ from pathlib import Path
 import torch
 
 import interp
-from analyses import ablation_scan, embedding_similarity, head_importance, prune_model, second_copy_loss
+from analyses import ablation, ablation_scan, embedding_similarity, head_importance, prune_model, second_copy_loss
 from analyses.ablation import all_heads
+from analyses.metrics import batch_of
 from analyses.toy import repeated_sequences
 
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"
@@ -115,20 +117,25 @@ def _timed_scan(model, inputs, metric, device, **kwargs) -> float:
 
 def bench_scan(device, dtype) -> list[dict]:
     cases = []
+    toy = interp.load_model("toy-induction", device=device, dtype=dtype)
+    for n in (1, 16):
+        tokens = repeated_sequences(n, 20, toy.cfg.vocab_size, torch.Generator().manual_seed(0), bos_token_id=0)
+        cases.append((f"toy, {n} x 41 tokens", toy, {"input_ids": tokens.to(device)}, second_copy_loss, 3))
     minilm = interp.load_model("minilm", device=device, dtype=dtype)
     for n in (8, 64):
         inputs = minilm.to_tokens(_sentences()[:n])
-        cases.append((f"MiniLM, {n} sentences", minilm, inputs, embedding_similarity(minilm, inputs)))
-    toy = interp.load_model("toy-induction", device=device, dtype=dtype)
-    tokens = repeated_sequences(16, 20, toy.cfg.vocab_size, torch.Generator().manual_seed(0), bos_token_id=0)
-    cases.append(("toy, 16 x 41 tokens", toy, {"input_ids": tokens.to(device)}, second_copy_loss))
+        cases.append((f"MiniLM, {n} sentences", minilm, inputs, embedding_similarity(minilm, inputs), 1))
     rows = []
-    for name, model, inputs, metric in cases:
+    for name, model, inputs, metric, reps in cases:
+        n_heads = len(all_heads(model))
         _timed_scan(model, inputs, metric, device, heads=all_heads(model)[:2])  # warm-up
-        batched = _timed_scan(model, inputs, metric, device)
-        single = _timed_scan(model, inputs, metric, device, heads_per_forward=1)
-        rows.append({"case": name, "heads": len(all_heads(model)), "batched_s": batched, "one_per_forward_s": single,
-                     "speedup": single / batched})
+        times = {}
+        for label, per_forward in (("one", 1), ("default", None), ("all", n_heads)):
+            times[label] = statistics.median(
+                _timed_scan(model, inputs, metric, device, heads_per_forward=per_forward) for _ in range(reps))
+        copies = ablation._copies_per_forward(model, batch_of(model, inputs), None)
+        rows.append({"case": name, "heads": n_heads, "default_copies": min(copies, n_heads),
+                     "one_per_forward_s": times["one"], "default_s": times["default"], "all_in_one_s": times["all"]})
         print(_fmt_scan(rows[-1]), flush=True)
     return rows
 
@@ -139,8 +146,9 @@ def _fmt_prune(r: dict) -> str:
 
 
 def _fmt_scan(r: dict) -> str:
-    return (f"| {r['case']} | {r['heads']} | {r['batched_s']:.2f} | {r['one_per_forward_s']:.2f} | "
-            f"{r['speedup']:.2f}x |")
+    one = r["one_per_forward_s"]
+    return (f"| {r['case']} | {r['heads']} | {one:.3f} | {r['default_copies']} | {r['default_s']:.3f} "
+            f"({one / r['default_s']:.2f}x) | {r['all_in_one_s']:.3f} ({one / r['all_in_one_s']:.2f}x) |")
 
 
 def main(argv=None) -> int:
@@ -159,9 +167,10 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     bench_pruning(device, dtype, args.reps, args.seq)
     if not args.skip_scan:
-        print("\nFull ablation scan (zero ablation, every head): batched copies vs one head per forward\n")
-        print("| case | heads | batched s | one per forward s | speedup |")
-        print("|---|---:|---:|---:|---:|")
+        print("\nFull ablation scan (zero ablation, every head), seconds (speedup over one head per forward)\n")
+        print("| case | heads | one head per forward | default copies per forward | default budget | "
+              "all heads in one forward |")
+        print("|---|---:|---:|---:|---:|---:|")
         bench_scan(device, dtype)
     return 0
 

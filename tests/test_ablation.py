@@ -144,11 +144,15 @@ def test_scan_groups_follow_the_memory_budget(monkeypatch):
     sizes = []
     real_run = ablation_mod._run
     monkeypatch.setattr(ablation_mod, "_run", lambda m, b, copies=1: sizes.append(copies) or real_run(m, b, copies))
-    big = ablation_scan(model, inputs, lm_loss)
+    big = ablation_scan(model, inputs, lm_loss, memory_budget=2**30)
     assert sizes == [1, 8]  # baseline, then all 8 heads in one forward
     sizes.clear()
     small = ablation_scan(model, inputs, lm_loss, memory_budget=1)
     assert sizes == [1] * 9
+    sizes.clear()
+    per_copy = 3 * 10 * (99 + 12 * 32) * 4  # (b, p) = (3, 10); logits + 12 x d_model per token, fp32
+    ablation_scan(model, inputs, lm_loss, memory_budget=3 * per_copy + 1)
+    assert sizes == [1, 3, 3, 2]
     assert (big.metric - small.metric).abs().max() <= SCAN_TOL
 
 
