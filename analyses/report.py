@@ -1,0 +1,289 @@
+"""``interp report``: one self-contained HTML page (and CSV/JSON/PNG files) about a model's heads.
+
+The page embeds its figures as PNG data URIs and its style inline, so it reads offline with no network
+request; the same figures are also written to ``figures/``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # noqa: E402  (a report never opens a window)
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from .ablation import ablation_scan  # noqa: E402
+from .heads import corpus_sentences, detect_heads  # noqa: E402
+from .metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
+from .plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
+from .pruning import curve_summary, pruning_curve  # noqa: E402
+from .toy import repeated_sequences  # noqa: E402
+
+__all__ = ["study_inputs", "example_prompt", "write_report", "REPORT_FILES"]
+
+REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
+_SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
+
+
+def study_inputs(model, prompts: list[str] | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
+    """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
+
+    prompts: lines of text (or of space-separated token ids for a model without a tokenizer). None: the
+    project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
+    with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
+    and for encoders the embedding similarity to the unablated model.
+    """
+    if prompts is None and model.tokenizer is None:
+        generator = torch.Generator().manual_seed(seed)
+        bos = model.hf.config.bos_token_id
+        ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
+        return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    if prompts is None:
+        prompts = list(corpus_sentences()[:n])
+        what = f"the first {len(prompts)} of the project's sentences"
+    else:
+        what = f"{len(prompts)} given prompts"
+    if model.tokenizer is None:
+        inputs = _id_lines(prompts, model)
+    else:
+        inputs = model.to_tokens(prompts)
+    if model.cfg.causal:
+        return inputs, lm_loss, what
+    return inputs, embedding_similarity(model, inputs), what
+
+
+def _id_lines(lines: list[str], model) -> torch.Tensor:
+    try:
+        rows = [[int(t) for t in line.split()] for line in lines]
+    except ValueError:
+        raise ValueError("This model has no tokenizer: each prompt line must be space-separated token ids.") from None
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError("Token-id prompts for a model without a tokenizer must all have the same length.")
+    return torch.tensor(rows)
+
+
+def example_prompt(model, prompts: list[str] | None = None, seed: int = 0):
+    """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence."""
+    if prompts:
+        return prompts[0] if model.tokenizer is not None else _id_lines(prompts[:1], model)[0]
+    if model.tokenizer is not None:
+        return "The quick brown fox jumps over the lazy dog, and the quick brown fox runs away."
+    generator = torch.Generator().manual_seed(seed)
+    return repeated_sequences(1, 12, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)[0]
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+class _Figures:
+    """Writes each figure to ``figures/NAME.png`` and keeps it for embedding in the page."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.items: dict[str, bytes] = {}
+
+    def add(self, name: str, fig) -> str:
+        data = _png(fig)
+        (self.folder / f"{name}.png").write_bytes(data)
+        self.items[name] = data
+        return name
+
+    def img(self, name: str, alt: str) -> str:
+        data = base64.b64encode(self.items[name]).decode()
+        return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
+
+
+def _strongest_heads(df: pd.DataFrame) -> list[tuple[str, int, int, float]]:
+    """Per label: the labelled head with the largest score of that kind."""
+    out = []
+    for label in [l for l in df["label"].unique() if l != "none"]:
+        column = "positional_fraction" if label == "positional" else label
+        rows = df[df["label"] == label].sort_values(column, ascending=False)
+        top = rows.iloc[0]
+        out.append((label, int(top["layer"]), int(top["head"]), float(top[column])))
+    return sorted(out)
+
+
+def write_report(model, out: str | Path, prompts: list[str] | None = None, seed: int = 0, n_prompts: int = 64,
+                 progress: Callable[[str], None] | None = None) -> dict:
+    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``.
+
+    Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
+    ``figures/*.png``; returns the summary. ``progress`` is called with the name of each stage.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _Figures(out / "figures")
+    step = progress or (lambda stage: None)
+    stages: list[tuple[str, float]] = []  # (stage, start time)
+    t_start = time.perf_counter()
+
+    def timed(stage: str):
+        step(stage)
+        stages.append((stage, time.perf_counter()))
+
+    timed("heads")
+    heads = detect_heads(model, prompts=prompts, n_prompts=n_prompts, seed=seed)
+    heads.to_csv(out / "heads.csv", index=False)
+    scores = [s for s in _SCORES if s in heads]
+    for score in scores:
+        fig, ax = plt.subplots(figsize=(1.2 + 0.55 * model.cfg.n_heads, 1.0 + 0.5 * model.cfg.n_layers))
+        head_score_grid(heads, score, ax=ax)
+        figures.add(f"grid_{score}", fig)
+
+    timed("attention maps")
+    text = example_prompt(model, prompts, seed)
+    _, cache = model.run_with_cache(text, names=lambda n: n.endswith(("hook_q", "hook_k")))
+    maps = []
+    for label, layer, head, score in _strongest_heads(heads):
+        fig, ax = plt.subplots(figsize=(6.5, 5.5))
+        attention_heatmap(cache, layer, head, tokens=model.to_str_tokens(_ids_of(model, text)), ax=ax,
+                          title=f"{label}: head {layer}.{head} (score {score:.2f})")
+        maps.append((label, layer, head, score, figures.add(f"attention_{label}_L{layer}H{head}", fig)))
+
+    timed("ablation")
+    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, 32), seed=seed)
+    scan = ablation_scan(model, inputs, metric)
+    scan.to_csv(out / "ablation.csv", index=False)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * model.cfg.n_heads, 1.0 + 0.5 * model.cfg.n_layers))
+    ablation_heatmap(scan, ax=ax)
+    figures.add("ablation", fig)
+
+    timed("pruning")
+    n_heads = sum(model.cfg.heads_per_layer)
+    step_size = max(0.1, 1.0 / n_heads)
+    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
+                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
+    curves.to_csv(out / "pruning.csv", index=False)
+    threshold = 0.95 if metric.name == "embedding_similarity" else None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
+    figures.add("pruning", fig)
+    summary_curves = curve_summary(curves, threshold)
+    ends = [start for _, start in stages[1:]] + [time.perf_counter()]
+    timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
+
+    summary = {
+        "model": model.summary(),
+        "labelled_heads": [{"layer": int(r.layer), "head": int(r.head), "label": r.label}
+                           for r in heads.itertuples() if r.label != "none"],
+        "strongest_heads": [{"label": l, "layer": ly, "head": h, "score": round(s, 4)} for l, ly, h, s, _ in maps],
+        "thresholds": heads.attrs.get("thresholds"),
+        "head_inputs": heads.attrs.get("inputs"),
+        "study_inputs": inputs_what,
+        "metric": metric.name,
+        "baseline": float(scan["baseline"].iloc[0]),
+        "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
+        "pruning": summary_curves.to_dict(orient="records"),
+        "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                     "python": platform.python_version()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "index.html").write_text(_page(summary, heads, scan, summary_curves, maps, scores, figures))
+    return summary
+
+
+def _ids_of(model, text):
+    if isinstance(text, str):
+        return model.to_tokens(text)["input_ids"][0]
+    return torch.as_tensor(text)
+
+
+def _top_ablation(scan: pd.DataFrame, higher_is_better: bool | None) -> list[dict]:
+    worst = scan.sort_values("delta", ascending=bool(higher_is_better)).head(5)
+    return [{"layer": int(r.layer), "head": int(r.head), "delta": round(float(r.delta), 4)} for r in worst.itertuples()]
+
+
+_CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2rem auto; max-width: 1100px;
+       color: #222; line-height: 1.45; padding: 0 1rem; }
+h1 { margin-bottom: 0.2rem; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2.2rem; }
+table { border-collapse: collapse; font-size: 0.88rem; margin: 0.6rem 0; }
+th, td { border: 1px solid #ddd; padding: 0.25rem 0.55rem; text-align: right; }
+th { background: #f4f4f4; } td.text, th.text { text-align: left; }
+img { max-width: 100%; margin: 0.4rem 0.6rem 0.4rem 0; vertical-align: top; }
+.grid img { max-width: 48%; } .muted { color: #666; font-size: 0.9rem; }
+"""
+
+
+def _table(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"<td>{floatfmt.format(v)}</td>"
+        return f'<td class="text">{html.escape(str(v))}</td>'
+
+    head = "".join(f'<th class="text">{html.escape(str(c))}</th>' for c in df.columns)
+    rows = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in df.itertuples(index=False))
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def _inputs_text(inputs: dict | None) -> str:
+    """{kind: inputs} as "inputs (kind, kind); ..." """
+    groups: dict[str, list[str]] = {}
+    for kind, what in (inputs or {}).items():
+        groups.setdefault(what, []).append(kind)
+    return "; ".join(f"{what} ({', '.join(kinds)})" for what, kinds in groups.items())
+
+
+def _page(summary, heads, scan, curves, maps, scores, figures) -> str:
+    m = summary["model"]
+    esc = html.escape
+    model_rows = pd.DataFrame({"property": list(m), "value": [str(v) for v in m.values()]})
+    labelled = heads[heads["label"] != "none"][["layer", "head", "label", *scores]]
+    maps_html = "".join(figures.img(name, f"attention map of {label} head {l}.{h}") for label, l, h, _, name in maps)
+    grids = "".join(figures.img(f"grid_{s}", f"{s} score per head") for s in scores)
+    top = pd.DataFrame(summary["most_important_by_ablation"])
+    seconds = summary["seconds"]
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>interp report: {esc(m['class'])}</title>
+<style>{_CSS}</style></head><body>
+<h1>Attention heads of {esc(m['class'])}</h1>
+<p class="muted">interp report, {esc(time.strftime('%Y-%m-%d %H:%M'))}; attention path {esc(m['attn'])};
+torch {esc(summary['versions']['torch'])}, transformers {esc(summary['versions']['transformers'])};
+{seconds['total']:.1f} s.</p>
+
+<h2>Model</h2>
+{_table(model_rows)}
+
+<h2>Head classification</h2>
+<p>Scores per head from <code>detect_heads</code>; framed cells are heads labelled with that class
+(thresholds: {esc(', '.join(f'{k} {v:g}' for k, v in (summary['thresholds'] or {}).items()))}).
+Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
+<div class="grid">{grids}</div>
+<p>{len(labelled)} of {len(heads)} heads are labelled (full table in <code>heads.csv</code>):</p>
+{_table(labelled) if len(labelled) else '<p>No head passes a threshold.</p>'}
+
+<h2>Attention maps</h2>
+<p>The strongest head of each class on an example prompt.</p>
+<div class="grid">{maps_html or '<p>No labelled heads to show.</p>'}</div>
+
+<h2>Ablation scan</h2>
+<p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
+baseline {summary['baseline']:.4f}. Cells show the change in the metric (<code>ablation.csv</code>).</p>
+{figures.img('ablation', 'ablation scan heatmap')}
+<p>Heads whose ablation hurts most:</p>
+{_table(top, '{:.4f}')}
+
+<h2>Pruning curve</h2>
+<p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
+random orders (mean of 3 seeds, range shaded); <code>pruning.csv</code>.</p>
+{figures.img('pruning', 'pruning curve')}
+{_table(curves, '{:.3f}')}
+</body></html>
+"""

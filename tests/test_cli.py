@@ -1,0 +1,121 @@
+"""The `interp` command line: every subcommand on the bundled toy model, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from analyses.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_console_script_help():
+    done = subprocess.run([sys.executable, "-m", "analyses.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    for command in ("info", "heads", "ablate", "prune", "plot", "train-toy", "report"):
+        assert command in done.stdout
+
+
+def test_info(capsys):
+    code, out, _ = run(capsys, "info", "toy-induction", "--format", "json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["n_layers"] == 2 and "blocks.1.attn.hook_z" in info["hook_names"]
+
+
+def test_heads_csv_finds_the_toy_circuit(capsys):
+    code, out, _ = run(capsys, "heads", "--format", "csv", "--n-prompts", "20")
+    assert code == 0
+    df = pd.read_csv(io.StringIO(out))
+    assert len(df) == 8
+    assert set(df.loc[df.label == "induction", "layer"]) == {1}
+    assert set(df.loc[df.label == "previous_token", "layer"]) == {0}
+
+
+def test_ablate_json(capsys):
+    code, out, _ = run(capsys, "ablate", "--format", "json", "--n-prompts", "8", "--heads", "1.3,0.1")
+    assert code == 0
+    rows = json.loads(out)
+    assert sorted((r["layer"], r["head"]) for r in rows) == [(0, 1), (1, 3)]
+    assert all(r["delta"] == pytest.approx(r["metric"] - r["baseline"]) for r in rows)
+
+
+@pytest.mark.parametrize("method", ["mean", "resample"])
+def test_ablate_methods(capsys, method):
+    code, out, _ = run(capsys, "ablate", "--method", method, "--n-prompts", "8", "--heads", "1.3")
+    assert code == 0 and "baseline" in out
+
+
+def test_prune_and_save(capsys, tmp_path):
+    code, out, err = run(capsys, "prune", "--step", "0.25", "--n-prompts", "8", "--save", str(tmp_path / "pruned"),
+                         "--fraction", "0.25")
+    assert code == 0 and "importance" in out and "random" in out
+    import interp
+
+    pruned = interp.load_model(tmp_path / "pruned")
+    assert sum(pruned.cfg.heads_per_layer) == 6
+
+
+def test_plot(capsys, tmp_path):
+    png = tmp_path / "map.png"
+    code, out, _ = run(capsys, "plot", "--layer", "1", "--head", "3", "--out", str(png))
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_toy_small(capsys, tmp_path):
+    code, out, _ = run(capsys, "train-toy", "--out", str(tmp_path / "toy"), "--steps", "20")
+    assert code == 0 and json.loads(out)["steps"] == 20
+    assert "interp train-toy --out" in (tmp_path / "toy" / "TRAINING.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info", "/no/such/folder"], "No model folder"),
+    (["heads", "--model", "not-a-model"], "No model folder 'not-a-model'"),
+    (["heads", "--prompts", "/no/such/prompts.txt"], "cannot read prompts file"),
+    (["plot", "--layer", "5", "--head", "0", "--out", "x.png"], "layer"),
+    (["plot", "--layer", "0", "--head", "9", "--out", "x.png"], "head"),
+    (["ablate", "--heads", "1-3"], "LAYER.HEAD"),
+    (["prune", "--save", "somewhere"], "--save needs --fraction"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_empty_prompts_file(capsys, tmp_path):
+    prompts = tmp_path / "empty.txt"
+    prompts.write_text("\n  \n")
+    code, _, err = run(capsys, "heads", "--prompts", str(prompts))
+    assert code == 2 and "no non-empty line" in err
+
+
+def test_report_refuses_a_file_and_a_non_empty_folder(capsys, tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    code, _, err = run(capsys, "report", "--out", str(target))
+    assert code == 2 and "is a file" in err and target.read_text() == "keep me"
+    folder = tmp_path / "full"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    code, _, err = run(capsys, "report", "--out", str(folder))
+    assert code == 2 and "--force" in err
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+def test_errors_from_the_installed_script_have_no_traceback(tmp_path):
+    done = subprocess.run(["interp", "info", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
