@@ -111,13 +111,14 @@ def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers
     return chosen
 
 
-def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better) -> list[Head]:
+def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize) -> list[Head]:
     """``candidates`` from least to most important."""
     if order == "random":
         return [candidates[i] for i in rng.permutation(len(candidates))]
     if order == "importance":
         df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned)
-        score = {(r.layer, r.head): r.importance for r in df.itertuples()}
+        column = "importance" if normalize else "importance_raw"
+        score = {(r.layer, r.head): getattr(r, column) for r in df.itertuples()}
     else:
         df = ablation_scan(model, inputs, metric, heads=candidates, ablated=pruned)
         sign = 1.0 if higher_is_better else -1.0  # damage: how much worse the metric gets
@@ -127,13 +128,16 @@ def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher
 
 def pruning_curve(model, inputs, metric, order: str = "importance", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
                   loss=None, allow_empty_layers: bool = False, max_fraction: float = 1.0,
-                  higher_is_better: bool | None = None) -> pd.DataFrame:
+                  higher_is_better: bool | None = None, normalize: bool = True) -> pd.DataFrame:
     """Prune the least important ``step`` of the remaining heads at a time, recording ``metric``.
 
     Returns one row per step: ``fraction_pruned``, ``heads_pruned``, ``metric``, ``order``, ``seed``.
     order: ``"importance"`` (Michel et al., recomputed on the surviving heads at each step, from ``loss`` or
     the metric's own loss), ``"ablation"`` (each surviving head's single-ablation effect, recomputed at each
     step) or ``"random"`` (one curve per seed in ``seeds``; average them with ``curve_summary``).
+    normalize: rank by Michel's per-layer L2-normalised importance (default) or, when False, by the raw
+    E|dL/dxi|. Normalising assumes layers matter alike; where they do not (MiniLM's embeddings depend most on
+    its last layer) the raw ranking prunes better.
     Heads are zero-ablated, as ``prune_model`` removes them. The last head of a layer is never pruned unless
     ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
     """
@@ -163,7 +167,8 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
             n = min(n, math.floor(max_fraction * len(heads) + 1e-9) - len(pruned))
             if n <= 0 or not candidates:
                 break
-            ranked = _ranking(model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better)
+            ranked = _ranking(model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better,
+                              normalize)
             chosen = _pick(ranked, n, remaining, allow_empty_layers)
             if not chosen:
                 break

@@ -260,6 +260,18 @@ def test_random_curves_differ_by_seed_and_importance_follows_its_ranking():
         expected = lm_loss(model(inputs["input_ids"], inputs["attention_mask"]), inputs)
     assert curve.heads_pruned.tolist() == [0, 2]
     assert curve.metric.iloc[1] == pytest.approx(expected, abs=1e-6)
+    # normalize=False ranks by the raw E|dL/dxi| instead of Michel's per-layer normalised value (on a model
+    # where the two rankings differ).
+    model = _model("qwen2")
+    inputs = _inputs(model)
+    imp = head_importance(model, inputs, lm_loss)
+    first = imp.sort_values(["importance", "layer", "head"]).iloc[:2]
+    first_raw = imp.sort_values(["importance_raw", "layer", "head"]).iloc[:2]
+    assert set(zip(first_raw["layer"], first_raw["head"])) != set(zip(first["layer"], first["head"]))
+    raw = pruning_curve(model, inputs, lm_loss, order="importance", step=0.25, max_fraction=0.25, normalize=False)
+    with ablate_heads(model, list(zip(first_raw["layer"], first_raw["head"]))), torch.no_grad():
+        expected_raw = lm_loss(model(inputs["input_ids"], inputs["attention_mask"]), inputs)
+    assert raw.metric.iloc[1] == pytest.approx(expected_raw, abs=1e-6)
 
 
 def test_curve_failing_midway_leaves_the_model_clean():
@@ -366,9 +378,11 @@ def test_minilm_pruning_results(minilm):
     """The numbers reported in the README: all sentences, 10% steps, five random seeds."""
     inputs = minilm.to_tokens(_sentences())
     metric = embedding_similarity(minilm, inputs)
-    curves = pd.concat([pruning_curve(minilm, inputs, metric, order="importance"),
+    raw = pruning_curve(minilm, inputs, metric, order="importance", normalize=False).assign(order="importance_raw")
+    curves = pd.concat([pruning_curve(minilm, inputs, metric, order="importance"), raw,
                         pruning_curve(minilm, inputs, metric, order="random", seeds=range(5))])
     summary = curve_summary(curves, threshold=0.95).set_index("order")
     print(summary.to_string())
-    assert summary.loc["importance", "area"] > summary.loc["random", "area"]
-    assert summary.loc["importance", "fraction_at_0.95"] > summary.loc["random", "fraction_at_0.95"]
+    for order in ("importance", "importance_raw"):
+        assert summary.loc[order, "area"] > summary.loc["random", "area"]
+        assert summary.loc[order, "fraction_at_0.95"] > summary.loc["random", "fraction_at_0.95"]
