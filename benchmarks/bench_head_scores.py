@@ -33,6 +33,15 @@ GIB = 1024**3
 CASES = ("forward", "base", "flash", "eager")
 
 
+SHAPES = {  # Llama-shaped random models: the CPU target's small one, and Llama-3.2-1B's shape for GPUs
+    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8),
+}
+SHAPE = "small"  # set from --shape in main() and passed on to each child
+
+
 def build_model(device: str, dtype: str, max_len: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,8 +49,7 @@ def build_model(device: str, dtype: str, max_len: int):
     import interp
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=32000, max_position_embeddings=max(16384, max_len))
+    config = LlamaConfig(**SHAPES[SHAPE], vocab_size=32000, max_position_embeddings=max(16384, max_len))
     hf = LlamaForCausalLM(config).eval()
     return interp.load_model(hf, attn="flash", device=device, dtype=dtype)
 
@@ -103,7 +111,8 @@ def child_main(args) -> None:
 def spawn(case: str, n: int, args) -> dict:
     """Run one case in a fresh interpreter; its peak RSS is the child's own, from os.wait4's rusage."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--n", str(n), "--device", args.device,
-           "--dtype", args.dtype, "--threads", str(args.threads), "--as-limit-gib", str(args.as_limit_gib)]
+           "--dtype", args.dtype, "--threads", str(args.threads), "--as-limit-gib", str(args.as_limit_gib),
+           "--shape", args.shape]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         stdout = proc.stdout.read()
@@ -156,6 +165,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                   help="small: 4 layers, 8 heads, 2 KV heads, d_model 512; llama-1b: 16 x 32 heads, 8 KV, 2048 "
+                        "(on CUDA: --shape llama-1b --dtype bfloat16 --lengths 8192 32768 131072)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--as-limit-gib", type=float, default=12.0, help="CPU only: address-space limit per case")
@@ -164,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global SHAPE
+    SHAPE = args.shape
     if args.child:
         child_main(args)
         return 0
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
         print()
         print("| model | batched (s) | one prompt per forward (s) | speed-up | max abs diff of scores |")
         print("|---|---:|---:|---:|---:|")
-        for name, build in (("Llama-shaped, d_model 512", lambda: build_model(args.device, args.dtype, 64)),
+        for name, build in ((f"Llama-shaped ({args.shape})", lambda: build_model(args.device, args.dtype, 64)),
                             ("toy-shaped GPT-2, d_model 64", lambda: build_small_model(args.device, args.dtype))):
             b = batched_vs_single(build(), args)
             print(f"| {name} | {b['batched']:.2f} | {b['single']:.2f} | {b['single'] / b['batched']:.1f}x | "
