@@ -22,6 +22,9 @@ from analyses import ablation_scan, detect_heads, pruning_curve, second_copy_los
 from analyses.plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
 from analyses.toy import repeated_sequences  # noqa: E402
 
+# seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib 3.11 plans to deprecate; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
+
 DPI = 50
 FLASH_TOL = 1e-5
 # A rendered plot must have contrast (pixel std over RGB in 0..1; a blank figure has 0, empty axes 0.07) and
