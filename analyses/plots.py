@@ -62,7 +62,7 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     m = len(labels)
     if ax is None:
         side = min(max(4.0, 0.17 * m + 1.8), 16.0)
-        _, ax = plt.subplots(figsize=(side + 1.0, side))
+        _, ax = plt.subplots(figsize=(side + 1.0, side), layout="constrained")
     size = 9 if m <= 24 else 7 if m <= 48 else 5.5 if m <= 80 else 4
     every = max(1, int(np.ceil(m / 100)))  # beyond ~100 tokens, label every k-th
     sns.heatmap(pattern.numpy(), ax=ax, cmap=cmap, vmin=0.0, vmax=float(max(pattern.max(), 1e-6)), square=True,
@@ -168,7 +168,7 @@ def _annotation_size(grid: pd.DataFrame) -> float:
 
 def _new_axes(grid: pd.DataFrame):
     layers, heads = grid.shape
-    _, ax = plt.subplots(figsize=(min(0.75 * heads + 2.5, 16), min(0.55 * layers + 1.6, 12)))
+    _, ax = plt.subplots(figsize=(min(0.75 * heads + 2.5, 16), min(0.55 * layers + 1.6, 12)), layout="constrained")
     return ax
 
 
@@ -193,8 +193,9 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
     if mark and "label" in df:
         rows, cols = list(grid.index), list(grid.columns)
         for r in df[df["label"] == kind].itertuples():
-            ax.add_patch(Rectangle((cols.index(r.head), rows.index(r.layer)), 1, 1, fill=False, edgecolor="red",
-                                   linewidth=2.5, clip_on=False))
+            # inset, so that neighbouring frames never make an unlabelled cell between them look framed
+            ax.add_patch(Rectangle((cols.index(r.head) + 0.08, rows.index(r.layer) + 0.08), 0.84, 0.84, fill=False,
+                                   edgecolor="red", linewidth=2.0, clip_on=False))
             framed += 1
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -243,7 +244,7 @@ def pruning_curve_plot(df: pd.DataFrame, ax=None, metric_name: str | None = None
     if not len(df):
         raise ValueError("pruning_curve_plot got an empty table.")
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2))
+        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
     for i, (order, part) in enumerate(df.groupby("order", sort=False)):
         color, style, marker = _ORDER_STYLE.get(order, (f"C{i + 3}", "-", "o"))
         stats = part.groupby("fraction_pruned")["metric"].agg(["mean", "min", "max", "count"]).sort_index()
