@@ -230,4 +230,6 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
                 rows.append({"layer": layer, "head": head, "metric": value, "delta": value - baseline,
                              "baseline": baseline})
             del output
-    return pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
+    df = pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
+    df.attrs.update(metric=metric.name, method=method)  # for plot titles
+    return df

