@@ -5,6 +5,7 @@
     interp ablate     [--model M]               effect of ablating each head alone (ablation_scan)
     interp prune      [--model M] [--save DIR]  pruning curves, importance vs random; save a pruned model
     interp plot       --layer L --head H --out PNG [--text T]   one head's attention map
+    interp plot       heads|ablation|pruning [--csv FILE] --out PNG   a score grid, scan or curve
     interp train-toy  --out DIR                 train the toy induction model
     interp report     --out DIR                 everything above as one HTML page
 
@@ -24,6 +25,13 @@ __all__ = ["main", "build_parser"]
 
 class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the usage block would bury the one line that says what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 # -- shared pieces ---------------------------------------------------------------------------------------
@@ -92,6 +100,12 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
 
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _rolled(inputs):
     """The batch shifted by one sequence, so that every sequence gets another's activations."""
@@ -124,6 +138,11 @@ def cmd_info(args) -> int:
     if args.format == "json":
         print(json.dumps({**summary, "hook_names": model.hook_names()}, indent=2))
         return 0
+    if args.format == "csv":
+        import pandas as pd
+
+        _emit(pd.DataFrame({"property": list(summary), "value": [str(v) for v in summary.values()]}), "csv")
+        return 0
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
@@ -140,9 +159,12 @@ def cmd_info(args) -> int:
 def cmd_heads(args) -> int:
     from .heads import detect_heads
 
-    model = _load(args)
-    kinds = args.kinds.split(",") if args.kinds else None
-    df = detect_heads(model, kinds=kinds, prompts=_prompts(args), n_prompts=args.n_prompts, seed=args.seed)
+    with _Progress(["load", "heads"]) as progress:
+        progress("load")
+        model = _load(args)
+        kinds = args.kinds.split(",") if args.kinds else None
+        progress("heads")
+        df = detect_heads(model, kinds=kinds, prompts=_prompts(args), n_prompts=args.n_prompts, seed=args.seed)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]
@@ -154,12 +176,15 @@ def cmd_ablate(args) -> int:
     from .ablation import ablation_scan
     from .report import study_inputs
 
-    model = _load(args)
-    inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
-    # mean: each head's mean output over these inputs; resample: its output on another input of the batch
-    reference = None if args.method == "zero" else inputs if args.method == "mean" else _rolled(inputs)
-    df = ablation_scan(model, inputs, metric, method=args.method, heads=_parse_heads(args.heads, model),
-                       reference=reference)
+    with _Progress(["load", "ablation scan"]) as progress:
+        progress("load")
+        model = _load(args)
+        inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+        # mean: each head's mean output over these inputs; resample: its output on another input of the batch
+        reference = None if args.method == "zero" else inputs if args.method == "mean" else _rolled(inputs)
+        progress("ablation scan")
+        df = ablation_scan(model, inputs, metric, method=args.method, heads=_parse_heads(args.heads, model),
+                           reference=reference)
     if args.format == "table":
         print(f"# {metric.name} on {what}; baseline {df['baseline'].iloc[0]:.4f}")
     _emit(df, args.format)
@@ -167,16 +192,23 @@ def cmd_ablate(args) -> int:
 
 
 def cmd_prune(args) -> int:
-    import pandas as pd
-
-    from .pruning import curve_summary, head_importance, prune_model, pruning_curve
+    from .pruning import curve_summary, head_importance, prune_model
     from .report import study_inputs
 
-    model = _load(args)
-    inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
-    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=args.step),
-                        pruning_curve(model, inputs, metric, order="random", step=args.step,
-                                      seeds=tuple(range(args.seed, args.seed + 3)))])
+    if args.save is not None:  # check before any work
+        if args.fraction is None:
+            raise UserError("--save needs --fraction: the share of heads to prune by importance, e.g. 0.3")
+        if not 0 < args.fraction < 1:
+            raise UserError(f"--fraction is a share of the heads in (0, 1); got {args.fraction}")
+        _check_out(args.save, args.force)
+    elif args.fraction is not None:
+        raise UserError("--fraction goes with --save DIR (where the pruned model is written)")
+    with _Progress(["load", "pruning curves"]) as progress:
+        progress("load")
+        model = _load(args)
+        inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+        progress("pruning curves")
+        curves = _pruning_curves(model, inputs, metric, args.step, args.seed)
     if args.format == "table":
         print(f"# {metric.name} on {what}")
         threshold = 0.95 if metric.name == "embedding_similarity" else None
@@ -184,21 +216,41 @@ def cmd_prune(args) -> int:
         print()
     _emit(curves, args.format)
     if args.save is not None:
-        if args.fraction is None:
-            raise UserError("--save needs --fraction: the share of heads to prune by importance, e.g. 0.3")
-        if not 0 < args.fraction < 1:
-            raise UserError(f"--fraction is a share of the heads in (0, 1); got {args.fraction}")
-        _check_out(args.save, args.force)
         importance = head_importance(model, inputs, loss=metric)
         n = int(round(args.fraction * len(importance)))
-        order = importance.sort_values("importance")
-        heads = [(int(r.layer), int(r.head)) for r in order.itertuples()][:n]
-        pruned = prune_model(model, heads, allow_empty_layers=True)
+        left = dict(enumerate(model.cfg.heads_per_layer))
+        heads = []  # the n least important, keeping at least one head in every layer
+        for r in importance.sort_values(["importance", "layer", "head"]).itertuples():
+            if len(heads) < n and left[r.layer] > 1:
+                heads.append((int(r.layer), int(r.head)))
+                left[r.layer] -= 1
+        pruned = prune_model(model, heads)
         pruned.hf.save_pretrained(args.save)
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(args.save)
-        print(f"saved a model without {n} heads to {args.save}", file=sys.stderr)
+        print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
+              f"{args.save}", file=sys.stderr)
     return 0
+
+
+def _read_csv(path: Path):
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
+        raise UserError(f"cannot read table {str(path)!r}: {getattr(err, 'strerror', None) or err}; pass a CSV "
+                        "written by `interp heads/ablate/prune --format csv` or by `interp report`") from None
+
+
+def _pruning_curves(model, inputs, metric, step: float, seed: int):
+    import pandas as pd
+
+    from .pruning import pruning_curve
+
+    return pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step),
+                      pruning_curve(model, inputs, metric, order="random", step=step,
+                                    seeds=tuple(range(seed, seed + 3)))])
 
 
 def cmd_plot(args) -> int:
@@ -207,22 +259,51 @@ def cmd_plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plots import attention_heatmap
-    from .report import example_prompt
+    from . import plots
 
-    model = _load(args)
-    prompts = _prompts(args)
-    text = args.text if args.text is not None else example_prompt(model, prompts, args.seed)
-    if isinstance(text, str) and model.tokenizer is None:
-        from .report import _id_lines
-
-        text = _id_lines([text], model)[0]
     if args.out.is_dir():
         raise UserError(f"--out {str(args.out)!r} is a folder; give a .png file path")
     if args.out.exists() and not args.force:
         raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
-    window = tuple(args.window) if args.window else None
-    ax = attention_heatmap(model, args.layer, args.head, text, window=window)
+    if args.kind == "attention":
+        if args.layer is None or args.head is None:
+            raise UserError("`interp plot attention` needs --layer and --head, e.g. --layer 1 --head 3")
+        if args.csv is not None:
+            raise UserError("--csv goes with `interp plot heads|ablation|pruning`; an attention map runs the model")
+        from .report import example_prompt
+
+        model = _load(args)
+        prompts = _prompts(args)
+        text = args.text if args.text is not None else example_prompt(model, prompts, args.seed)
+        if isinstance(text, str) and model.tokenizer is None:
+            from .report import _id_lines
+
+            text = _id_lines([text], model)[0]
+        window = tuple(args.window) if args.window else None
+        ax = plots.attention_heatmap(model, args.layer, args.head, text, window=window)
+    else:
+        metric_name = None
+        if args.csv is not None:
+            df = _read_csv(args.csv)
+        elif args.kind == "heads":
+            from .heads import detect_heads
+
+            df = detect_heads(_load(args), prompts=_prompts(args), n_prompts=args.n_prompts, seed=args.seed)
+        else:
+            from .ablation import ablation_scan
+            from .report import study_inputs
+
+            model = _load(args)
+            inputs, metric, _ = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+            metric_name = metric.name
+            df = (ablation_scan(model, inputs, metric) if args.kind == "ablation"
+                  else _pruning_curves(model, inputs, metric, args.step, args.seed))
+        if args.kind == "heads":
+            ax = plots.head_score_grid(df, args.score)
+        elif args.kind == "ablation":
+            ax = plots.ablation_heatmap(df, metric_name=metric_name)
+        else:
+            ax = plots.pruning_curve_plot(df, metric_name=metric_name)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     ax.figure.savefig(args.out, dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
@@ -272,7 +353,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="interp", description="Attention-head interpretability for HF models.",
+    parser = _Parser(prog="interp", description="Attention-head interpretability for HF models.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Run `interp COMMAND --help` for a command's options.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -280,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="model summary and its hook names")
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="bundled name or model folder")
     _model_options(p)
-    p.add_argument("--format", choices=["table", "json"], default="table")
+    _format_option(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("heads", help="classify every head (previous-token, induction, ...)")
@@ -308,12 +389,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("plot", help="one head's attention map as a PNG")
+    p = sub.add_parser("plot", help="a figure as a PNG: one head's attention map, a score grid, a scan or a curve")
+    p.add_argument("kind", nargs="?", choices=["attention", "heads", "ablation", "pruning"], default="attention",
+                   help="attention (default): one head's map; heads: a score per head; ablation: a scan; "
+                        "pruning: curves")
     _model_options(p)
-    p.add_argument("--layer", type=int, required=True)
-    p.add_argument("--head", type=int, required=True)
-    p.add_argument("--text", default=None, help="text (or token ids) to run; default an example prompt")
-    p.add_argument("--window", type=int, nargs=2, metavar=("START", "STOP"), default=None)
+    p.add_argument("--layer", type=int, default=None, help="attention: the head's layer")
+    p.add_argument("--head", type=int, default=None, help="attention: the head's index in its layer")
+    p.add_argument("--text", default=None, help="attention: text (or token ids) to run; default an example prompt")
+    p.add_argument("--window", type=int, nargs=2, metavar=("START", "STOP"), default=None,
+                   help="attention: show positions START..STOP-1 of a longer sequence")
+    p.add_argument("--score", default="induction", help="heads: the score column to draw (default induction)")
+    p.add_argument("--csv", type=Path, default=None, help="heads/ablation/pruning: draw this table (e.g. a report's "
+                   "heads.csv) instead of computing it")
+    p.add_argument("--n-prompts", type=int, default=32, help="heads/ablation/pruning without --csv")
+    p.add_argument("--step", type=float, default=0.1, help="pruning without --csv: share pruned per step")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_plot)

@@ -31,6 +31,9 @@ def test_info(capsys):
     assert code == 0
     info = json.loads(out)
     assert info["n_layers"] == 2 and "blocks.1.attn.hook_z" in info["hook_names"]
+    code, out, _ = run(capsys, "info", "--format", "csv")
+    table = pd.read_csv(io.StringIO(out)).set_index("property")["value"]
+    assert code == 0 and table["n_heads"] == "4"
 
 
 def test_heads_csv_finds_the_toy_circuit(capsys):
@@ -72,6 +75,25 @@ def test_plot(capsys, tmp_path):
     assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("kind, extra", [("heads", ["--score", "previous_token"]), ("ablation", []),
+                                         ("pruning", ["--step", "0.5"])])
+def test_plot_tables_computed_or_read_from_csv(capsys, tmp_path, kind, extra):
+    computed = tmp_path / f"{kind}.png"
+    code, out, err = run(capsys, "plot", kind, "--n-prompts", "8", *extra, "--out", str(computed))
+    assert code == 0, err
+    assert computed.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and computed.stat().st_size > 5000
+    table = {"heads": ["heads", "--n-prompts", "8"], "ablation": ["ablate", "--n-prompts", "8"],
+             "pruning": ["prune", "--n-prompts", "8", "--step", "0.5"]}[kind]
+    code, out, _ = run(capsys, *table, "--format", "csv")
+    csv = tmp_path / f"{kind}.csv"
+    csv.write_text(out)
+    code, _, err = run(capsys, "plot", kind, "--csv", str(csv), *extra[:2] if kind == "heads" else [],
+                       "--out", str(tmp_path / f"{kind}_from_csv.png"))
+    assert code == 0, err
+    code, _, err = run(capsys, "plot", kind, "--csv", str(csv), "--out", str(computed))
+    assert code == 2 and "--force" in err  # an existing figure is not replaced silently
+
+
 def test_train_toy_small(capsys, tmp_path):
     code, out, _ = run(capsys, "train-toy", "--out", str(tmp_path / "toy"), "--steps", "20")
     assert code == 0 and json.loads(out)["steps"] == 20
@@ -86,10 +108,19 @@ def test_train_toy_small(capsys, tmp_path):
     (["plot", "--layer", "0", "--head", "9", "--out", "x.png"], "head"),
     (["ablate", "--heads", "1-3"], "LAYER.HEAD"),
     (["prune", "--save", "somewhere"], "--save needs --fraction"),
+    (["prune", "--save", "somewhere", "--fraction", "1.5"], "in (0, 1)"),
+    (["prune", "--fraction", "0.3"], "goes with --save"),
+    (["plot", "--out", "x.png"], "needs --layer and --head"),
+    (["plot", "heads", "--csv", "missing.csv", "--out", "x.png"], "cannot read table"),
+    (["plot", "grid", "--out", "x.png"], "invalid choice: 'grid'"),  # argparse's own errors: one line too
+    (["heads", "--n-prompts", "many"], "invalid int value"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, *argv)
+    try:
+        code, out, err = run(capsys, *argv)
+    except SystemExit as exit:  # argparse exits by itself
+        code, (out, err) = exit.code, capsys.readouterr()
     assert code == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
