@@ -133,8 +133,14 @@ def ablate_heads(model, heads, method: str = "zero", reference=None):
     ``reference``, which must have the shape of the inputs the model then runs on). On exit, also after an
     exception, the model is exactly as before.
 
-    >>> with ablate_heads(model, [(1, 0), (1, 3)]):  # doctest: +SKIP
-    ...     loss = model(tokens, labels=tokens).loss
+    >>> import interp, torch
+    >>> model = interp.load_model("toy-induction")
+    >>> x = torch.randint(1, 64, (1, 20))
+    >>> tokens = torch.cat([torch.zeros(1, 1, dtype=torch.long), x, x], dim=1)  # [BOS, x, x]
+    >>> with ablate_heads(model, [(1, 0), (1, 1), (1, 3)]):  # the induction heads
+    ...     ablated = model(tokens, labels=tokens).loss.item()
+    >>> ablated > model(tokens, labels=tokens).loss.item() + 1.0
+    True
     """
     heads = check_heads(model, heads)
     replacement = _Replacement(model, method, reference)

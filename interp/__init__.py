@@ -1,8 +1,8 @@
 """interp: HuggingFace models with our own eager and flash attention, hook points and activation cache.
 
->>> import interp
->>> model = interp.load_model("toy-induction", attn="flash")  # doctest: +SKIP
->>> logits, cache = model.run_with_cache(tokens)  # doctest: +SKIP
+    import interp
+    model = interp.load_model("toy-induction", attn="flash")
+    output, cache = model.run_with_cache(tokens)
 
 Importing registers the attention keys ``interp_exact`` and ``interp_fused`` with transformers and does
 nothing else.
