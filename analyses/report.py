@@ -244,7 +244,10 @@ def _inputs_text(inputs: dict | None) -> str:
 def _page(summary, heads, scan, curves, maps, scores, figures) -> str:
     m = summary["model"]
     esc = html.escape
-    model_rows = pd.DataFrame({"property": list(m), "value": [str(v) for v in m.values()]})
+    items = [(k, str(v)) for k, v in m.items()]
+    half = (len(items) + 1) // 2  # two (property, value) column pairs side by side: a short section
+    left, right = items[:half], items[half:] + [("", "")] * (2 * half - len(items))
+    model_rows = pd.DataFrame([(*a, *b) for a, b in zip(left, right)], columns=["property", "value"] * 2)
     labelled = heads[heads["label"] != "none"][["layer", "head", "label", *scores]]
     maps_html = "".join(figures.img(name, f"attention map of {label} head {l}.{h}") for label, l, h, _, name in maps)
     grids = "".join(figures.img(f"grid_{s}", f"{s} score per head") for s in scores)
