@@ -12,6 +12,9 @@ import pytest
 
 from analyses.cli import main
 
+# seaborn 0.13 calls a matplotlib method that matplotlib 3.11 marks for deprecation; not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
+
 
 def run(capsys, *argv):
     code = main(list(argv))

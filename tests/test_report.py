@@ -16,6 +16,9 @@ import pytest
 
 from analyses.cli import main
 
+# seaborn 0.13 calls a matplotlib method that matplotlib 3.11 marks for deprecation; not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
