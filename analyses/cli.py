@@ -312,15 +312,39 @@ def cmd_plot(args) -> int:
 
 
 def cmd_train_toy(args) -> int:
+    import inspect
+
+    import torch
+
     from .toy import train_toy_model
 
     _check_out(args.out, args.force)
-    progress = None
+    steps = args.steps if args.steps is not None else inspect.signature(train_toy_model).parameters["steps"].default
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1; got {steps}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be at least 1; got {args.threads}")
+        torch.set_num_threads(args.threads)  # the bundled checkpoint was trained with one thread
+    bar, done = None, [0]
     if sys.stderr.isatty():
-        progress = lambda r: print(f"step {r['step']}: loss {r['loss']:.3f}, second copy {r['loss_second_copy']:.3f}",  # noqa: E731
-                                   file=sys.stderr)
-    command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {args.steps}"
-    metrics = train_toy_model(args.out, seed=args.seed, steps=args.steps, progress=progress, command=command)
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, file=sys.stderr, unit="step", leave=False)
+
+    def progress(record: dict) -> None:
+        if bar is not None:
+            bar.update(record["step"] - done[0])
+            done[0] = record["step"]
+            bar.set_postfix(loss=f"{record['loss']:.3f}", second_copy=f"{record['loss_second_copy']:.3f}")
+
+    threads = f" --threads {args.threads}" if args.threads is not None else ""
+    command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {steps}{threads}"
+    try:
+        metrics = train_toy_model(args.out, seed=args.seed, steps=steps, progress=progress, command=command)
+    finally:
+        if bar is not None:
+            bar.close()
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -411,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-toy", help="train the toy induction model (the bundled default)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: train_toy_model's, 3000)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (the bundled model used 1)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_train_toy)
 

@@ -110,6 +110,7 @@ def test_train_toy_small(capsys, tmp_path):
     (["plot", "--layer", "5", "--head", "0", "--out", "x.png"], "layer"),
     (["plot", "--layer", "0", "--head", "9", "--out", "x.png"], "head"),
     (["ablate", "--heads", "1-3"], "LAYER.HEAD"),
+    (["train-toy", "--out", "toy", "--steps", "0"], "--steps must be at least 1"),
     (["prune", "--save", "somewhere"], "--save needs --fraction"),
     (["prune", "--save", "somewhere", "--fraction", "1.5"], "in (0, 1)"),
     (["prune", "--fraction", "0.3"], "goes with --save"),
