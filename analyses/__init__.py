@@ -16,3 +16,16 @@ from .heads import detect_heads  # noqa: E402
 from .scores import DEFAULT_THRESHOLDS, label_heads, pattern_scores  # noqa: E402
 
 __all__ += ["DEFAULT_THRESHOLDS", "detect_heads", "label_heads", "pattern_scores"]
+
+# Plots and the HTML report (issue 5): loaded on first use, so `import analyses` does not import matplotlib
+_LAZY = {"attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
+         "pruning_curve_plot": "plots", "write_report": "report"}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'analyses' has no attribute {name!r}")

@@ -248,3 +248,15 @@ def test_without_ax_each_plot_makes_one_figure(plot_calls):
         ax = call(None)
         assert plt.get_fignums() == [ax.figure.number], name
         assert_nontrivial(ax.figure)
+
+
+def test_plots_are_exported_from_analyses_without_importing_matplotlib_up_front():
+    import subprocess
+    import sys
+
+    code = ("import sys, analyses; assert 'matplotlib' not in sys.modules, 'import analyses loaded matplotlib'; "
+            "from analyses import attention_heatmap, write_report; import analyses.plots, analyses.report; "
+            "assert attention_heatmap is analyses.plots.attention_heatmap; "
+            "assert write_report is analyses.report.write_report")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
