@@ -121,7 +121,10 @@ class ActivationCache:
         spec = _SHORT.get(kind.removeprefix("hook_"))
         if spec is None or not spec.per_layer:
             raise KeyError(f"stack() takes a per-layer kind such as 'z' or 'resid_post'; got {kind!r}.")
-        return [l for l in range(len(self._store)) if spec.name(l) in self._store]
+        prefix, suffix = spec.template.split("{l}")
+        middles = (name[len(prefix):len(name) - len(suffix)] for name in self._store
+                   if name.startswith(prefix) and name.endswith(suffix))
+        return sorted(int(m) for m in middles if m.isdigit())
 
     def stack(self, kind: str, layers: Sequence[int] | None = None) -> torch.Tensor:
         """One per-layer activation stacked over layers: ``(l, ...)``."""
