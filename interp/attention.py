@@ -41,37 +41,50 @@ REFUSED_KWARGS = {
 
 
 class LayerHooks:
-    """The attention hook points of one layer; ``any`` is kept up to date by the model."""
+    """The attention hook points of one layer; ``any`` is kept up to date by the model.
 
-    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any")
+    ``owner`` is a weak reference to the HookedModel these points belong to. A copy of the HF model
+    (``copy.deepcopy``, pickling) carries no hooks: they belong to the wrapper, not to the weights.
+    """
 
-    def __init__(self, points: dict[str, HookPoint]):
+    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner")
+
+    def __init__(self, points: dict[str, HookPoint], owner=None):
         for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"):
             setattr(self, kind, points[kind])
         self.any = False
+        self.owner = weakref.ref(owner) if owner is not None else (lambda: None)
 
     def refresh(self) -> None:
         self.any = any(bool(getattr(self, kind)) for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"))
 
+    def __deepcopy__(self, memo):
+        return None
 
-# attention module -> its hook points; weak so that wrapping a model adds nothing to the model itself
-_LAYER_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, LayerHooks] = weakref.WeakKeyDictionary()
+    def __reduce__(self):
+        return (type(None), ())
+
+
+# The hook points live on the attention module itself, as a plain attribute (not a submodule, parameter or
+# buffer: state_dict, repr and save_pretrained never see it). A global weak table keyed by module made
+# torch.compile guard on the table's changing contents.
+_HOOKS_ATTR = "_interp_hooks"
 
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
-    _LAYER_HOOKS[module] = hooks
+    module.__dict__[_HOOKS_ATTR] = hooks
 
 
 def attached_layer_hooks(module: torch.nn.Module) -> LayerHooks | None:
-    return _LAYER_HOOKS.get(module)
+    return module.__dict__.get(_HOOKS_ATTR)
 
 
 def detach_layer_hooks(module: torch.nn.Module) -> None:
-    _LAYER_HOOKS.pop(module, None)
+    module.__dict__.pop(_HOOKS_ATTR, None)
 
 
 def _active_hooks(module: torch.nn.Module) -> LayerHooks | None:
-    hooks = _LAYER_HOOKS.get(module)
+    hooks = getattr(module, _HOOKS_ATTR, None)
     return hooks if hooks is not None and hooks.any else None
 
 
@@ -181,11 +194,48 @@ def fused_attention(query, key, value, mask, scale: float, dropout: float = 0.0,
                                              attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
         return out, None
     if query.device.type == "cuda":
-        return _fused_cuda(query, key, value, mask, scale, causal)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, causal, attn_mask=mask, scale=scale
-    )
-    return out, lse.float()
+        out, lse = _fused_cuda(query, key, value, mask, scale, causal)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        lse = lse.float()
+    if need_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        lse = _LogSumExp.apply(query, key, lse, mask, scale, causal)
+    return out, lse
+
+
+class _LogSumExp(torch.autograd.Function):
+    """The kernels' logsumexp, which they return without a gradient, given its gradient.
+
+    With P the pattern, d lse_i = scale * sum_j P_ij (dq_i . k_j + q_i . dk_j), so for an upstream gradient g:
+    dq = scale * g * (P k), an attention whose values are the keys, and dk = scale * P^T (g q), the gradient an
+    attention passes to its values. Both run through the fused kernel: no n x n matrix in backward either.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, lse, mask, scale, causal):
+        ctx.save_for_backward(query, key, mask)
+        ctx.scale, ctx.causal = scale, causal
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (b, h, q)
+        query, key, mask = ctx.saved_tensors
+        query, key = query.detach(), key.detach()
+        g = ctx.scale * grad.to(query.dtype)[..., None]  # (b, h, q, 1)
+        dq = dk = None
+        if ctx.needs_input_grad[0]:
+            p_k, _ = fused_attention(query, key, key, mask, ctx.scale, causal=ctx.causal, need_lse=False)
+            dq = g * p_k
+        if ctx.needs_input_grad[1]:
+            with torch.enable_grad():
+                values = torch.zeros_like(key, requires_grad=True)
+                n_rep = query.shape[1] // key.shape[1]
+                out, _ = fused_attention(query, repeat_kv(key, n_rep), repeat_kv(values, n_rep), mask, ctx.scale,
+                                         causal=ctx.causal, need_lse=False)
+                (dk,) = torch.autograd.grad(out, values, g * query)
+        return dq, dk, None, None, None, None
 
 
 def _fused_cuda(query, key, value, mask, scale, causal):
