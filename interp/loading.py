@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 from contextlib import contextmanager
@@ -66,6 +67,10 @@ def resolve_source(source: str | os.PathLike) -> Path:
     if path.exists():
         raise NotADirectoryError(f"{path} is a file; expected a model folder saved by save_pretrained (with config.json).")
     looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    close = difflib.get_close_matches(text.lower(), list(BUNDLED), n=1, cutoff=0.6)
+    if close and not looks_like_path:
+        raise FileNotFoundError(f"No bundled model or folder named {text!r}; did you mean {close[0]!r}? "
+                                f"Bundled models: {', '.join(BUNDLED)}.")
     if not looks_like_path:
         raise FileNotFoundError(
             f"No model folder {text!r} here. If it is a hub id: interp loads models from local folders only (no "
@@ -98,6 +103,29 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+def _model_class(config, family):
+    """The class the folder was saved from (``config.architectures``), so that a headless ``LlamaModel`` or a
+    ``LlamaForSequenceClassification`` loads as itself and never as a causal LM with a random new head; the
+    family's default class when the config does not say."""
+    for name in getattr(config, "architectures", None) or ():
+        model_class = getattr(transformers, name, None)
+        if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
+            return model_class
+    return getattr(transformers, family.auto_class)
+
+
+def _refuse_invented_weights(folder: Path, model_class, info: dict) -> None:
+    """Loading never invents weights: refuse a folder that lacks some of the class's parameters, which
+    transformers would initialise at random (every load would then give a different model)."""
+    missing = list(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(
+            f"{folder} has no weights for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} of "
+            f"{model_class.__name__}; transformers would initialise them at random. Save the model with "
+            "save_pretrained (its config then names its class in `architectures`), or pass the model instance."
+        )
+
+
 @contextmanager
 def _quiet_loading():
     """No weight-loading progress bar (loading prints nothing); the user's setting is restored after."""
@@ -117,6 +145,11 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
     (kept on its device unless ``device`` names one), or a bundled name: ``"toy-induction"``, ``"minilm"``.
     attn: ``"flash"`` (fused kernel, no n x n matrix) or ``"eager"`` (materializes scores and patterns).
     device: ``"auto"`` picks CUDA when available. dtype: None keeps the checkpoint's dtype.
+
+    A folder is loaded as the class it was saved from and put in eval mode. An instance keeps its train/eval
+    mode (``load_model`` changes only its attention implementation to ours): a forward of the returned model in
+    training mode applies dropout, as the HF model would, while every analysis in ``analyses`` runs in eval
+    mode and puts the mode back afterwards (``HookedModel.studying``).
     """
     if attn not in ATTN_KEYS:
         raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
@@ -132,15 +165,16 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
     folder = resolve_source(source)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     family = check_supported(config)  # refuse before loading any weight
-    auto_class = getattr(transformers, family.auto_class)
+    model_class = _model_class(config, family)
     with _quiet_loading():
         if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
-            hf = from_pretrained_pruned(auto_class, folder, config, family, ATTN_KEYS[attn], torch_dtype
+            hf = from_pretrained_pruned(model_class, folder, config, family, ATTN_KEYS[attn], torch_dtype
                                         if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
         else:
-            hf = auto_class.from_pretrained(folder, config=config, local_files_only=True,
-                                            attn_implementation=ATTN_KEYS[attn],
-                                            dtype=torch_dtype if torch_dtype is not None else "auto")
+            hf, info = model_class.from_pretrained(folder, config=config, local_files_only=True,
+                                                   attn_implementation=ATTN_KEYS[attn], output_loading_info=True,
+                                                   dtype=torch_dtype if torch_dtype is not None else "auto")
+            _refuse_invented_weights(folder, model_class, info)
     hf = hf.to(resolve_device(device)).eval()
     tokenizer = None
     if any((folder / f).exists() for f in _TOKENIZER_FILES):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+import os
+from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -14,9 +18,9 @@ from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookReg
 
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import Family, check_supported
-from .pruning import check_head_counts, head_counts
+from .pruning import check_head_counts, head_counts, kept_heads
 
-__all__ = ["HookedModel", "ModelConfig"]
+__all__ = ["HookedModel", "ModelConfig", "fix_permissions", "pad_ids", "padded_positions", "tokenize"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "result")
@@ -26,7 +30,9 @@ _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", 
 class ModelConfig:
     """Shape of a hooked model. ``n_heads``/``n_kv_heads`` are the HF config's values; a pruned model
     (``analyses.prune_model``) has fewer heads in some layers: ``heads_per_layer``/``kv_heads_per_layer``
-    hold every layer's own counts (empty tuples mean ``n_heads``/``n_kv_heads`` in every layer)."""
+    hold every layer's own counts as the weights hold them (empty tuples mean ``n_heads``/``n_kv_heads`` in every
+    layer). A layer that lost every head keeps one zeroed placeholder head so that transformers can run it;
+    such layers are listed in ``empty_layers`` and their placeholder is not a head in any analysis."""
 
     n_layers: int
     n_heads: int
@@ -39,6 +45,7 @@ class ModelConfig:
     family: str
     heads_per_layer: tuple[int, ...] = ()
     kv_heads_per_layer: tuple[int, ...] = ()
+    empty_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.heads_per_layer:
@@ -51,7 +58,11 @@ class ModelConfig:
 
     @property
     def pruned(self) -> bool:
-        return any(h != self.n_heads for h in self.heads_per_layer)
+        return bool(self.empty_layers) or any(h != self.n_heads for h in self.heads_per_layer)
+
+    def heads(self) -> list[tuple[int, int]]:
+        """Every real ``(layer, head)``, layer by layer; an emptied layer's placeholder is not one."""
+        return [(l, h) for l, n in enumerate(self.heads_per_layer) if l not in self.empty_layers for h in range(n)]
 
 
 def _config_of(hf, family: Family) -> ModelConfig:
@@ -70,6 +81,7 @@ def _config_of(hf, family: Family) -> ModelConfig:
         family=family.name,
         heads_per_layer=heads_per_layer,
         kv_heads_per_layer=kv_heads_per_layer,
+        empty_layers=tuple(l for l, kept in kept_heads(c).items() if not kept),
     )
 
 
@@ -111,20 +123,60 @@ class HookedModel:
                         read_only = "it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
                     points.append(HookPoint(spec.name(layer), layer, read_only))
         self._registry = HookRegistry(points, on_change=self._sync_module_hooks, check=self._check_points)
+        self._torch_handles: dict[str, object] = {}
+        self._takes_position_ids = "position_ids" in inspect.signature(hf.forward).parameters
+        self._take_over()
         self._layer_hooks = []
         for layer, module in enumerate(self._attn_modules):
-            lh = LayerHooks({k: self._registry[f"blocks.{layer}.attn.hook_{k}"] for k in _ATTN_KINDS})
+            lh = LayerHooks({k: self._registry[f"blocks.{layer}.attn.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
             attach_layer_hooks(module, lh)
             self._layer_hooks.append(lh)
-        self._torch_handles: dict[str, object] = {}
         self.attn: str | None = None
         self.set_attn(attn)
 
+    def _take_over(self) -> None:
+        """A HF model has one wrapper at a time: an earlier HookedModel on it loses its torch module hooks now
+        (so that they never fire in this one's runs) and refuses to run from here on."""
+        previous = attached_layer_hooks(self._attn_modules[0])
+        owner = previous.owner() if previous is not None else None
+        if owner is not None and owner is not self:
+            owner._drop_torch_hooks()
+
+    def _drop_torch_hooks(self) -> None:
+        for handle in self._torch_handles.values():
+            handle.remove()
+        self._torch_handles.clear()
+
+    # -- copies ----------------------------------------------------------------------------------------
+    def __deepcopy__(self, memo) -> HookedModel:
+        """A copy with its own HF model and its own hook points, holding the same hook functions."""
+        clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn)
+        clone._add_hooks(self._hook_functions())
+        return clone
+
+    def __getstate__(self) -> dict:
+        return {"hf": self.hf, "tokenizer": self.tokenizer, "attn": self.attn, "hooks": self._hook_functions()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["hf"], state["tokenizer"], state["attn"])
+        self._add_hooks(state["hooks"])
+
+    def _hook_functions(self) -> dict[str, list]:
+        return {name: list(point.fns) for name, point in self._registry.points.items() if point.fns}
+
+    def _add_hooks(self, functions: dict[str, list]) -> None:
+        for name, fns in functions.items():
+            for fn in fns:
+                self._registry.add(name, fn)
+
     # -- attention path --------------------------------------------------------------------------------
+    def _owns_hf(self) -> bool:
+        return attached_layer_hooks(self._attn_modules[0]) is self._layer_hooks[0]
+
     def _check_attached(self) -> None:
         """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
         this one silently without them."""
-        if attached_layer_hooks(self._attn_modules[0]) is not self._layer_hooks[0]:
+        if not self._owns_hf():
             raise RuntimeError(
                 "This HookedModel's HF model was wrapped again by a newer HookedModel (interp.load_model on the "
                 "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
@@ -155,8 +207,9 @@ class HookedModel:
     def _probe(self) -> None:
         """Run two tokens and check that our attention function really ran (HF may ignore the key)."""
         fired = []
-        with self.hooks([("blocks.0.attn.hook_z", lambda z, hook: fired.append(hook.name))]), torch.no_grad():
-            self(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
+        with self.studying(), self.hooks([("blocks.0.attn.hook_z", lambda z, hook: fired.append(hook.name))]):
+            with torch.no_grad():
+                self(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
         if not fired:
             raise RuntimeError(
                 f"{type(self.hf).__name__} did not call interp's attention function; it does not dispatch through "
@@ -177,6 +230,32 @@ class HookedModel:
                 )
 
     @contextmanager
+    def studying(self):
+        """The state every analysis runs in, and restores.
+
+        Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
+        also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
+        hooks on every point are as they were before.
+        """
+        modes = [(m, m.training) for m in self.hf.modules()]
+        requires = [(p, p.requires_grad) for p in self.hf.parameters()]
+        hooks = {name: list(point.fns) for name, point in self._registry.points.items()}
+        devices = sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
+        try:
+            with torch.random.fork_rng(devices=devices):
+                self.hf.eval()
+                yield self
+        finally:
+            for m, training in modes:
+                m.training = training
+            for p, flag in requires:
+                p.requires_grad_(flag)
+            if any(point.fns != hooks[name] for name, point in self._registry.points.items()):
+                for name, point in self._registry.points.items():
+                    point.fns[:] = hooks[name]
+                self._sync_module_hooks()
+
+    @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
         """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
         self._check_attached()
@@ -191,6 +270,9 @@ class HookedModel:
         """Attach a torch hook where a module-level point has listeners; detach it where none are left."""
         for lh in self._layer_hooks:
             lh.refresh()
+        if not self._owns_hf():  # taken over by a newer wrapper: never put hooks on its modules again
+            self._drop_torch_hooks()
+            return
         wanted = {"hook_embed"} if self._registry["hook_embed"] else set()
         for layer in range(self.cfg.n_layers):
             wanted.update(f"blocks.{layer}.{kind}" for kind in _MODULE_KINDS
@@ -261,12 +343,21 @@ class HookedModel:
         texts = [text] if isinstance(text, str) else list(text)
         if not texts or any(not isinstance(t, str) for t in texts):
             raise ValueError(f"to_tokens takes a non-empty string or list of strings; got {text!r}.")
-        tok = self.tokenizer
-        tok.padding_side = "left" if self.cfg.causal else "right"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        enc = tok(texts, return_tensors="pt", padding=True, truncation=max_length is not None, max_length=max_length)
-        return {"input_ids": enc["input_ids"].to(self.device), "attention_mask": enc["attention_mask"].to(self.device)}
+        rows = tokenize(self.tokenizer, texts, max_length=max_length)
+        ids, mask = pad_ids(rows, left=self.cfg.causal, pad_id=self.pad_token_id)
+        return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id put on padded positions (masked out, so any id works): the tokenizer's or config's pad, else
+        its end-of-sequence token, else 0."""
+        for source in (self.tokenizer, self.hf.config):
+            for attr in ("pad_token_id", "eos_token_id"):
+                value = getattr(source, attr, None)
+                value = value[0] if isinstance(value, (list, tuple)) and value else value
+                if isinstance(value, int) and 0 <= value < self.cfg.vocab_size:
+                    return value
+        return 0
 
     def to_str_tokens(self, tokens) -> list[str] | list[list[str]]:
         """Token strings of text, of ids ``(p,)`` or of a batch ``(b, p)`` (a list per sequence)."""
@@ -315,10 +406,15 @@ class HookedModel:
 
     # -- running ---------------------------------------------------------------------------------------
     def __call__(self, inputs, attention_mask=None, **kwargs):
+        """Run the HF model. With padding, a causal model gets ``position_ids = cumsum(mask) - 1`` (as HF's
+        ``generate`` does), so that each left-padded row is computed exactly as if it ran alone; pass
+        ``position_ids`` to override."""
         self._check_attached()
         ids, mask = self._inputs(inputs, attention_mask)
         if self.cfg.causal:
             kwargs.setdefault("use_cache", False)  # analysis needs no KV cache, and hooks must not edit one
+            if mask is not None and self._takes_position_ids and "position_ids" not in kwargs and not bool(mask.all()):
+                kwargs["position_ids"] = padded_positions(mask)
         return self.hf(input_ids=ids, attention_mask=mask, **kwargs)
 
     forward = __call__
@@ -351,6 +447,17 @@ class HookedModel:
                              heads_per_layer=self.cfg.heads_per_layer, kv_heads_per_layer=self.cfg.kv_heads_per_layer)
         return output, ActivationCache(store, meta)
 
+    def save_pretrained(self, folder) -> Path:
+        """Save the HF model and its tokenizer into ``folder`` (``interp.load_model(folder)`` loads it back,
+        pruned heads included). Files get the usual permissions (read for all, as the umask allows), not the
+        owner-only mode that transformers' temporary-file writes leave on the weights."""
+        folder = Path(folder)
+        self.hf.save_pretrained(folder)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder)
+        fix_permissions(folder)
+        return folder
+
     # -- description -----------------------------------------------------------------------------------
     def summary(self) -> dict:
         return {
@@ -375,3 +482,50 @@ class HookedModel:
 def spec_name(layer: int, kind: str) -> str:
     """Concrete name of a per-layer module-level point, e.g. (3, "resid_pre") -> blocks.3.hook_resid_pre."""
     return f"blocks.{layer}.attn.hook_{kind}" if kind == "result" else f"blocks.{layer}.hook_{kind}"
+
+
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids ``(b, p)`` that count only real tokens: ``cumsum(mask) - 1``, 0 on left padding."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pad_ids(rows: Sequence[Sequence[int] | torch.Tensor], left: bool, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token-id sequences into ``input_ids: (b, p)`` and ``attention_mask: (b, p)``, padded on the left
+    (causal models) or the right (encoders).
+
+    >>> pad_ids([[5, 6, 7], [8]], left=True)
+    (tensor([[5, 6, 7],
+            [0, 0, 8]]), tensor([[1, 1, 1],
+            [0, 0, 1]]))
+    """
+    rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(n - len(r), n) if left else slice(0, len(r))
+        ids[i, span], mask[i, span] = r, 1
+    return ids, mask
+
+
+def tokenize(tokenizer, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+    """Token ids of each text, with the tokenizer's special tokens and no padding. The tokenizer's settings
+    are not touched, and its warning about sequences longer than the model is silenced: inputs are checked
+    against the model's positions where they are run, with an error that says what to do."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return tokenizer(list(texts), truncation=max_length is not None, max_length=max_length)["input_ids"]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def fix_permissions(folder) -> None:
+    """Give every file in ``folder`` the mode a new file gets under the process's umask (usually 0644)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

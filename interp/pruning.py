@@ -288,7 +288,7 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def from_pretrained_pruned(auto_class, folder: Path, config, family: Family, attn_key: str,
+def from_pretrained_pruned(model_class, folder: Path, config, family: Family, attn_key: str,
                            dtype: torch.dtype | None) -> torch.nn.Module:
     """Build the model ``config`` describes, slice it as its ``interp_pruned_heads`` says, load the weights."""
     keep = kept_heads(config)
@@ -297,7 +297,8 @@ def from_pretrained_pruned(auto_class, folder: Path, config, family: Family, att
     kwargs = {"attn_implementation": attn_key}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    hf = auto_class.from_config(config, **kwargs)
+    build = getattr(model_class, "from_config", None) or model_class._from_config  # Auto classes, or the class itself
+    hf = build(config, **kwargs)
     slice_heads(hf, family, {int(layer): keep[int(layer)] for layer in record})
     state = _read_state_dict(folder)
     result = hf.load_state_dict(state, strict=False)

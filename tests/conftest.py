@@ -10,6 +10,7 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Ll
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import interp
+from interp.model import padded_positions
 
 VOCAB = 99
 
@@ -64,6 +65,17 @@ def padded_batch(causal: bool, lengths=(10, 7, 4), vocab=VOCAB, seed=0):
             mask[i, :length] = 1
     ids = ids.masked_fill(mask == 0, 0)
     return ids, mask
+
+
+def hf_kwargs(model, mask) -> dict:
+    """What a HookedModel passes to its HF model besides ids and mask: no KV cache for causal models, and with
+    left padding the positions of real tokens (cumsum(mask) - 1), so that a reference HF model gets the same."""
+    if not model.cfg.causal:
+        return {}
+    kwargs = {"use_cache": False}
+    if mask is not None and not bool(mask.all()):
+        kwargs["position_ids"] = padded_positions(mask)
+    return kwargs
 
 
 def main_output(out) -> torch.Tensor:

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, main_output, padded_batch, tiny_hf
+from conftest import TINY_FAMILIES, hf_kwargs, main_output, padded_batch, tiny_hf
 from transformers import AutoModel
 
 import interp
@@ -36,7 +36,7 @@ def _pair(hf, attn, dtype):
 
 
 def _err(ref, ours, ids, mask):
-    kwargs = {"use_cache": False} if ours.cfg.causal else {}
+    kwargs = hf_kwargs(ours, mask)
     with torch.no_grad():
         a = main_output(ref(input_ids=ids, attention_mask=mask, **kwargs)).float()
         b = main_output(ours(ids, mask)).float()

@@ -10,14 +10,14 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, main_output, padded_batch, reference_and_ours, tiny_hf
+from conftest import TINY_FAMILIES, hf_kwargs, main_output, padded_batch, reference_and_ours, tiny_hf
 from transformers import AutoModel
 
 TOL = {"eager": 1e-6, "flash": 1e-5}
 
 
 def _compare(ref, ours, ids, mask):
-    kwargs = {"use_cache": False} if ours.cfg.causal else {}
+    kwargs = hf_kwargs(ours, mask)
     with torch.no_grad():
         expected = main_output(ref(input_ids=ids, attention_mask=mask, **kwargs))
         got = main_output(ours(ids, mask))
@@ -62,7 +62,7 @@ def test_attentions_match_hf_eager(family):
     """The pattern our eager path returns for output_attentions equals HF eager's."""
     ref, ours = reference_and_ours(family, "eager")
     ids, mask = padded_batch(ours.cfg.causal)
-    kwargs = {"use_cache": False} if ours.cfg.causal else {}
+    kwargs = hf_kwargs(ours, mask)
     with torch.no_grad():
         a = ref(input_ids=ids, attention_mask=mask, output_attentions=True, **kwargs).attentions
         b = ours(ids, mask, output_attentions=True).attentions
@@ -77,7 +77,7 @@ def test_training_mode_gradients_match_hf():
         ref, ours = reference_and_ours(copy.deepcopy(hf), attn, ref_impl)
         ids, mask = padded_batch(True)
         ref.train(), ours.hf.train()
-        ref(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+        ref(input_ids=ids, attention_mask=mask, labels=ids, **hf_kwargs(ours, mask)).loss.backward()
         ours(ids, mask, labels=ids).loss.backward()
         for (name, p), q in zip(ref.named_parameters(), ours.hf.parameters()):
             assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), f"{attn}: grad of {name}"
