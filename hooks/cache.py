@@ -158,6 +158,10 @@ class ActivationCache:
         """
         if isinstance(heads, int):
             heads = [heads]
+        n_layers = len(self.meta.scaling) if self.meta is not None else None
+        if not isinstance(layer, int) or isinstance(layer, bool) or n_layers is not None and not 0 <= layer < n_layers:
+            span = f"this model's layers run 0..{n_layers - 1}" if n_layers else "layers are integers"
+            raise IndexError(f"Layer {layer!r} is out of range: {span}.")
         name = f"blocks.{layer}.attn.hook_pattern"
         if name in self._store:
             pattern = self._store[name]

@@ -6,6 +6,7 @@ same shape that the model then computes with. ``hook.name`` and ``hook.layer`` s
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Union
@@ -117,6 +118,7 @@ class HookRegistry:
     def add(self, name_filter: NameFilter, fn: HookFn) -> list[HookHandle]:
         if not callable(fn):
             raise TypeError(f"A hook must be a callable fn(tensor, hook); got {type(fn).__name__}.")
+        _check_signature(fn)
         points = self.resolve(name_filter)
         self._check(points)
         for p in points:
@@ -150,3 +152,18 @@ class HookRegistry:
             yield
         finally:
             self.remove(handles)
+
+
+def _check_signature(fn: HookFn) -> None:
+    """Refuse, when it is added, a hook that cannot be called as ``fn(tensor, hook)``: a mistake such as
+    ``lambda z: z`` would otherwise surface deep inside the forward pass."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: let them through
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(f"Hooks are called as fn(tensor, hook) and may return a replacement tensor; {name}{signature} "
+                        "does not take those two arguments. Write e.g. lambda z, hook: z * 2.") from None
