@@ -14,6 +14,7 @@ ablates head ``i``, as many copies per forward as a memory budget allows.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 
@@ -29,24 +30,41 @@ METHODS = ("zero", "mean", "resample")
 
 
 def all_heads(model) -> list[Head]:
-    """Every ``(layer, head)`` of the model, layer by layer (a pruned model's own head numbers)."""
-    return [(l, h) for l, n in enumerate(model.cfg.heads_per_layer) for h in range(n)]
+    """Every ``(layer, head)`` of the model, layer by layer (a pruned model's own head numbers; the placeholder
+    of a layer that lost every head is not a head)."""
+    return model.cfg.heads()
+
+
+def _is_index(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_heads(model, heads, allow_empty: bool = False) -> list[Head]:
-    """``heads`` as a sorted list of ``(layer, head)`` pairs; clear errors for anything out of range."""
-    if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
+    """``heads`` as a sorted list of ``(layer, head)`` pairs of integers; clear errors for anything else.
+
+    Only integers are layer and head numbers (Python or NumPy ints, not bools, floats or strings): a float
+    such as 1.9 would otherwise be truncated to another head.
+    """
+    if isinstance(heads, tuple) and len(heads) == 2 and all(_is_index(x) for x in heads):
         heads = [heads]
-    try:
-        pairs = [(int(l), int(h)) for l, h in heads]
-    except (TypeError, ValueError):
-        raise TypeError(f"heads must be (layer, head) pairs, e.g. [(0, 1), (1, 3)]; got {heads!r}.") from None
+    form = "heads must be (layer, head) pairs of integers, e.g. [(0, 1), (1, 3)]"
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise ValueError(f"{form}; got {heads!r}.")
+    pairs = []
+    for pair in heads:
+        if not (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2
+                and all(_is_index(x) for x in pair)):
+            raise ValueError(f"{form}; got {pair!r} in {heads!r}.")
+        pairs.append((int(pair[0]), int(pair[1])))
     if not pairs and not allow_empty:
         raise ValueError("The head list is empty; give at least one (layer, head) pair.")
-    counts = model.cfg.heads_per_layer
+    cfg = model.cfg
+    counts = cfg.heads_per_layer
     for l, h in pairs:
         if not 0 <= l < len(counts):
             raise ValueError(f"Layer {l} is out of range in {(l, h)}: layers run 0..{len(counts) - 1}.")
+        if l in cfg.empty_layers:
+            raise ValueError(f"Layer {l} has no heads left (it was pruned empty), so {(l, h)} is not a head.")
         if not 0 <= h < counts[l]:
             raise ValueError(f"Head {h} is out of range in {(l, h)}: layer {l} has heads 0..{counts[l] - 1}.")
     return sorted(set(pairs))
@@ -73,7 +91,7 @@ class _Replacement:
         if method == "zero":
             return
         batch = batch_of(model, reference)
-        with torch.no_grad():
+        with model.studying(), torch.no_grad():
             _, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=_z_names(model))
         for layer in range(model.cfg.n_layers):
             z = cache["z", layer]  # (b, p, h, d)
@@ -216,7 +234,7 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     if heads_per_forward < 1:
         raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
 
-    with torch.no_grad():
+    with model.studying(), torch.no_grad():
         base_hooks = _ablation_hooks(model, _head_masks(model, [ablated]), zero) if ablated else []
         with model.hooks(base_hooks):
             baseline = metric(_run(model, batch), batch)

@@ -43,6 +43,38 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, default=None, help="text file, one prompt a line (token ids for a "
                    "model without a tokenizer)")
     p.add_argument("--seed", type=int, default=0)
+    _threads_option(p)
+
+
+def _threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default="auto", metavar="N|auto",
+                   help="torch CPU threads (default auto: the idle cores, CPUs minus the 1-minute load average, at "
+                        "least 1; on a 2-core machine with one other busy process two threads ran slower than one)")
+
+
+def _set_threads(value: str) -> int:
+    """Set torch's CPU threads from --threads and return the count. ``auto`` takes the cores that are idle now, so
+    that a command on a shared machine does not oversubscribe it (measured in README: CLI)."""
+    import os
+
+    import torch
+
+    if value == "auto":
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cpus = os.cpu_count() or 1
+        busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+        n = max(1, min(torch.get_num_threads(), cpus - busy))
+    else:
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UserError(f"--threads takes a positive integer or 'auto'; got {value!r}")
+    torch.set_num_threads(n)
+    return n
 
 
 def _format_option(p: argparse.ArgumentParser) -> None:
@@ -55,7 +87,9 @@ def _load(args):
     return interp.load_model(args.model, attn=args.attn, device=args.device, dtype=args.dtype)
 
 
-def _prompts(args) -> list[str] | None:
+def _prompts(args, model) -> list[str] | list[list[int]] | None:
+    """The --prompts file, one prompt a line: texts for a model with a tokenizer, else space-separated token
+    ids (any lengths). The one reader of prompt files for every command."""
     if args.prompts is None:
         return None
     try:
@@ -63,10 +97,20 @@ def _prompts(args) -> list[str] | None:
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read prompts file {str(args.prompts)!r}: {err.strerror if isinstance(err, OSError) else err}; "
                         "pass a UTF-8 text file with one prompt a line") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [(i, line.strip()) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not lines:
         raise UserError(f"prompts file {str(args.prompts)!r} has no non-empty line; put one prompt a line")
-    return lines
+    if model.tokenizer is not None:
+        return [line for _, line in lines]
+    return [_id_line(line, f"{args.prompts} line {i}") for i, line in lines]
+
+
+def _id_line(line: str, where: str) -> list[int]:
+    try:
+        return [int(t) for t in line.split()]
+    except ValueError:
+        raise UserError(f"{where}: this model has no tokenizer, so a prompt is space-separated token ids, e.g. "
+                        f"'0 5 17 5'; got {line[:40]!r}") from None
 
 
 def _emit(df, fmt: str) -> None:
@@ -164,7 +208,7 @@ def cmd_heads(args) -> int:
         model = _load(args)
         kinds = args.kinds.split(",") if args.kinds else None
         progress("heads")
-        df = detect_heads(model, kinds=kinds, prompts=_prompts(args), n_prompts=args.n_prompts, seed=args.seed)
+        df = detect_heads(model, kinds=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]
@@ -179,7 +223,7 @@ def cmd_ablate(args) -> int:
     with _Progress(["load", "ablation scan"]) as progress:
         progress("load")
         model = _load(args)
-        inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+        inputs, metric, what = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
         # mean: each head's mean output over these inputs; resample: its output on another input of the batch
         reference = None if args.method == "zero" else inputs if args.method == "mean" else _rolled(inputs)
         progress("ablation scan")
@@ -206,7 +250,7 @@ def cmd_prune(args) -> int:
     with _Progress(["load", "pruning curves"]) as progress:
         progress("load")
         model = _load(args)
-        inputs, metric, what = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+        inputs, metric, what = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
         progress("pruning curves")
         curves = _pruning_curves(model, inputs, metric, args.step, args.seed)
     if args.format == "table":
@@ -225,9 +269,7 @@ def cmd_prune(args) -> int:
                 heads.append((int(r.layer), int(r.head)))
                 left[r.layer] -= 1
         pruned = prune_model(model, heads)
-        pruned.hf.save_pretrained(args.save)
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(args.save)
+        pruned.save_pretrained(args.save)
         print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
               f"{args.save}", file=sys.stderr)
     return 0
@@ -265,6 +307,9 @@ def cmd_plot(args) -> int:
         raise UserError(f"--out {str(args.out)!r} is a folder; give a .png file path")
     if args.out.exists() and not args.force:
         raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
+    if not args.out.parent.is_dir():
+        raise UserError(f"the folder of --out, {str(args.out.parent)!r}, does not exist; create it first "
+                        f"(mkdir -p {args.out.parent})")
     if args.kind == "attention":
         if args.layer is None or args.head is None:
             raise UserError("`interp plot attention` needs --layer and --head, e.g. --layer 1 --head 3")
@@ -273,12 +318,11 @@ def cmd_plot(args) -> int:
         from .report import example_prompt
 
         model = _load(args)
-        prompts = _prompts(args)
-        text = args.text if args.text is not None else example_prompt(model, prompts, args.seed)
+        text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
         if isinstance(text, str) and model.tokenizer is None:
-            from .report import _id_lines
+            import torch
 
-            text = _id_lines([text], model)[0]
+            text = torch.tensor(_id_line(text, "--text"))
         window = tuple(args.window) if args.window else None
         ax = plots.attention_heatmap(model, args.layer, args.head, text, window=window)
     else:
@@ -288,13 +332,14 @@ def cmd_plot(args) -> int:
         elif args.kind == "heads":
             from .heads import detect_heads
 
-            df = detect_heads(_load(args), prompts=_prompts(args), n_prompts=args.n_prompts, seed=args.seed)
+            model = _load(args)
+            df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
             from .ablation import ablation_scan
             from .report import study_inputs
 
             model = _load(args)
-            inputs, metric, _ = study_inputs(model, _prompts(args), n=args.n_prompts, seed=args.seed)
+            inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
             metric_name = metric.name
             df = (ablation_scan(model, inputs, metric) if args.kind == "ablation"
                   else _pruning_curves(model, inputs, metric, args.step, args.seed))
@@ -304,7 +349,6 @@ def cmd_plot(args) -> int:
             ax = plots.ablation_heatmap(df, metric_name=metric_name)
         else:
             ax = plots.pruning_curve_plot(df, metric_name=metric_name)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     ax.figure.savefig(args.out, dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
     print(args.out)
@@ -322,10 +366,6 @@ def cmd_train_toy(args) -> int:
     steps = args.steps if args.steps is not None else inspect.signature(train_toy_model).parameters["steps"].default
     if steps < 1:
         raise UserError(f"--steps must be at least 1; got {steps}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError(f"--threads must be at least 1; got {args.threads}")
-        torch.set_num_threads(args.threads)  # the bundled checkpoint was trained with one thread
     bar, done = None, [0]
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -338,8 +378,7 @@ def cmd_train_toy(args) -> int:
             done[0] = record["step"]
             bar.set_postfix(loss=f"{record['loss']:.3f}", second_copy=f"{record['loss_second_copy']:.3f}")
 
-    threads = f" --threads {args.threads}" if args.threads is not None else ""
-    command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {steps}{threads}"
+    command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {steps} --threads {torch.get_num_threads()}"
     try:
         metrics = train_toy_model(args.out, seed=args.seed, steps=steps, progress=progress, command=command)
     finally:
@@ -358,7 +397,7 @@ def cmd_report(args) -> int:
     try:
         progress("load")
         model = _load(args)
-        summary = write_report(model, args.out, prompts=_prompts(args), seed=args.seed, n_prompts=args.n_prompts,
+        summary = write_report(model, args.out, prompts=_prompts(args, model), seed=args.seed, n_prompts=args.n_prompts,
                                progress=progress)
     finally:
         progress.close()
@@ -436,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="training steps (default: train_toy_model's, 3000)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (the bundled model used 1)")
+    _threads_option(p)
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_train_toy)
 
@@ -454,11 +493,18 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a command's output
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        hint = ""
+        if getattr(args, "model", None) is not None and not extra[0].startswith("-"):
+            hint = f"; the model is an option: `interp {args.command} --model {extra[0]}`"
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
+        if getattr(args, "threads", None) is not None:
+            _set_threads(args.threads)
         return args.func(args)
     except (UserError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError, NotImplementedError,
             ValueError, IndexError, KeyError) as err:

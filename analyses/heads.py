@@ -15,6 +15,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from interp.model import pad_ids, tokenize
+
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, label_heads,
                      order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)
 
@@ -76,9 +78,12 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
             ids = corpus_prompts(model, n_prompts, seq_len, generator)
             sets.append((text_kinds, ids, f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
 
-    frames = [_tally(model, ids, set_kinds, batch_size).frame(n_bootstrap, seed).set_index(["layer", "head"])
-              for set_kinds, ids, _ in sets]
+    with model.studying():
+        frames = [_tally(model, ids, set_kinds, batch_size).frame(n_bootstrap, seed).set_index(["layer", "head"])
+                  for set_kinds, ids, _ in sets]
     df = pd.concat(frames, axis=1).reset_index()
+    real = set(cfg.heads())  # an emptied layer's placeholder head is not scored
+    df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
     df["label"] = label_heads(df, limits)
     df = order_columns(df)
     df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
@@ -96,11 +101,10 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
     lengths = torch.tensor([len(p) for p in prompts])
     order = torch.argsort(lengths, stable=True)  # similar lengths share a batch: less padding
     tally = Tally(kinds, len(prompts), cfg.heads_per_layer, int(lengths.max()))
-    pad_id = getattr(model.tokenizer, "pad_token_id", None) or 0
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             index = order[start:start + batch_size]
-            ids, mask = _pad([prompts[i] for i in index], cfg.causal, pad_id)
+            ids, mask = pad_ids([prompts[i] for i in index], left=cfg.causal, pad_id=model.pad_token_id)
             targets = build_targets(ids, mask, cfg.causal, kinds)
             tally.add_rows(index, targets)
             _score_batch(model, ids, mask, index, targets, tally)
@@ -145,17 +149,6 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> Non
     raise RuntimeError("The last layer's attention hook did not fire; the model skipped interp's attention.")
 
 
-def _pad(rows: list[torch.Tensor], causal: bool, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D id tensors into (b, p) with padding on the left (causal) or right, and the (b, p) mask."""
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        span = slice(n - len(r), n) if causal else slice(0, len(r))
-        ids[i, span], mask[i, span] = r, 1
-    return ids, mask
-
-
 # -- inputs ----------------------------------------------------------------------------------------------
 def prompt_ids(model, prompts) -> list[torch.Tensor]:
     """The user's prompts as a list of 1-D id tensors, checked against the model's positions and vocabulary."""
@@ -172,9 +165,13 @@ def prompt_ids(model, prompts) -> list[torch.Tensor]:
     if any(isinstance(p, str) for p in prompts):
         if not all(isinstance(p, str) for p in prompts):
             raise ValueError("prompts mixes texts and token ids; give one kind.")
+        blank = [i for i, p in enumerate(prompts) if not p.strip()]
+        if blank:
+            raise ValueError(f"prompt {blank[0]} is empty or only whitespace ({prompts[blank[0]]!r}); every prompt "
+                             "needs some text.")
         if model.tokenizer is None:
             raise ValueError("This model has no tokenizer, so text prompts cannot be scored; give token ids.")
-        prompts = model.tokenizer(list(prompts))["input_ids"]
+        prompts = tokenize(model.tokenizer, list(prompts))
     out = []
     cfg = model.cfg
     for i, p in enumerate(prompts):

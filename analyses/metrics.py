@@ -222,7 +222,7 @@ def embedding_similarity(model, inputs, seed: int = 0) -> Metric:
     """Metric for encoders: mean cosine similarity of the mean-pooled embeddings of ``inputs`` to the ones the
     model gives now, unablated (so 1.0 before any ablation). ``seed`` fixes the probe directions of its loss."""
     batch = batch_of(model, inputs)
-    with torch.no_grad():
+    with model.studying(), torch.no_grad():
         hidden = _main_output(model(batch["input_ids"], batch["attention_mask"])).float()
     reference = F.normalize(mean_pool(hidden, _mask(batch)), dim=-1)
     return _EmbeddingSimilarity(reference, batch["input_ids"], seed)

@@ -61,30 +61,21 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     def gate(z, point):  # z: (b, p, h, d)
         return z * (gates[point.layer] * keep[point.layer])[:, None, :, None]
 
-    hf = model.hf
-    modes = {m: m.training for m in hf.modules()}
-    requires = {p: p.requires_grad for p in hf.parameters()}
-    try:
-        hf.eval()
-        for p in requires:
-            p.requires_grad_(False)
-        with torch.enable_grad(), model.hooks([(lambda n: n.endswith("attn.hook_z"), gate)]):
+    with model.studying(), torch.enable_grad():
+        for p in model.hf.parameters():
+            p.requires_grad_(False)  # gradients for the gates only; studying() restores the flags
+        with model.hooks([(lambda n: n.endswith("attn.hook_z"), gate)]):
             value = loss_fn(model(batch["input_ids"], batch["attention_mask"]), batch)
-            if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
-            total = value.sum() if value.ndim == 1 else value * b
-            grads = torch.autograd.grad(total, gates, allow_unused=True)
-    finally:
-        for m, training in modes.items():
-            m.training = training
-        for p, flag in requires.items():
-            p.requires_grad_(flag)
+        if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
+        total = value.sum() if value.ndim == 1 else value * b
+        grads = torch.autograd.grad(total, gates, allow_unused=True)
 
     rows = []
     for l, (g, n) in enumerate(zip(grads, counts)):
         raw = torch.zeros(n) if g is None else g.detach().abs().float().mean(0).cpu()  # (h,)
-        live = [h for h in range(n) if (l, h) not in ablated]
+        live = [h for h in range(n) if (l, h) not in ablated and l not in model.cfg.empty_layers]
         norm = float(raw[live].norm()) if live else 0.0
         for h in live:
             rows.append({"layer": l, "head": h, "importance": float(raw[h]) / norm if norm > 0 else 0.0,
@@ -153,6 +144,15 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     if order == "random" and not len(seeds):
         raise ValueError("order='random' needs at least one seed.")
     batch = batch_of(model, inputs)
+    with model.studying():
+        df = _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction,
+                     higher_is_better, normalize)
+    df.attrs["metric"] = metric.name  # for plot titles
+    return df
+
+
+def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction, higher_is_better,
+            normalize) -> pd.DataFrame:
     heads = all_heads(model)
     rows = []
     for seed in (seeds if order == "random" else [None]):
@@ -174,7 +174,6 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
                 break
             pruned += chosen
     df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
-    df.attrs["metric"] = metric.name  # for plot titles
     df["seed"] = df["seed"].astype("Int64")
     return df
 
@@ -207,7 +206,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     Grouped-query attention: a KV head goes only when all its query heads go; when groups keep unequal numbers
     of heads, KV heads are duplicated so each serves the same number (rule in ``interp/pruning.py``). A layer
     loses every head only with ``allow_empty_layers=True`` (it keeps one zeroed placeholder head).
-    Save with ``pruned.hf.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
+    Save with ``pruned.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the kept heads in ``interp_pruned_heads``).
     """
     heads = check_heads(model, heads)

@@ -21,6 +21,7 @@ matplotlib.use("Agg")  # noqa: E402  (a report never opens a window)
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from interp.model import pad_ids  # noqa: E402
 
 from .ablation import ablation_scan  # noqa: E402
 from .heads import corpus_sentences, detect_heads  # noqa: E402
@@ -29,17 +30,17 @@ from .plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning
 from .pruning import curve_summary, pruning_curve  # noqa: E402
 from .toy import repeated_sequences  # noqa: E402
 
-__all__ = ["study_inputs", "example_prompt", "write_report", "REPORT_FILES"]
+__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
 REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
 _SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
 
 
-def study_inputs(model, prompts: list[str] | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
+def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
     """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
 
-    prompts: lines of text (or of space-separated token ids for a model without a tokenizer). None: the
-    project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
+    prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
+    the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
     with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
     and for encoders the embedding similarity to the unablated model.
     """
@@ -53,29 +54,26 @@ def study_inputs(model, prompts: list[str] | None = None, n: int = 32, seed: int
         what = f"the first {len(prompts)} of the project's sentences"
     else:
         what = f"{len(prompts)} given prompts"
-    if model.tokenizer is None:
-        inputs = _id_lines(prompts, model)
-    else:
-        inputs = model.to_tokens(prompts)
+    inputs = prompt_batch(model, prompts)
     if model.cfg.causal:
         return inputs, lm_loss, what
     return inputs, embedding_similarity(model, inputs), what
 
 
-def _id_lines(lines: list[str], model) -> torch.Tensor:
-    try:
-        rows = [[int(t) for t in line.split()] for line in lines]
-    except ValueError:
-        raise ValueError("This model has no tokenizer: each prompt line must be space-separated token ids.") from None
-    if len({len(r) for r in rows}) != 1:
-        raise ValueError("Token-id prompts for a model without a tokenizer must all have the same length.")
-    return torch.tensor(rows)
+def prompt_batch(model, prompts: list) -> dict:
+    """Texts or token-id sequences as one padded batch ``{"input_ids", "attention_mask"}``."""
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return model.to_tokens(prompts)
+    if not prompts or any(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of texts or of token-id sequences, not a mix.")
+    ids, mask = pad_ids(prompts, left=model.cfg.causal, pad_id=model.pad_token_id)
+    return {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
 
 
-def example_prompt(model, prompts: list[str] | None = None, seed: int = 0):
+def example_prompt(model, prompts: list | None = None, seed: int = 0):
     """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence."""
     if prompts:
-        return prompts[0] if model.tokenizer is not None else _id_lines(prompts[:1], model)[0]
+        return prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
     if model.tokenizer is not None:
         return "The quick brown fox jumps over the lazy dog, and the quick brown fox runs away."
     generator = torch.Generator().manual_seed(seed)

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from interp.model import fix_permissions
+
 __all__ = ["repeated_sequences", "toy_config", "train_toy_model", "copy_losses", "main"]
 
 BOS_TOKEN_ID = 0
@@ -225,6 +227,7 @@ def train_toy_model(
         command = f"train_toy_model({str(out_dir)!r}, {args})"
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    fix_permissions(out_dir)
     (out_dir / "TRAINING.md").write_text(_training_md(config, hparams, metrics, history, command))
     return metrics
 
