@@ -95,8 +95,11 @@ def test_layer_and_head_out_of_range(gpt2):
     _, cache = gpt2.run_with_cache(torch.arange(1, 4))
     with pytest.raises(IndexError, match=r"Heads of layer 1 run 0\.\.3; got \[4\]"):
         cache.pattern(1, heads=[4])
-    with pytest.raises(KeyError, match="needs blocks.5.attn.hook_q"):
+    with pytest.raises(IndexError, match=r"Layer 5 is out of range: this model's layers run 0\.\.1"):
         cache.pattern(5)
+    _, partial = gpt2.run_with_cache(torch.arange(1, 4), names=["blocks.0.attn.hook_q"])
+    with pytest.raises(KeyError, match="needs blocks.1.attn.hook_q and hook_k"):
+        partial.pattern(1)
     assert no_torch_hooks(gpt2.hf)
 
 
