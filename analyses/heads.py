@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from interp.model import pad_ids, tokenize
+from interp.inputs import pad_ids, tokenize
 
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, label_heads,
                      order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)

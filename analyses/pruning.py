@@ -25,7 +25,7 @@ from interp import HookedModel
 from interp.pruning import kept_heads, plan_layer, slice_heads
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
-from .metrics import as_metric, batch_of
+from .metrics import _main_output, as_metric, batch_of
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
 
@@ -227,5 +227,26 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
         raise ValueError(f"This would prune every head of layer(s) {emptied}. Keep at least one head per layer, or "
                          "pass allow_empty_layers=True (the layer's attention output is then only its bias).")
     hf = copy.deepcopy(model.hf)
-    slice_heads(hf, model.family, keep)
-    return HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
+    slice_heads(hf, model.structure, keep)
+    pruned = HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
+    _check_pruned(model, pruned, heads)
+    return pruned
+
+
+def _check_pruned(model, pruned, heads, tol: float = 1e-4) -> None:
+    """The pruned model must compute what zero-ablating the heads computes. Some attention modules read head
+    counts from the shared config (Phi-3 splits its fused q/k/v by ``config.num_attention_heads``) and cannot
+    run sliced per layer: refuse them by name instead of returning a model that computes something else."""
+    ids = torch.randint(min(4, model.cfg.vocab_size - 1), model.cfg.vocab_size, (1, 7),
+                        generator=torch.Generator().manual_seed(0))
+    with model.studying(), pruned.studying(), torch.no_grad():
+        with ablate_heads(model, heads):
+            expected = _main_output(model(ids)).float()
+        got = _main_output(pruned(ids)).float()
+    err = float((got - expected).abs().max())
+    if not err <= tol * max(1.0, float(expected.abs().max())):
+        raise NotImplementedError(
+            f"Pruning this {model.cfg.family} model does not give the zero-ablated model (max difference {err:.3g}): "
+            f"its attention module ({type(model._attn_modules[0]).__name__}) reads head counts that per-layer "
+            "slicing cannot change. Use ablate_heads to remove these heads instead."
+        )

@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # noqa: E402  (a report never opens a window)
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from interp.model import pad_ids  # noqa: E402
+from interp.inputs import pad_ids  # noqa: E402
 
 from .ablation import ablation_scan  # noqa: E402
 from .heads import corpus_sentences, detect_heads  # noqa: E402

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from interp.model import fix_permissions
+from interp.inputs import fix_permissions
 
 __all__ = ["repeated_sequences", "toy_config", "train_toy_model", "copy_losses", "main"]
 

@@ -18,10 +18,14 @@ _SHORT = {spec.short: spec for spec in HOOK_TABLE}
 class AttentionMeta:
     """What is needed to rebuild attention patterns from cached q and k, exactly as the eager path does.
 
-    scaling: per layer, the module's own score scale.
+    scaling: per layer, the score scale the model passed to its attention.
+    causal: every layer is causal (used when ``windows`` is None).
     attention_mask: (b, k) with 1 for real tokens, or None for no padding.
     heads_per_layer, kv_heads_per_layer: per-layer head counts when layers differ (pruned models);
     None means ``n_heads``/``n_kv_heads`` in every layer.
+    windows: per layer, (keys before, keys after) the query that it may see, None for unbounded (a causal layer
+    has after 0; a sliding window of W keys is (W - 1, 0)).
+    softcaps: per layer, the logit soft-cap or None. sinks: layer -> (h,) sink logits, for layers with sinks.
     """
 
     scaling: list[float]
@@ -32,12 +36,23 @@ class AttentionMeta:
     extra: dict = field(default_factory=dict)
     heads_per_layer: tuple[int, ...] | None = None
     kv_heads_per_layer: tuple[int, ...] | None = None
+    windows: list[tuple[int | None, int | None]] | None = None
+    softcaps: list[float | None] | None = None
+    sinks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def heads(self, layer: int) -> tuple[int, int]:
         """(query heads, key/value heads) of ``layer``."""
         if self.heads_per_layer is None:
             return self.n_heads, self.n_kv_heads
         return self.heads_per_layer[layer], self.kv_heads_per_layer[layer]
+
+    def window(self, layer: int) -> tuple[int | None, int | None]:
+        if self.windows is None:
+            return (None, 0 if self.causal else None)
+        return self.windows[layer]
+
+    def softcap(self, layer: int) -> float | None:
+        return None if self.softcaps is None else self.softcaps[layer]
 
 
 class ActivationCache:
@@ -112,8 +127,10 @@ class ActivationCache:
             return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None)
 
         meta = self.meta
-        if meta is not None and meta.attention_mask is not None:
-            meta = AttentionMeta(**{**meta.__dict__, "attention_mask": meta.attention_mask.to(device)})
+        if meta is not None:
+            mask = None if meta.attention_mask is None else meta.attention_mask.to(device)
+            meta = AttentionMeta(**{**meta.__dict__, "attention_mask": mask,
+                                    "sinks": {l: t.to(device) for l, t in meta.sinks.items()}})
         return ActivationCache({k: move(v) for k, v in self._store.items()}, meta)
 
     # -- stacking ------------------------------------------------------------------------------------
@@ -183,26 +200,45 @@ class ActivationCache:
         q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
         k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
         scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[layer]
-        mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device)
+        softcap = meta.softcap(layer)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device, layer)
         if mask is not None:
             scores = scores + mask
+        if layer in meta.sinks:  # the sink column joins each row and is dropped after the softmax
+            sinks = meta.sinks[layer].to(scores.dtype)[heads].reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            combined = torch.cat([scores, sinks], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
 
 
-def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device) -> torch.Tensor | None:
-    """Boolean ``(b or 1, 1, q, k)``: which keys each query may attend to, or None for all."""
+def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device, layer: int | None = None) -> torch.Tensor | None:
+    """Boolean ``(b or 1, 1, q, k)``: which keys each query may attend to in ``layer``, or None for all.
+
+    Queries are the last ``n_q`` of the ``n_k`` positions; the layer's window bounds how far before and after
+    the query a key may be (causal: none after), and padded keys are never allowed.
+    """
+    before, after = meta.window(layer) if layer is not None else (None, 0 if meta.causal else None)
     allowed = None
-    if meta.causal:
-        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(n_k - n_q)[None, None]
+    if before is not None or after is not None:
+        offset = torch.arange(n_k, device=device)[None] - (torch.arange(n_q, device=device)[:, None] + n_k - n_q)
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+        if before is not None:
+            allowed &= offset >= -before
+        if after is not None:
+            allowed &= offset <= after
+        allowed = allowed[None, None]
     if meta.attention_mask is not None:
         pad = meta.attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
         allowed = pad if allowed is None else allowed & pad
     return allowed
 
 
-def additive_mask(meta: AttentionMeta, n_q: int, n_k: int, dtype, device) -> torch.Tensor | None:
+def additive_mask(meta: AttentionMeta, n_q: int, n_k: int, dtype, device, layer: int | None = None) -> torch.Tensor | None:
     """HF eager's additive mask: 0 where allowed, the dtype's minimum elsewhere."""
-    allowed = allowed_keys(meta, n_q, n_k, device)
+    allowed = allowed_keys(meta, n_q, n_k, device, layer)
     if allowed is None:
         return None
     zero = torch.zeros((), dtype=dtype, device=device)

@@ -1,7 +1,8 @@
 """The one table of hook names, with the shape and meaning of what each one carries.
 
 Axis glossary: ``b`` batch, ``p`` position, ``q`` query position, ``k`` key position, ``h`` head,
-``g`` key/value head (grouped-query attention), ``d`` head dim, ``m`` d_model.
+``g`` key/value head (grouped-query attention), ``d`` query/key head dim, ``e`` value head dim (equal to ``d``
+except in multi-head latent attention), ``m`` d_model.
 
 Names follow TransformerLens. Where our meaning differs from TransformerLens, ``meaning`` says so.
 Tests read this table: every name must fire once per layer with the documented shape.
@@ -53,52 +54,59 @@ HOOK_TABLE: tuple[HookSpec, ...] = (
     HookSpec(
         "blocks.{l}.hook_resid_mid",
         "(b, p, m)",
-        "residual stream between attention and MLP (pre-LN families: the input of the second norm, "
-        "observe only; BERT: the attention block's normed output)",
+        "residual stream between the attention and MLP sublayers (pre-norm blocks: the input of the module "
+        "after attention, observe only; post-norm blocks such as BERT: the attention sublayer's normed output). "
+        "Parallel blocks (GPT-NeoX, Phi, Cohere) have none: attention and MLP read the same input",
         optional=True,
     ),
     HookSpec("blocks.{l}.hook_resid_post", "(b, p, m)", "residual stream leaving block l"),
     HookSpec(
         "blocks.{l}.hook_attn_out",
         "(b, p, m)",
-        "attention output after the output projection (BERT: before its residual add and LayerNorm)",
+        "attention output: the output projection's output, before any norm the block applies to it (Gemma 2/3, "
+        "OLMo2) and before the residual add (and BERT's LayerNorm)",
     ),
     HookSpec(
         "blocks.{l}.hook_mlp_out",
         "(b, p, m)",
-        "MLP output (BERT: before its residual add and LayerNorm)",
+        "MLP output, before any norm the block applies to it and before the residual add",
         optional=True,
     ),
     HookSpec(
         "blocks.{l}.attn.hook_q",
         "(b, p, h, d)",
-        "queries as the attention kernel sees them: after RoPE (TransformerLens: before rotary)",
+        "queries as the attention kernel sees them: after RoPE and q-norms (TransformerLens: before rotary)",
     ),
     HookSpec(
         "blocks.{l}.attn.hook_k",
         "(b, p, g, d)",
         "keys as the kernel sees them: after RoPE, in key/value heads for GQA (TransformerLens: before rotary)",
     ),
-    HookSpec("blocks.{l}.attn.hook_v", "(b, p, g, d)", "values, in key/value heads for GQA"),
+    HookSpec("blocks.{l}.attn.hook_v", "(b, p, g, e)", "values, in key/value heads for GQA"),
     HookSpec(
         "blocks.{l}.attn.hook_attn_scores",
         "(b, h, q, k)",
-        "scaled and masked scores before softmax (masked entries hold the dtype's minimum); eager only",
+        "scaled (and soft-capped) masked scores before softmax (masked entries hold the dtype's minimum); "
+        "eager only",
         eager_only=True,
     ),
-    HookSpec("blocks.{l}.attn.hook_pattern", "(b, h, q, k)", "attention pattern, softmax of the scores; eager only",
+    HookSpec("blocks.{l}.attn.hook_pattern", "(b, h, q, k)",
+             "attention pattern, softmax of the scores; with attention sinks (GPT-OSS) the sink's share is left "
+             "out, so rows sum to less than 1; eager only",
              eager_only=True),
-    HookSpec("blocks.{l}.attn.hook_z", "(b, p, h, d)", "per-head output, pattern @ v, before the output projection"),
+    HookSpec("blocks.{l}.attn.hook_z", "(b, p, h, e)", "per-head output, pattern @ v, before the output projection"),
     HookSpec(
         "blocks.{l}.attn.hook_lse",
         "(b, h, q)",
-        "fp32 logsumexp of each query row's scores (not in TransformerLens); any weight is exp(score - lse)",
+        "fp32 logsumexp of each query row's scores, the sink included (not in TransformerLens); any weight is "
+        "exp(score - lse)",
     ),
     HookSpec(
         "blocks.{l}.attn.hook_result",
         "(b, p, h, m)",
         "per-head output projected to d_model, without the output bias; they sum to attn_out minus the bias",
         opt_in=True,
+        optional=True,
     ),
 )
 

@@ -1,13 +1,18 @@
 """Our attention step, registered with transformers' attention interface under two keys.
 
-HF keeps its weights, projections and RoPE and calls us with ``query: (b, h, q, d)`` and
-``key, value: (b, g, k, d)``; we return ``(out: (b, q, h, d), pattern or None)``.
+HF keeps its weights, projections and RoPE and calls us with ``query: (b, h, q, d)``, ``key: (b, g, k, d)`` and
+``value: (b, g, k, e)``; we return ``(out: (b, q, h, e), pattern or None)``.
 
-- ``eager`` (key ``interp_exact``) mirrors HF's ``eager_attention_forward`` step by step (repeat_kv, scale,
-  additive mask, fp32 softmax, transpose), so that with no hooks it equals HF eager exactly, and it fires
-  every attention hook inside the computation: an edit to q, scores, pattern or z changes what follows.
-- ``flash`` (key ``interp_fused``) runs a fused kernel that also returns each row's logsumexp and never
-  builds the n x n matrix; it fires q, k, v, z and lse.
+- ``eager`` (key ``interp_exact``) mirrors HF's eager attention step by step (repeat_kv, scale, soft-cap,
+  additive mask, fp32 softmax or the attention-sink softmax, transpose), so that with no hooks it equals HF
+  eager exactly, and it fires every attention hook inside the computation: an edit to q, scores, pattern or z
+  changes what follows.
+- ``flash`` (key ``interp_fused``) runs a kernel that also returns each row's logsumexp and never builds the
+  n x n matrix (``interp.kernels``); it fires q, k, v, z and lse.
+
+What the model passes is what we compute with: the score scale comes from the call (``scaling``), as do the
+soft-cap (``softcap``) and attention sinks (``s_aux``); sliding windows arrive inside the mask. Any other
+keyword argument that could change the math is refused by name rather than ignored.
 
 Key names contain neither "flash" nor "sdpa": HF matches those substrings and would take over dispatch.
 """
@@ -23,21 +28,30 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from hooks import HookPoint
 
-__all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "attached_layer_hooks", "detach_layer_hooks",
-           "eager_attention", "flash_attention", "fused_attention", "REFUSED_KWARGS"]
+from .kernels import fused_attention, repeat_kv
+
+__all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "attached_layer_hooks",
+           "detach_layer_hooks", "eager_attention", "flash_attention", "fused_attention", "repeat_kv",
+           "REFUSED_KWARGS", "Recording"]
 
 EAGER_KEY = "interp_exact"
 FLASH_KEY = "interp_fused"
 ATTN_KEYS = {"eager": EAGER_KEY, "flash": FLASH_KEY}
 
-# Keyword arguments some models pass that change the attention math; we do not implement them.
+# Keyword arguments that change the attention math in a way we do not implement.
 REFUSED_KWARGS = {
-    "softcap": "logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "position_bias": "an additive position bias (T5/ALiBi-style)",
-    "sliding_window": "sliding-window attention",
+    "position_bias": "an additive position bias (T5-style relative positions)",
+    "alibi": "ALiBi position bias",
 }
+# Keyword arguments models pass that do not change what this function computes: bookkeeping for other
+# backends (flash-attn's varlen arguments, cache positions) or for the model, and the sliding window, which
+# HF's mask functions already apply to the mask we receive.
+_PASSTHROUGH = frozenset({
+    "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "layer_idx",
+    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "query_length", "deterministic",
+    "sliding_window", "is_causal", "encoder_hidden_states", "head_mask", "token_type_ids",
+})
 
 
 class LayerHooks:
@@ -88,13 +102,43 @@ def _active_hooks(module: torch.nn.Module) -> LayerHooks | None:
     return hooks if hooks is not None and hooks.any else None
 
 
-def _refuse(kwargs: dict) -> None:
-    for key, what in REFUSED_KWARGS.items():
-        if kwargs.get(key) is not None:
-            raise NotImplementedError(
-                f"This model asked for {what} ({key}={kwargs[key]!r}), which interp's attention does not implement; "
-                "computing without it would silently give a different pattern. Use a model without it."
-            )
+# -- recording a probe forward (structure discovery) -------------------------------------------------------
+class Recording:
+    """While active (``with Recording() as rec``), every attention call is recorded in ``rec.calls`` and
+    every mask our mask functions build in ``rec.masks`` (id of the mask -> HF's mask function), with mask
+    shortcuts switched off, so that each layer's mask can be traced back to the function that made it."""
+
+    active: Recording | None = None
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.masks: dict[int, object] = {}
+
+    def __enter__(self) -> Recording:
+        Recording.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Recording.active = None
+
+
+def _record(module, query, key, value, attention_mask, out, scaling, softcap, sinks, kwargs) -> None:
+    Recording.active.calls.append(dict(
+        module=module, query=query, key=key, value=value, out=out, mask=attention_mask, scaling=scaling,
+        softcap=softcap, sinks=None if sinks is None else sinks.detach(), sliding_window=kwargs.get("sliding_window"),
+    ))
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if value is None or key in _PASSTHROUGH:
+            continue
+        what = REFUSED_KWARGS.get(key, "an argument interp's attention does not know")
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        raise NotImplementedError(
+            f"This model passes {what} ({key}={shown}) to its attention function, which interp's attention does "
+            "not implement; computing without it would silently give a different pattern, so it is refused."
+        )
 
 
 def _fire_qkv(hooks: LayerHooks, query, key, value):
@@ -108,17 +152,16 @@ def _fire_qkv(hooks: LayerHooks, query, key, value):
     return query, key, value
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(b, g, k, d) -> (b, g * n_rep, k, d), each key/value head serving n_rep query heads."""
-    if n_rep == 1:
-        return x
-    b, g, k, d = x.shape
-    return x[:, :, None].expand(b, g, n_rep, k, d).reshape(b, g * n_rep, k, d)
+# -- the two paths ---------------------------------------------------------------------------------------
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
+                    **kwargs):
+    """HF's eager attention, with our hooks inside. query: (b, h, q, d); key: (b, g, k, d); value: (b, g, k, e).
 
-
-def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """HF's eager attention, with our hooks inside. query: (b, h, q, d); key, value: (b, g, k, d)."""
-    _refuse(kwargs)
+    softcap: Gemma 2's ``tanh(s / softcap) * softcap`` on the scaled scores, before the mask. s_aux: one sink
+    logit per head (GPT-OSS): a column appended to every row's scores before the softmax and dropped after it,
+    so that the pattern's rows sum to less than 1.
+    """
+    _check_kwargs(kwargs)
     hooks = _active_hooks(module)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
@@ -129,26 +172,44 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     key_states = repeat_kv(key, n_rep)
     value_states = repeat_kv(value, n_rep)
     scores = torch.matmul(query, key_states.transpose(2, 3)) * scaling  # (b, h, q, k)
+    if softcap is not None:
+        scores = scores / softcap
+        scores = torch.tanh(scores)
+        scores = scores * softcap
     if attention_mask is not None:
         scores = scores + attention_mask
-    if hooks is not None:
-        if hooks.attn_scores:
-            scores = hooks.attn_scores(scores)
-        if hooks.lse:
+    if hooks is not None and hooks.attn_scores:
+        scores = hooks.attn_scores(scores)
+    if s_aux is None:
+        if hooks is not None and hooks.lse:
             hooks.lse(torch.logsumexp(scores.float(), dim=-1))
-    pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, q, k)
+        pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, q, k)
+    else:  # as GPT-OSS: the sink logit joins each row, the row max is subtracted, the sink column is dropped
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+        combined = torch.cat([scores, sinks], dim=-1)
+        if hooks is not None and hooks.lse:
+            hooks.lse(torch.logsumexp(combined.float(), dim=-1))
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        pattern = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
     if hooks is not None and hooks.pattern:
         pattern = hooks.pattern(pattern)
-    attn = F.dropout(pattern, p=dropout, training=module.training)
-    out = torch.matmul(attn, value_states).transpose(1, 2).contiguous()  # (b, q, h, d)
+    attn = F.dropout(pattern, p=dropout, training=module.training).to(value_states.dtype)
+    out = torch.matmul(attn, value_states).transpose(1, 2).contiguous()  # (b, q, h, e)
     if hooks is not None and hooks.z:
         out = hooks.z(out)
+    if Recording.active is not None:
+        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs)
     return out, pattern
 
 
-def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None, **kwargs):
-    """Fused attention that never builds the n x n matrix. Same arguments as ``eager_attention``."""
-    _refuse(kwargs)
+def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                    softcap=None, s_aux=None, **kwargs):
+    """Attention that never builds the n x n matrix. Same arguments as ``eager_attention``.
+
+    With attention sinks the output is exact from the logsumexp: the sink takes ``sigmoid(sink - lse)`` of
+    each row, so ``out * sigmoid(lse - sink)``, and the row's logsumexp becomes ``logaddexp(lse, sink)``.
+    """
+    _check_kwargs(kwargs)
     hooks = _active_hooks(module)
     if hooks is not None:
         if hooks.attn_scores or hooks.pattern:
@@ -166,122 +227,37 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     if causal and key.shape[2] > query.shape[2]:  # prefill into a larger static cache, as HF does
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
 
-    need_lse = hooks is not None and bool(hooks.lse)
-    out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse)
-    if need_lse:
+    need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
+    out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
+    if s_aux is not None:
+        sink = s_aux.float().reshape(1, -1, 1)  # (1, h, 1)
+        out = out * torch.sigmoid(lse - sink)[..., None].to(out.dtype)
+        lse = torch.logaddexp(lse, sink)
+    if hooks is not None and hooks.lse:
         hooks.lse(lse)
-    out = out.transpose(1, 2).contiguous()  # (b, q, h, d)
+    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
     if hooks is not None and hooks.z:
         out = hooks.z(out)
+    if Recording.active is not None:
+        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs)
     return out, None
 
 
-def fused_attention(query, key, value, mask, scale: float, dropout: float = 0.0, causal: bool = False,
-                    need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """softmax(scale * q k^T + mask) v and the per-row fp32 logsumexp, from a fused kernel.
+# -- masks -----------------------------------------------------------------------------------------------
+def _recorded(mask_fn):
+    """Wrap a mask function: while a Recording is active, never skip building the mask, and remember which of
+    HF's mask functions (causal, sliding window, bidirectional, ...) made each mask."""
 
-    query: (b, h, q, d); key, value: (b, g, k, d) with h a multiple of g; mask: additive, broadcastable
-    to (b, h, q, k), or None. Returns out: (b, h, q, d) and lse: (b, h, q) (None when not available).
-    """
-    if dropout > 0.0:
-        if need_lse:
-            raise NotImplementedError(
-                "hook_lse is not available with attention dropout (training mode): the kernels that apply "
-                "dropout do not return the logsumexp. Call model.hf.eval() or use the eager path."
-            )
-        n_rep = query.shape[1] // key.shape[1]
-        out = F.scaled_dot_product_attention(query, repeat_kv(key, n_rep), repeat_kv(value, n_rep),
-                                             attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
-        return out, None
-    if query.device.type == "cuda":
-        out, lse = _fused_cuda(query, key, value, mask, scale, causal)
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=mask, scale=scale
-        )
-        lse = lse.float()
-    if need_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        lse = _LogSumExp.apply(query, key, lse, mask, scale, causal)
-    return out, lse
+    def build(*args, **kwargs):
+        recording = Recording.active
+        if recording is not None:
+            kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        mask = mask_fn(*args, **kwargs)
+        if recording is not None and mask is not None:
+            recording.masks[id(mask)] = kwargs.get("mask_function")
+        return mask
 
-
-class _LogSumExp(torch.autograd.Function):
-    """The kernels' logsumexp, which they return without a gradient, given its gradient.
-
-    With P the pattern, d lse_i = scale * sum_j P_ij (dq_i . k_j + q_i . dk_j), so for an upstream gradient g:
-    dq = scale * g * (P k), an attention whose values are the keys, and dk = scale * P^T (g q), the gradient an
-    attention passes to its values. Both run through the fused kernel: no n x n matrix in backward either.
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, lse, mask, scale, causal):
-        ctx.save_for_backward(query, key, mask)
-        ctx.scale, ctx.causal = scale, causal
-        return lse.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # grad: (b, h, q)
-        query, key, mask = ctx.saved_tensors
-        query, key = query.detach(), key.detach()
-        g = ctx.scale * grad.to(query.dtype)[..., None]  # (b, h, q, 1)
-        dq = dk = None
-        if ctx.needs_input_grad[0]:
-            p_k, _ = fused_attention(query, key, key, mask, ctx.scale, causal=ctx.causal, need_lse=False)
-            dq = g * p_k
-        if ctx.needs_input_grad[1]:
-            with torch.enable_grad():
-                values = torch.zeros_like(key, requires_grad=True)
-                n_rep = query.shape[1] // key.shape[1]
-                out, _ = fused_attention(query, repeat_kv(key, n_rep), repeat_kv(values, n_rep), mask, ctx.scale,
-                                         causal=ctx.causal, need_lse=False)
-                (dk,) = torch.autograd.grad(out, values, g * query)
-        return dq, dk, None, None, None, None
-
-
-def _fused_cuda(query, key, value, mask, scale, causal):
-    """flash-attn when installed, else PyTorch's flash or memory-efficient kernel; both return the LSE."""
-    n_rep = query.shape[1] // key.shape[1]
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    if mask is None and half and query.shape[-1] <= 256:
-        flash_attn_func = _flash_attn_func()
-        if flash_attn_func is not None:  # native GQA; layout (b, p, h, d)
-            out, lse, _ = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                          softmax_scale=scale, causal=causal, return_attn_probs=True)
-            return out.transpose(1, 2), lse.float()
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), 0.0, causal, False, scale=scale
-        )
-        return out, lse.float()
-    bias = None
-    if mask is not None:
-        b, h, q, _ = query.shape
-        # A fully masked (padding) query row would give NaN in the memory-efficient kernel, and NaN * 0
-        # would then leak into real rows through the padded keys: let such rows attend everywhere
-        # instead (as HF's _unmask_unattended did). Their output is never a real token's.
-        bias = mask.masked_fill(torch.isinf(mask).all(-1, keepdim=True), 0.0)
-        bias = bias.to(query.dtype).expand(b, h, q, key.shape[2])
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), bias, True, 0.0, causal, scale=scale
-    )
-    return out, lse[:, :, : query.shape[2]].float()
-
-
-_FLASH_ATTN = []
-
-
-def _flash_attn_func():
-    if not _FLASH_ATTN:
-        try:
-            from flash_attn import flash_attn_func
-        except ImportError:
-            flash_attn_func = None
-        _FLASH_ATTN.append(flash_attn_func)
-    return _FLASH_ATTN[0]
-
-
-def cuda_backend() -> str:
-    """Which fused kernel the flash path uses on CUDA for unmasked half-precision input."""
-    return "flash_attn" if _flash_attn_func() is not None else "torch-flash"
+    return build
 
 
 def _fused_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
@@ -302,8 +278,8 @@ def _fused_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attent
 def _register() -> None:
     AttentionInterface.register(EAGER_KEY, eager_attention)
     AttentionInterface.register(FLASH_KEY, flash_attention)
-    AttentionMaskInterface.register(EAGER_KEY, eager_mask)
-    AttentionMaskInterface.register(FLASH_KEY, _fused_mask)
+    AttentionMaskInterface.register(EAGER_KEY, _recorded(eager_mask))
+    AttentionMaskInterface.register(FLASH_KEY, _recorded(_fused_mask))
 
 
 _register()

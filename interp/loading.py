@@ -103,15 +103,15 @@ def resolve_device(device) -> torch.device:
     return device
 
 
-def _model_class(config, family):
+def _model_class(config):
     """The class the folder was saved from (``config.architectures``), so that a headless ``LlamaModel`` or a
-    ``LlamaForSequenceClassification`` loads as itself and never as a causal LM with a random new head; the
-    family's default class when the config does not say."""
+    ``LlamaForSequenceClassification`` loads as itself and never as a causal LM with a random new head. A config
+    that does not say gets the base model (``AutoModel``), which has no head to invent."""
     for name in getattr(config, "architectures", None) or ():
         model_class = getattr(transformers, name, None)
         if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
             return model_class
-    return getattr(transformers, family.auto_class)
+    return transformers.AutoModel
 
 
 def _refuse_invented_weights(folder: Path, model_class, info: dict) -> None:
@@ -164,11 +164,11 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
 
     folder = resolve_source(source)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    family = check_supported(config)  # refuse before loading any weight
-    model_class = _model_class(config, family)
+    check_supported(config)  # refuse before loading any weight
+    model_class = _model_class(config)
     with _quiet_loading():
         if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
-            hf = from_pretrained_pruned(model_class, folder, config, family, ATTN_KEYS[attn], torch_dtype
+            hf = from_pretrained_pruned(model_class, folder, config, ATTN_KEYS[attn], torch_dtype
                                         if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
         else:
             hf, info = model_class.from_pretrained(folder, config=config, local_files_only=True,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
-from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from einops import rearrange
@@ -16,11 +15,13 @@ from transformers.pytorch_utils import Conv1D
 
 from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookRegistry, NameFilter, spec_for
 
-from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks
-from .families import Family, check_supported
-from .pruning import check_head_counts, head_counts, kept_heads
+from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
+from .families import check_supported
+from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
+from .pruning import CONFIG_KEY, check_head_counts, kept_heads
+from .structure import Structure, discover
 
-__all__ = ["HookedModel", "ModelConfig", "fix_permissions", "pad_ids", "padded_positions", "tokenize"]
+__all__ = ["HookedModel", "ModelConfig"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "result")
@@ -28,11 +29,16 @@ _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a hooked model. ``n_heads``/``n_kv_heads`` are the HF config's values; a pruned model
-    (``analyses.prune_model``) has fewer heads in some layers: ``heads_per_layer``/``kv_heads_per_layer``
-    hold every layer's own counts as the weights hold them (empty tuples mean ``n_heads``/``n_kv_heads`` in every
-    layer). A layer that lost every head keeps one zeroed placeholder head so that transformers can run it;
-    such layers are listed in ``empty_layers`` and their placeholder is not a head in any analysis."""
+    """Shape of a hooked model, as its attention calls showed it (``interp.structure``).
+
+    ``n_heads``/``n_kv_heads``: query and key/value heads; a pruned model (``analyses.prune_model``) has fewer
+    heads in some layers: ``heads_per_layer``/``kv_heads_per_layer`` hold every layer's own counts as the
+    weights hold them. A layer that lost every head keeps one zeroed placeholder head so that transformers can
+    run it; such layers are listed in ``empty_layers`` and their placeholder is not a head in any analysis.
+    ``d_head`` is the query/key head size and ``d_head_v`` the value head size (they differ in multi-head latent
+    attention). ``block``: ``"pre-norm"``, ``"post-norm"`` or ``"parallel"`` (attention and MLP side by side).
+    ``max_positions`` is None when the model has no position limit in its config.
+    """
 
     n_layers: int
     n_heads: int
@@ -40,18 +46,22 @@ class ModelConfig:
     d_head: int
     d_model: int
     causal: bool
-    max_positions: int
+    max_positions: int | None
     vocab_size: int
     family: str
     heads_per_layer: tuple[int, ...] = ()
     kv_heads_per_layer: tuple[int, ...] = ()
     empty_layers: tuple[int, ...] = ()
+    d_head_v: int = 0
+    block: str = "pre-norm"
 
     def __post_init__(self):
         if not self.heads_per_layer:
             object.__setattr__(self, "heads_per_layer", (self.n_heads,) * self.n_layers)
         if not self.kv_heads_per_layer:
             object.__setattr__(self, "kv_heads_per_layer", (self.n_kv_heads,) * self.n_layers)
+        if not self.d_head_v:
+            object.__setattr__(self, "d_head_v", self.d_head)
         if len(self.heads_per_layer) != self.n_layers or len(self.kv_heads_per_layer) != self.n_layers:
             raise ValueError(f"heads_per_layer and kv_heads_per_layer need {self.n_layers} entries; got "
                              f"{self.heads_per_layer} and {self.kv_heads_per_layer}.")
@@ -65,23 +75,32 @@ class ModelConfig:
         return [(l, h) for l, n in enumerate(self.heads_per_layer) if l not in self.empty_layers for h in range(n)]
 
 
-def _config_of(hf, family: Family) -> ModelConfig:
+def _config_of(hf, structure: Structure) -> ModelConfig:
     c = hf.config
-    n_heads = c.num_attention_heads
-    heads_per_layer, kv_heads_per_layer = head_counts(c)
+    layers = structure.layer_attn
+    heads, kv_heads = tuple(l.n_heads for l in layers), tuple(l.n_kv_heads for l in layers)
+    if getattr(c, CONFIG_KEY, None):  # pruned: the original counts are the config's
+        n_heads = c.num_attention_heads
+        n_kv_heads = getattr(c, "num_key_value_heads", None) or n_heads
+    else:
+        n_heads, n_kv_heads = max(heads), max(kv_heads)
+    max_positions = getattr(c, "max_position_embeddings", None)
+    vocab_size = getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings
     return ModelConfig(
-        n_layers=c.num_hidden_layers,
+        n_layers=structure.n_layers,
         n_heads=n_heads,
-        n_kv_heads=getattr(c, "num_key_value_heads", None) or n_heads,
-        d_head=getattr(c, "head_dim", None) or c.hidden_size // n_heads,
-        d_model=c.hidden_size,
-        causal=family.causal,
-        max_positions=c.max_position_embeddings,
-        vocab_size=c.vocab_size,
-        family=family.name,
-        heads_per_layer=heads_per_layer,
-        kv_heads_per_layer=kv_heads_per_layer,
+        n_kv_heads=n_kv_heads,
+        d_head=layers[0].d_head,
+        d_model=structure.d_model,
+        causal=all(l.causal for l in layers),
+        max_positions=max_positions if isinstance(max_positions, int) else None,
+        vocab_size=int(vocab_size),
+        family=c.model_type,
+        heads_per_layer=heads,
+        kv_heads_per_layer=kv_heads,
         empty_layers=tuple(l for l, kept in kept_heads(c).items() if not kept),
+        d_head_v=layers[0].d_head_v,
+        block=structure.kind,
     )
 
 
@@ -92,6 +111,18 @@ def _replace_first(output, fn):
     return (fn(output[0]), *output[1:])
 
 
+def _take_over(hf: torch.nn.Module) -> None:
+    """A HF model has one wrapper at a time: an earlier HookedModel on it loses its hooks now (so that they never
+    fire in a newer one's probe or runs) and refuses to run from here on."""
+    for module in hf.modules():
+        previous = attached_layer_hooks(module)
+        if previous is not None:
+            owner = previous.owner()
+            if owner is not None:
+                owner._drop_torch_hooks()
+            detach_layer_hooks(module)
+
+
 class HookedModel:
     """A HF model (``.hf``) with our attention, hook points and activation cache.
 
@@ -99,33 +130,34 @@ class HookedModel:
     ``(b, p)`` or ``(p,)``, the mapping ``to_tokens`` returns, or text (tokenized with ``to_tokens``).
     """
 
-    def __init__(self, hf: torch.nn.Module, tokenizer=None, attn: str = "flash"):
-        self.family = check_supported(hf.config)
+    def __init__(self, hf: torch.nn.Module, tokenizer=None, attn: str = "flash", structure: Structure | None = None):
+        check_supported(hf.config)
         self.hf = hf
         self.tokenizer = tokenizer
-        self.cfg = _config_of(hf, self.family)
-        self._blocks = hf.base_model.get_submodule(self.family.layers)
-        if len(self._blocks) != self.cfg.n_layers:
-            raise ValueError(f"Expected {self.cfg.n_layers} blocks at {self.family.layers}; found {len(self._blocks)}.")
-        check_head_counts(hf, self.family, self.cfg.heads_per_layer, self.cfg.d_head)
-        self._attn_modules = [block.get_submodule(self.family.attn) for block in self._blocks]
-        self.attn_scales = tuple(float(getattr(m, "scaling", self.cfg.d_head**-0.5)) for m in self._attn_modules)
+        _take_over(hf)  # before the probe, so that an earlier wrapper's hooks cannot fire in it
+        self.structure = structure if structure is not None else discover(hf)
+        s = self.structure
+        self.cfg = _config_of(hf, s)
+        self._blocks = hf.get_submodule(s.layers)
+        self._attn_modules = [block.get_submodule(path) for block, path in zip(self._blocks, s.attn)]
+        self.attn_scales = tuple(l.scale for l in s.layer_attn)  # what the model passes, not module.scaling
+        check_head_counts(self)
 
         points = [HookPoint("hook_embed")]
-        norm_input = self.family.resid_mid[1] == "input"
         for layer in range(self.cfg.n_layers):
             for spec in HOOK_TABLE:
-                if spec.per_layer:
-                    read_only = None
-                    if spec.short == "resid_mid" and norm_input:
-                        read_only = "on pre-LN models it is not a module output; edit hook_attn_out instead"
-                    elif spec.short == "lse":
-                        read_only = "it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
-                    points.append(HookPoint(spec.name(layer), layer, read_only))
+                if not spec.per_layer or not self._has_point(spec.short, layer):
+                    continue
+                read_only = None
+                if spec.short == "resid_mid" and s.resid_mid[layer][1] == "input":
+                    read_only = ("in this pre-norm block it is the input of "
+                                 f"{s.resid_mid[layer][0]}, not a module's output; edit hook_attn_out instead")
+                elif spec.short == "lse":
+                    read_only = "it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
+                points.append(HookPoint(spec.name(layer), layer, read_only))
         self._registry = HookRegistry(points, on_change=self._sync_module_hooks, check=self._check_points)
         self._torch_handles: dict[str, object] = {}
         self._takes_position_ids = "position_ids" in inspect.signature(hf.forward).parameters
-        self._take_over()
         self._layer_hooks = []
         for layer, module in enumerate(self._attn_modules):
             lh = LayerHooks({k: self._registry[f"blocks.{layer}.attn.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
@@ -134,13 +166,12 @@ class HookedModel:
         self.attn: str | None = None
         self.set_attn(attn)
 
-    def _take_over(self) -> None:
-        """A HF model has one wrapper at a time: an earlier HookedModel on it loses its torch module hooks now
-        (so that they never fire in this one's runs) and refuses to run from here on."""
-        previous = attached_layer_hooks(self._attn_modules[0])
-        owner = previous.owner() if previous is not None else None
-        if owner is not None and owner is not self:
-            owner._drop_torch_hooks()
+    def _has_point(self, kind: str, layer: int) -> bool:
+        """Whether this model has the per-layer point ``kind`` in ``layer`` (parallel blocks have no resid_mid;
+        hook_result needs an output projection that reads z)."""
+        s = self.structure
+        return {"resid_mid": s.resid_mid[layer] is not None, "mlp_out": s.mlp[layer] is not None,
+                "result": s.o_proj[layer] is not None}.get(kind, True)
 
     def _drop_torch_hooks(self) -> None:
         for handle in self._torch_handles.values():
@@ -150,7 +181,8 @@ class HookedModel:
     # -- copies ----------------------------------------------------------------------------------------
     def __deepcopy__(self, memo) -> HookedModel:
         """A copy with its own HF model and its own hook points, holding the same hook functions."""
-        clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn)
+        clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn,
+                           structure=self.structure)
         clone._add_hooks(self._hook_functions())
         return clone
 
@@ -276,7 +308,7 @@ class HookedModel:
         wanted = {"hook_embed"} if self._registry["hook_embed"] else set()
         for layer in range(self.cfg.n_layers):
             wanted.update(f"blocks.{layer}.{kind}" for kind in _MODULE_KINDS
-                          if self._registry[spec_name(layer, kind)])
+                          if self._registry.points.get(spec_name(layer, kind)))
         for key in list(self._torch_handles):
             if key not in wanted:
                 self._torch_handles.pop(key).remove()
@@ -289,35 +321,35 @@ class HookedModel:
             return self.hf.get_input_embeddings().register_forward_hook(lambda m, i, out: point(out))
         _, layer, kind = key.split(".")
         layer = int(layer)
-        block, point = self._blocks[layer], self._registry[spec_name(layer, kind)]
-        fam = self.family
+        block, point, s = self._blocks[layer], self._registry[spec_name(layer, kind)], self.structure
         if kind == "resid_pre":
             def pre(module, args, kwargs):
                 if args:
                     return (point(args[0]), *args[1:]), kwargs
                 return args, {**kwargs, "hidden_states": point(kwargs["hidden_states"])}
             return block.register_forward_pre_hook(pre, with_kwargs=True)
-        if kind == "resid_mid" and fam.resid_mid[1] == "input":
-            def observe(module, args):
-                point(args[0])  # observe only: the block adds its residual from its own variable
-            return block.get_submodule(fam.resid_mid[0]).register_forward_pre_hook(observe)
+        if kind == "resid_mid" and s.resid_mid[layer][1] == "input":
+            def observe(module, args, kwargs):
+                point(args[0] if args else kwargs["hidden_states"])  # the block adds its residual from its own variable
+            return block.get_submodule(s.resid_mid[layer][0]).register_forward_pre_hook(observe, with_kwargs=True)
         if kind == "result":
-            return block.get_submodule(fam.o_proj).register_forward_hook(self._result_hook(point))
-        path = {"resid_post": "", "attn_out": fam.attn_out, "mlp_out": fam.mlp_out, "resid_mid": fam.resid_mid[0]}[kind]
+            return block.get_submodule(s.o_proj[layer]).register_forward_hook(self._result_hook(point))
+        path = {"resid_post": "", "attn_out": s.o_proj[layer] or s.attn[layer], "mlp_out": s.mlp[layer],
+                "resid_mid": s.resid_mid[layer][0] if s.resid_mid[layer] else None}[kind]
         module = block.get_submodule(path) if path else block
         return module.register_forward_hook(lambda m, i, out: _replace_first(out, point))
 
     def _result_hook(self, point: HookPoint):
         """Replace the output projection by a per-head sum, so that an edit to hook_result reaches the model."""
-        h, d = self.cfg.heads_per_layer[point.layer], self.cfg.d_head
+        h, e = self.cfg.heads_per_layer[point.layer], self.cfg.d_head_v
 
         def hook(o_proj, args, out):
-            z = rearrange(args[0], "b p (h d) -> b p h d", h=h, d=d)
+            z = rearrange(args[0], "b p (h e) -> b p h e", h=h, e=e)
             if isinstance(o_proj, Conv1D):
-                w = rearrange(o_proj.weight, "(h d) m -> h d m", h=h)
+                w = rearrange(o_proj.weight, "(h e) m -> h e m", h=h)
             else:
-                w = rearrange(o_proj.weight, "m (h d) -> h d m", h=h)
-            result = torch.einsum("bphd,hdm->bphm", z, w)
+                w = rearrange(o_proj.weight, "m (h e) -> h e m", h=h)
+            result = torch.einsum("bphe,hem->bphm", z, w)
             edited = point(result)
             if edited is result:  # observed only: keep the projection's own output, bit for bit
                 return out
@@ -373,36 +405,8 @@ class HookedModel:
         return self.tokenizer.convert_ids_to_tokens(ids.tolist())
 
     def _inputs(self, inputs, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
-            inputs = self.to_tokens(inputs)
-        if isinstance(inputs, Mapping):
-            attention_mask = inputs.get("attention_mask", attention_mask)
-            inputs = inputs["input_ids"]
-        ids = torch.as_tensor(inputs)
-        if ids.ndim == 1:
-            ids = ids[None]
-        if ids.ndim != 2 or ids.is_floating_point():
-            raise ValueError(f"input_ids must be integer token ids of shape (batch, pos); got {ids.dtype} {tuple(ids.shape)}.")
-        if ids.numel() == 0:
-            raise ValueError(f"Empty input: input_ids has shape {tuple(ids.shape)}; give at least one token.")
-        if ids.shape[1] > self.cfg.max_positions:
-            raise ValueError(
-                f"Input has {ids.shape[1]} positions but this model takes at most {self.cfg.max_positions} "
-                "(max_position_embeddings); truncate or split it."
-            )
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"Token ids must lie in [0, {self.cfg.vocab_size}); got ids from {lo} to {hi}.")
-        ids = ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = torch.as_tensor(attention_mask).to(self.device)
-            if attention_mask.ndim == 1:
-                attention_mask = attention_mask[None]
-            if attention_mask.shape != ids.shape:
-                raise ValueError(f"attention_mask must match input_ids {tuple(ids.shape)}; got {tuple(attention_mask.shape)}.")
-            if bool((attention_mask.sum(-1) == 0).any()):
-                raise ValueError("attention_mask has a row with no real token; every sequence needs at least one.")
-        return ids, attention_mask
+        return check_inputs(inputs, attention_mask, self.cfg.vocab_size, self.cfg.max_positions, self.device,
+                            self.to_tokens if self.tokenizer is not None else None)
 
     # -- running ---------------------------------------------------------------------------------------
     def __call__(self, inputs, attention_mask=None, **kwargs):
@@ -442,10 +446,20 @@ class HookedModel:
             output = self(ids, mask, **kwargs)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
-        meta = AttentionMeta(list(self.attn_scales), self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
-                             None if mask is None or bool(mask.all()) else mask,
-                             heads_per_layer=self.cfg.heads_per_layer, kv_heads_per_layer=self.cfg.kv_heads_per_layer)
-        return output, ActivationCache(store, meta)
+        return output, ActivationCache(store, self.attention_meta(mask))
+
+    def attention_meta(self, attention_mask: torch.Tensor | None = None) -> AttentionMeta:
+        """What rebuilding this model's patterns from q and k needs: per layer the scale, the window of keys,
+        the soft-cap and the sink logits (their values now), and the padding of the run."""
+        layers = self.structure.layer_attn
+        sinks = {l: self._blocks[l].get_submodule(a.sinks).detach().float().clone()
+                 for l, a in enumerate(layers) if a.sinks is not None}
+        return AttentionMeta(
+            list(self.attn_scales), self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
+            None if attention_mask is None or bool(attention_mask.all()) else attention_mask,
+            heads_per_layer=self.cfg.heads_per_layer, kv_heads_per_layer=self.cfg.kv_heads_per_layer,
+            windows=[a.window for a in layers], softcaps=[a.softcap for a in layers], sinks=sinks,
+        )
 
     def save_pretrained(self, folder) -> Path:
         """Save the HF model and its tokenizer into ``folder`` (``interp.load_model(folder)`` loads it back,
@@ -482,50 +496,3 @@ class HookedModel:
 def spec_name(layer: int, kind: str) -> str:
     """Concrete name of a per-layer module-level point, e.g. (3, "resid_pre") -> blocks.3.hook_resid_pre."""
     return f"blocks.{layer}.attn.hook_{kind}" if kind == "result" else f"blocks.{layer}.hook_{kind}"
-
-
-def padded_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids ``(b, p)`` that count only real tokens: ``cumsum(mask) - 1``, 0 on left padding."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def pad_ids(rows: Sequence[Sequence[int] | torch.Tensor], left: bool, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack token-id sequences into ``input_ids: (b, p)`` and ``attention_mask: (b, p)``, padded on the left
-    (causal models) or the right (encoders).
-
-    >>> pad_ids([[5, 6, 7], [8]], left=True)
-    (tensor([[5, 6, 7],
-            [0, 0, 8]]), tensor([[1, 1, 1],
-            [0, 0, 1]]))
-    """
-    rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for i, r in enumerate(rows):
-        span = slice(n - len(r), n) if left else slice(0, len(r))
-        ids[i, span], mask[i, span] = r, 1
-    return ids, mask
-
-
-def tokenize(tokenizer, texts: list[str], max_length: int | None = None) -> list[list[int]]:
-    """Token ids of each text, with the tokenizer's special tokens and no padding. The tokenizer's settings
-    are not touched, and its warning about sequences longer than the model is silenced: inputs are checked
-    against the model's positions where they are run, with an error that says what to do."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return tokenizer(list(texts), truncation=max_length is not None, max_length=max_length)["input_ids"]
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
-def fix_permissions(folder) -> None:
-    """Give every file in ``folder`` the mode a new file gets under the process's umask (usually 0644)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in Path(folder).rglob("*"):
-        if path.is_file():
-            path.chmod(0o666 & ~umask)

@@ -35,34 +35,12 @@ from pathlib import Path
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .families import Family
+from .structure import Projections, Structure, discover
 
-__all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "head_counts", "slice_heads",
-           "check_head_counts", "from_pretrained_pruned"]
+__all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "slice_heads", "check_head_counts",
+           "from_pretrained_pruned"]
 
 CONFIG_KEY = "interp_pruned_heads"
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Where a family keeps its head projections, relative to the attention module (``o`` to the block).
-
-    fused: q, k and v are one module with outputs [q | k | v] (GPT-2's c_attn).
-    counts: the attention module attributes that hold head counts, set by ``_set_counts``.
-    """
-
-    q: str
-    k: str
-    v: str
-    fused: bool
-
-
-# What differs per family for slicing; the family table (families.py) says where attention and o_proj live.
-_LAYOUTS = {
-    "gpt2": _Layout(q="c_attn", k="c_attn", v="c_attn", fused=True),
-    "llama": _Layout(q="q_proj", k="k_proj", v="v_proj", fused=False),
-    "bert": _Layout(q="query", k="key", v="value", fused=False),
-}
 
 
 @dataclass(frozen=True)
@@ -129,17 +107,6 @@ def kept_heads(config) -> dict[int, list[int]]:
     return kept
 
 
-def _plans(config) -> list[LayerPlan]:
-    _, n_heads, n_kv = _original_counts(config)
-    return [plan_layer(n_heads, n_kv, heads) for heads in kept_heads(config).values()]
-
-
-def head_counts(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(query heads, key/value heads) of every layer as the weights hold them (placeholders count as 1)."""
-    plans = _plans(config)
-    return tuple(len(p.q) for p in plans), tuple(len(p.kv) for p in plans)
-
-
 # -- slicing ---------------------------------------------------------------------------------------------
 def _head_rows(heads: Sequence[int], d_head: int, offset: int = 0) -> torch.Tensor:
     """Feature indices of ``heads`` in a (h d) axis: head h owns features h*d .. h*d + d - 1."""
@@ -185,53 +152,57 @@ def _select(module: torch.nn.Module, index: torch.Tensor, side: str, zero: torch
         module.in_features = n
 
 
-def _slice_layer(attn: torch.nn.Module, o_proj: torch.nn.Module, layout: _Layout, local: LayerPlan,
-                 n_q: int, n_kv: int, d_head: int) -> None:
+def _slice_layer(block: torch.nn.Module, attn: torch.nn.Module, proj: Projections, o_proj: torch.nn.Module,
+                 local: LayerPlan, n_q: int, n_kv: int, d: int, e: int) -> None:
     """Slice one layer to ``local`` (head numbers of the module as it is now: n_q query, n_kv KV heads)."""
-    q_idx, kv_idx = _head_rows(local.q, d_head), _head_rows(local.kv, d_head)
-    q_zero = torch.arange(len(q_idx)) if local.placeholder else None
-    kv_zero = torch.arange(len(kv_idx)) if local.placeholder else None
-    if layout.fused:  # [q | k | v] along the output features
-        qkv = attn.get_submodule(layout.q)
-        index = torch.cat([q_idx, _head_rows(local.kv, d_head, n_q * d_head),
-                           _head_rows(local.kv, d_head, (n_q + n_kv) * d_head)])
-        _select(qkv, index, "out", torch.arange(len(index)) if local.placeholder else None)
-    else:
-        _select(attn.get_submodule(layout.q), q_idx, "out", q_zero)
-        _select(attn.get_submodule(layout.k), kv_idx, "out", kv_zero)
-        _select(attn.get_submodule(layout.v), kv_idx, "out", kv_zero)
-    _select(o_proj, q_idx, "in", q_zero)
-    _set_counts(attn, len(local.q), len(local.kv), d_head)
+    q_idx, kv_idx, v_idx = _head_rows(local.q, d), _head_rows(local.kv, d), _head_rows(local.kv, e)
+
+    def zero(index):
+        return torch.arange(len(index)) if local.placeholder else None
+
+    if proj.layout == "separate":
+        for path, index in ((proj.q, q_idx), (proj.k, kv_idx), (proj.v, v_idx)):
+            _select(block.get_submodule(path), index, "out", zero(index))
+    elif proj.layout == "concat":  # [q | k | v] along the output features
+        index = torch.cat([q_idx, kv_idx + n_q * d, v_idx + n_q * d + n_kv * d])
+        _select(block.get_submodule(proj.q), index, "out", zero(index))
+    else:  # "interleaved": [q_h | k_h | v_h] per head, query and key/value heads the same
+        index = _head_rows(local.q, 3 * d)
+        _select(block.get_submodule(proj.q), index, "out", zero(index))
+    _select(o_proj, _head_rows(local.q, e), "in", zero(_head_rows(local.q, e)))
+    for path, side, width in proj.per_head:
+        index = _head_rows(local.q if side == "q" else local.kv, width)
+        owner, name = path.rsplit(".", 1)
+        module = block.get_submodule(owner)
+        param = getattr(module, name)
+        value = param.detach().index_select(0, index.to(param.device)).clone()
+        if local.placeholder:
+            value.zero_()
+        setattr(module, name, torch.nn.Parameter(value, requires_grad=param.requires_grad))
+    _set_counts(attn, len(local.q), len(local.kv), d)
 
 
 def _set_counts(attn: torch.nn.Module, n_q: int, n_kv: int, d_head: int) -> None:
-    """Update the head-count attributes HF attention modules read in forward (they reshape with -1)."""
+    """Update the head-count attributes HF attention modules read in forward (most reshape with -1)."""
     for name, value in (("num_heads", n_q), ("num_attention_heads", n_q), ("all_head_size", n_q * d_head),
                         ("split_size", n_q * d_head), ("num_key_value_groups", n_q // n_kv),
-                        ("num_key_value_heads", n_kv)):
-        if hasattr(attn, name):
+                        ("num_key_value_heads", n_kv), ("n_heads", n_q)):
+        if hasattr(attn, name) and isinstance(getattr(attn, name), int):
             setattr(attn, name, value)
 
 
-def _layout_of(family: Family) -> _Layout:
-    try:
-        return _LAYOUTS[family.name]
-    except KeyError:
-        raise NotImplementedError(f"Head pruning is not implemented for the {family.name} family.") from None
-
-
-def slice_heads(hf: torch.nn.Module, family: Family, keep: Mapping[int, Sequence[int]]) -> None:
+def slice_heads(hf: torch.nn.Module, structure: Structure, keep: Mapping[int, Sequence[int]]) -> None:
     """Slice ``hf`` in place so that layer ``l`` keeps the query heads ``keep[l]`` (original numbering).
 
-    ``hf`` may already be pruned (its config records what it kept); every layer of ``keep`` must be a
-    subset of what the layer keeps now. Records the result in ``hf.config.interp_pruned_heads``.
+    ``structure`` is ``interp.structure.discover(hf)``. ``hf`` may already be pruned (its config records what
+    it kept); every layer of ``keep`` must be a subset of what the layer keeps now. Records the result in
+    ``hf.config.interp_pruned_heads``. Raises NotImplementedError, naming the reason, for a layer whose
+    projections are not a layout it can slice.
     """
-    layout = _layout_of(family)
     config = hf.config
     n_layers, n_heads, n_kv = _original_counts(config)
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     before = kept_heads(config)
-    blocks = hf.base_model.get_submodule(family.layers)
+    blocks = hf.get_submodule(structure.layers)
     record = {layer: heads for layer, heads in before.items() if len(heads) < n_heads}
     for layer, heads in keep.items():
         layer, heads = int(layer), sorted(set(int(h) for h in heads))
@@ -242,30 +213,42 @@ def slice_heads(hf: torch.nn.Module, family: Family, keep: Mapping[int, Sequence
             raise ValueError(f"Layer {layer} no longer has heads {missing} (it keeps {before[layer]}).")
         if heads == before[layer]:
             continue
+        proj = structure.projections[layer]
+        if isinstance(proj, str):
+            raise NotImplementedError(f"Cannot prune heads of this {config.model_type} model (layer {layer}): {proj}.")
+        attention = structure.layer_attn[layer]
         old, new = plan_layer(n_heads, n_kv, before[layer]), plan_layer(n_heads, n_kv, heads)
+        if (len(old.q), len(old.kv)) != (attention.n_heads, attention.n_kv_heads):
+            raise NotImplementedError(
+                f"Cannot prune this {config.model_type} model: layer {layer} runs {attention.n_heads} query and "
+                f"{attention.n_kv_heads} key/value heads but its config implies {len(old.q)} and {len(old.kv)}.")
         # Map the new layout to head numbers of the module as it is now.
         q_local = [0] if new.placeholder else [old.q.index(h) for h in new.q]
         kv_local = [0] if new.placeholder else [old.kv.index(g) for g in new.kv]
         local = LayerPlan(q=tuple(q_local), kv=tuple(kv_local), placeholder=new.placeholder)
         block = blocks[layer]
-        _slice_layer(block.get_submodule(family.attn), block.get_submodule(family.o_proj), layout, local,
-                     len(old.q), len(old.kv), d_head)
+        _slice_layer(block, block.get_submodule(structure.attn[layer]), proj,
+                     block.get_submodule(structure.o_proj[layer]), local, len(old.q), len(old.kv),
+                     attention.d_head, attention.d_head_v)
         record[layer] = heads
     setattr(config, CONFIG_KEY, {layer: record[layer] for layer in sorted(record)})
 
 
-def check_head_counts(hf: torch.nn.Module, family: Family, heads_per_layer: Sequence[int], d_head: int) -> None:
-    """Raise if a layer's output projection does not take ``heads * d_head`` features (config and weights
+def check_head_counts(model) -> None:
+    """Raise if a layer's output projection does not take ``heads * d_head_v`` features (config and weights
     disagree, e.g. a pruned folder loaded without its ``interp_pruned_heads`` record)."""
-    blocks = hf.base_model.get_submodule(family.layers)
-    for layer, (block, n) in enumerate(zip(blocks, heads_per_layer)):
-        o_proj = block.get_submodule(family.o_proj)
+    s = model.structure
+    for layer, (block, path) in enumerate(zip(model._blocks, s.o_proj)):
+        if path is None:
+            continue
+        o_proj = block.get_submodule(path)
+        n, e = s.layer_attn[layer].n_heads, s.layer_attn[layer].d_head_v
         got = o_proj.weight.shape[_weight_axes(o_proj)[1]]
-        if got != n * d_head:
+        if got != n * e:
             raise ValueError(
-                f"Layer {layer}: the config says {n} heads of size {d_head} ({n * d_head} features) but the "
-                f"output projection takes {got}. A pruned model must keep config.{CONFIG_KEY}; load pruned "
-                "folders with interp.load_model."
+                f"Layer {layer}: the attention runs {n} heads of size {e} ({n * e} features) but the output "
+                f"projection takes {got}. A pruned model must keep config.{CONFIG_KEY}; load pruned folders with "
+                "interp.load_model."
             )
 
 
@@ -288,7 +271,7 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def from_pretrained_pruned(model_class, folder: Path, config, family: Family, attn_key: str,
+def from_pretrained_pruned(model_class, folder: Path, config, attn_key: str,
                            dtype: torch.dtype | None) -> torch.nn.Module:
     """Build the model ``config`` describes, slice it as its ``interp_pruned_heads`` says, load the weights."""
     keep = kept_heads(config)
@@ -299,7 +282,7 @@ def from_pretrained_pruned(model_class, folder: Path, config, family: Family, at
         kwargs["dtype"] = dtype
     build = getattr(model_class, "from_config", None) or model_class._from_config  # Auto classes, or the class itself
     hf = build(config, **kwargs)
-    slice_heads(hf, family, {int(layer): keep[int(layer)] for layer in record})
+    slice_heads(hf, discover(hf), {int(layer): keep[int(layer)] for layer in record})
     state = _read_state_dict(folder)
     result = hf.load_state_dict(state, strict=False)
     if result.unexpected_keys:

@@ -10,7 +10,7 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Ll
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import interp
-from interp.model import padded_positions
+from interp.inputs import padded_positions
 
 VOCAB = 99
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from conftest import no_torch_hooks, tiny_hf
-from transformers import BloomConfig, BloomForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
 
 import interp
 from interp.attention import eager_attention, flash_attention
@@ -104,25 +104,25 @@ def test_layer_and_head_out_of_range(gpt2):
 
 
 def test_unsupported_attention_features_are_refused_at_load():
-    sliding = MistralForCausalLM(MistralConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=99,
-                                               sliding_window=16))
-    with pytest.raises(NotImplementedError, match=r"sliding-window attention \(sliding_window=16\)"):
-        interp.load_model(sliding)
     with pytest.raises(NotImplementedError, match="reorder_and_upcast_attn"):
         interp.load_model(tiny_hf("gpt2", reorder_and_upcast_attn=True))
+    falcon = FalconForCausalLM(FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            vocab_size=99, alibi=True))
+    with pytest.raises(NotImplementedError, match="ALiBi"):  # refused from its config, before any forward
+        interp.load_model(falcon)
     bloom = BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=1, n_head=4, vocab_size=99))
-    with pytest.raises(NotImplementedError, match=r"Model type 'bloom' is not supported"):
+    with pytest.raises(RuntimeError, match="did not call interp's attention function"):  # found by the probe
         interp.load_model(bloom)
 
 
 @pytest.mark.parametrize("fn", [eager_attention, flash_attention])
-@pytest.mark.parametrize("kwarg", ["softcap", "s_aux", "position_bias", "sliding_window"])
-def test_attention_features_passed_at_run_time_are_refused(fn, kwarg):
+@pytest.mark.parametrize("kwarg", ["position_bias", "some_new_argument"])
+def test_attention_arguments_we_do_not_implement_are_refused_by_name(fn, kwarg):
     module = torch.nn.Module().eval()
     q = torch.randn(1, 2, 3, 4)
-    with pytest.raises(NotImplementedError, match="does not implement"):
-        fn(module, q, q, q, None, scaling=0.5, **{kwarg: 1.0})
+    with pytest.raises(NotImplementedError, match=f"{kwarg}=.*refused"):
+        fn(module, q, q, q, None, scaling=0.5, **{kwarg: torch.zeros(1)})
+    fn(module, q, q, q, None, scaling=0.5, **{kwarg: None}, position_ids=torch.arange(3))  # None is no request
 
 
 def test_bad_filters_and_hooks(gpt2):

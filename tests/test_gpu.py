@@ -14,7 +14,7 @@ from conftest import TINY_FAMILIES, hf_kwargs, main_output, padded_batch, tiny_h
 from transformers import AutoModel
 
 import interp
-from interp.attention import cuda_backend, fused_attention
+from interp.kernels import cuda_backend, fused_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

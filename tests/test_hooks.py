@@ -22,7 +22,7 @@ def _model(family, attn):
 def _dims(model, ids):
     b, p = ids.shape
     c = model.cfg
-    return {"b": b, "p": p, "q": p, "k": p, "h": c.n_heads, "g": c.n_kv_heads, "d": c.d_head, "m": c.d_model}
+    return {"b": b, "p": p, "q": p, "k": p, "h": c.n_heads, "g": c.n_kv_heads, "d": c.d_head, "e": c.d_head_v, "m": c.d_model}
 
 
 def _expected_shape(spec, dims):
@@ -83,7 +83,7 @@ def test_z_edit_equals_the_same_edit_to_the_output_projection_input(family, attn
 
     with torch.no_grad():
         edited = main_output(model.run_with_hooks(ids, mask, fwd_hooks=[("blocks.1.attn.hook_z", scale_head)]))
-        o_proj = model._blocks[1].get_submodule(model.family.o_proj)
+        o_proj = model._blocks[1].get_submodule(model.structure.o_proj[1])
 
         def by_hand(module, args):
             z = args[0].reshape(*args[0].shape[:-1], c.n_heads, c.d_head).clone()

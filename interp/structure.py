@@ -1,0 +1,415 @@
+"""Where a HF model keeps what the hooks need, found by one probe forward instead of listed per family.
+
+During the probe, our eager attention records every call (the module, q, k, v, z, the mask and what the
+model passed: scale, soft-cap, sinks) and every module records its first input and output. From that:
+
+- **blocks**: the ``nn.ModuleList`` whose elements each hold one of the attention modules, in call order;
+- **o_proj**: the linear map whose input equals z flattened over heads (hook_result and pruning need it);
+- **attn_out**: o_proj's output (the attention module's output if no o_proj is found);
+- **resid_mid**: in a pre-norm block, the first module after attention whose input is a fresh tensor (neither
+  the block's input nor any module's output): the residual stream after the attention sublayer, observe only,
+  since the block adds its residual from its own variable. In a post-norm block (the block's output is a
+  norm's output, BERT) the first norm after attention whose input is fresh: its output is the residual
+  stream, and editable. Parallel blocks (GPT-NeoX, Phi, Cohere) have none: attention and MLP read the same
+  input;
+- **mlp**: the module whose output is what the MLP branch adds (``y - h``, or for post-norm blocks the final
+  norm's input minus ``h``), found by value; when that is a norm (Gemma 2/3, OLMo2), the module that feeds it;
+- **per layer**: heads, head sizes, the scale, the soft-cap, the sinks, and the window of keys each query may
+  see, read off HF's own mask function for that layer (so ModernBERT's local windows and Gemma's sliding
+  layers come from what the model does, not from config fields);
+- **projections** (for pruning): q/k/v as separate linears, one concatenated ``[q | k | v]`` linear or one
+  per-head interleaved linear (GPT-NeoX), told apart by where v's values appear; anything else is recorded as
+  the reason pruning refuses.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import EAGER_KEY, Recording
+
+__all__ = ["LayerAttention", "Projections", "Structure", "discover"]
+
+_BIG = 1 << 20  # query position at which a layer's mask function is read (windows longer than this are "none")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes, as the model called it.
+
+    window: (keys before, keys after) the query that it may see, None for unbounded; causal layers have
+    ``after == 0``. A sliding window of W keys (HF's ``sliding_window=W``) is ``(W - 1, 0)``.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_head_v: int
+    scale: float
+    window: tuple[int | None, int | None]
+    softcap: float | None = None
+    sinks: str | None = None  # path (from the block) of the per-head sink logits, when the layer has them
+
+    @property
+    def causal(self) -> bool:
+        return self.window[1] == 0
+
+
+@dataclass(frozen=True)
+class Projections:
+    """How one layer's heads sit in its weights, for pruning. Paths are relative to the block.
+
+    layout: ``"separate"`` (q, k, v each a linear), ``"concat"`` (one linear, ``[q | k | v]`` on its outputs),
+    ``"interleaved"`` (one linear, ``[q_h | k_h | v_h]`` per head, GPT-NeoX).
+    per_head: other parameters of the attention module with one slice per head along their first axis:
+    ``(path, "q" | "kv", width)`` (sinks, per-head norms over h * d).
+    """
+
+    layout: str
+    q: str
+    k: str
+    v: str
+    per_head: tuple[tuple[str, str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The discovered structure; every path is relative to a block unless it says otherwise."""
+
+    layers: str  # from the HF model's root to the ModuleList of blocks
+    attn: tuple[str, ...]
+    o_proj: tuple[str | None, ...]
+    mlp: tuple[str | None, ...]
+    resid_mid: tuple[tuple[str, str] | None, ...]  # (module, "input" observe-only | "output")
+    post_attn_norm: tuple[str | None, ...]
+    post_mlp_norm: tuple[str | None, ...]
+    layer_attn: tuple[LayerAttention, ...]
+    projections: tuple[Projections | str, ...]  # a Projections, or why pruning cannot slice the layer
+    kind: str  # "pre-norm", "post-norm" or "parallel"
+    d_model: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.attn)
+
+
+def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
+    """Run one probe forward of ``hf`` on our eager path and read its structure off what ran."""
+    previous = hf.config._attn_implementation
+    modes = [(m, m.training) for m in hf.modules()]
+    log = _ModuleLog(hf)
+    try:
+        if previous != EAGER_KEY:
+            hf.set_attn_implementation(EAGER_KEY)
+        hf.eval()
+        ids = _probe_ids(hf, n_tokens)
+        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(hf.forward).parameters else {}
+        with Recording() as recording, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            hf(input_ids=ids, **kwargs)
+    finally:
+        log.remove()
+        for m, training in modes:
+            m.training = training
+        if hf.config._attn_implementation != previous:
+            hf.set_attn_implementation(previous)
+    return _read(hf, recording, log)
+
+
+def _probe_ids(hf, n_tokens: int) -> torch.Tensor:
+    vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(min(4, vocab - 1), vocab, (1, n_tokens), generator=generator)
+    return ids.to(next(hf.parameters()).device)
+
+
+class _ModuleLog:
+    """The first input tensor, first output tensor and call order of every module during the probe."""
+
+    def __init__(self, hf: torch.nn.Module):
+        self.inputs: dict[torch.nn.Module, torch.Tensor | None] = {}
+        self.outputs: dict[torch.nn.Module, torch.Tensor | None] = {}
+        self.order: dict[torch.nn.Module, int] = {}
+        self.ended: dict[torch.nn.Module, int] = {}
+        self.handles = []
+        for module in hf.modules():
+            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post))
+
+    def _pre(self, module, args, kwargs):
+        if module not in self.order:
+            self.order[module] = len(self.order) + len(self.ended)
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            self.inputs[module] = tensor if isinstance(tensor, torch.Tensor) else None
+
+    def _post(self, module, args, output):
+        if module not in self.outputs:
+            self.ended[module] = len(self.order) + len(self.ended)
+            if not isinstance(output, torch.Tensor):
+                try:
+                    output = output[0]
+                except (TypeError, IndexError, KeyError):
+                    output = None
+            self.outputs[module] = output if isinstance(output, torch.Tensor) else None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "Norm" in type(module).__name__
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.ndim == 2 and not isinstance(module, torch.nn.Embedding)
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor, tol: float) -> bool:
+    return a is not None and a.shape == b.shape and bool(((a.float() - b.float()).abs() <= tol).all())
+
+
+def _find_blocks(hf, attn_modules: list[torch.nn.Module]) -> tuple[str, torch.nn.ModuleList]:
+    wanted = set(map(id, attn_modules))
+    for name, module in hf.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) != len(attn_modules):
+            continue
+        owners = []
+        for block in module:
+            inside = [m for m in block.modules() if id(m) in wanted]
+            if len(inside) != 1:
+                break
+            owners.append(inside[0])
+        if owners == attn_modules:
+            return name, module
+    raise NotImplementedError(
+        f"{type(hf).__name__}: could not find a list of blocks with one attention module each "
+        f"({len(attn_modules)} attention calls). Models with layers that have no attention (hybrid state-space "
+        "models), or several attention modules per block, are not supported."
+    )
+
+
+def _read(hf, recording: Recording, log: _ModuleLog) -> Structure:
+    calls = recording.calls
+    if not calls:
+        raise RuntimeError(f"{type(hf).__name__} did not call interp's attention function; it does not dispatch "
+                           "through transformers' attention interface, so it is not supported.")
+    attn_modules = [c["module"] for c in calls]
+    if len(set(map(id, attn_modules))) != len(attn_modules):
+        raise NotImplementedError(f"{type(hf).__name__} calls one attention module several times per forward "
+                                  "(shared layers); interp needs one attention module per block.")
+    layers_path, blocks = _find_blocks(hf, attn_modules)
+    per_layer = [_read_block(block, call, recording, log) for block, call in zip(blocks, calls)]
+    kinds = {p["kind"] for p in per_layer}
+    if len(kinds) != 1:
+        raise NotImplementedError(f"{type(hf).__name__} mixes block kinds {sorted(kinds)}; not supported.")
+    d_model = int(log.inputs[blocks[0]].shape[-1])
+    return Structure(
+        layers=layers_path, kind=kinds.pop(), d_model=d_model,
+        **{key: tuple(p[key] for p in per_layer) for key in
+           ("attn", "o_proj", "mlp", "resid_mid", "post_attn_norm", "post_mlp_norm", "layer_attn", "projections")},
+    )
+
+
+def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dict:
+    names = {m: n for n, m in block.named_modules()}
+    attn = call["module"]
+    inside_attn = set(attn.modules())
+    x, y = log.inputs.get(block), log.outputs.get(block)
+    if x is None or y is None:
+        raise NotImplementedError(f"{type(block).__name__}: the block's input or output is not a tensor.")
+    z = call["out"]  # (b, q, h, e)
+    z_flat = z.reshape(*z.shape[:2], -1)
+
+    o_proj = next((m for m in block.modules() if _is_linear(m) and m not in (attn,)
+                   and log.inputs.get(m) is not None and log.inputs[m].shape == z_flat.shape
+                   and torch.equal(log.inputs[m], z_flat)), None)
+    a = log.outputs.get(o_proj) if o_proj is not None else log.outputs.get(attn)
+    after = log.ended.get(o_proj if o_proj is not None else attn, log.ended[attn])
+    produced = {id(t) for m, t in log.outputs.items() if t is not None}
+    later = sorted((m for m in block.modules() if m is not block and m not in inside_attn and m is not o_proj
+                    and log.order.get(m, -1) > after), key=lambda m: log.order[m])
+    post_attn_norm = next((m for m in later if _is_norm(m) and log.inputs.get(m) is a), None)
+
+    def fresh(t):
+        return t is not None and t is not x and id(t) not in produced
+
+    post_norm = any(_is_norm(m) and log.outputs.get(m) is y for m in block.modules())
+    tol = 1e-5 * max(float(y.abs().max()), float(x.abs().max()), 1e-6)
+    resid_mid, h = None, None
+    for m in later:
+        if post_attn_norm is not None and m is post_attn_norm:
+            continue
+        if fresh(log.inputs.get(m)) and (_is_norm(m) or not post_norm):
+            resid_mid = (names[m], "output" if post_norm else "input")
+            h = log.outputs[m] if post_norm else log.inputs[m]
+            break
+    kind = "post-norm" if post_norm else "pre-norm" if resid_mid is not None else "parallel"
+
+    # The MLP: the module whose output is what the MLP branch adds, found by value.
+    added = [log.outputs[post_attn_norm]] if post_attn_norm is not None else []
+    added += [a] if a is not None else []
+    if kind == "pre-norm":
+        targets = [y.float() - h.float()]
+    elif kind == "post-norm":
+        final = next(m for m in block.modules() if _is_norm(m) and log.outputs.get(m) is y)
+        targets = [log.inputs[final].float() - h.float()] if log.inputs.get(final) is not None else []
+    else:
+        targets = [y.float() - x.float() - t.float() for t in added]
+    mlp = post_mlp_norm = None
+    candidates = [m for m in block.modules() if m not in inside_attn and m is not block and m is not o_proj
+                  and log.outputs.get(m) is not None and log.order.get(m, -1) > log.order[attn]]
+    for target in targets:
+        if target.abs().max() <= 10 * tol:
+            continue
+        matches = [m for m in candidates if _close(log.outputs[m], target, tol)]
+        if matches:
+            with_params = [m for m in matches if any(True for _ in m.parameters())] or matches
+            mlp = min(with_params, key=lambda m: (names[m].count("."), log.order[m]))
+            break
+    if mlp is not None and _is_norm(mlp):  # a norm on the MLP's output before the residual add
+        post_mlp_norm = mlp
+        mlp = next((m for m in candidates if log.outputs[m] is log.inputs.get(post_mlp_norm)), None)
+    if mlp is None and kind == "pre-norm" and resid_mid is not None:
+        # The branch is scaled before the add (Granite's residual_multiplier): the module that reads the
+        # norm of the residual stream.
+        start = block.get_submodule(resid_mid[0])
+        feed = log.outputs.get(start) if _is_norm(start) else log.inputs.get(start)
+        mlp = next((m for m in candidates if m is not start and log.inputs.get(m) is feed), None)
+    if mlp is None and kind == "parallel":
+        children = [m for m in block.children() if m not in inside_attn and not _is_norm(m) and attn not in set(m.modules())]
+        mlp = max(children, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+    return dict(
+        kind=kind,
+        attn=names[attn],
+        o_proj=names.get(o_proj) if o_proj is not None else None,
+        mlp=names.get(mlp) if mlp is not None else None,
+        resid_mid=resid_mid,
+        post_attn_norm=names[post_attn_norm] if post_attn_norm is not None else None,
+        post_mlp_norm=names[post_mlp_norm] if post_mlp_norm is not None else None,
+        layer_attn=_layer_attention(call, recording, names),
+        projections=_projections(block, attn, o_proj, call, log, names),
+    )
+
+
+def _layer_attention(call: dict, recording: Recording, names: dict) -> LayerAttention:
+    q, k, v = call["query"], call["key"], call["value"]
+    sinks = None
+    if call["sinks"] is not None:
+        module = call["module"]
+        owner = next((f"{names[module]}.{n}" for n, p in module.named_parameters() if p.data_ptr() ==
+                      call["sinks"].data_ptr()), None)
+        if owner is None:
+            raise NotImplementedError("The attention sinks this model passes are not a parameter of its attention "
+                                      "module; interp cannot record them.")
+        sinks = owner
+    return LayerAttention(
+        n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
+        scale=float(call["scaling"]), window=_window(call, recording), softcap=call["softcap"], sinks=sinks,
+    )
+
+
+def _window(call: dict, recording: Recording) -> tuple[int | None, int | None]:
+    """The keys a query may see, relative to it, read from the mask function HF built this layer's mask with."""
+    mask = call["mask"]
+    if mask is None:
+        causal = bool(getattr(call["module"], "is_causal", False))
+        return (None, 0 if causal else None)
+    mask_function = recording.masks.get(id(mask))
+    if mask_function is None:  # a mask the model built by itself: read causality off the tensor
+        allowed = mask[0, 0] > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask[0, 0].bool()
+        causal = not bool(allowed.triu(1).any())
+        window = call["sliding_window"]
+        return ((window - 1) if window else None, 0 if causal else None)
+    bands = {_band(mask_function, q) for q in (_BIG, _BIG + 12345)}
+    if len(bands) != 1 or None in bands:
+        raise NotImplementedError(
+            "This model's attention mask is not a band around each query (chunked or block attention); interp "
+            "cannot rebuild its patterns, so it is refused."
+        )
+    return bands.pop()
+
+
+def _band(mask_function, q_pos: int):
+    """(before, after) of the allowed keys of the query at ``q_pos``, or None if they are not one contiguous run."""
+    index = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    kv = torch.arange(2 * q_pos, dtype=torch.long)[None, None, None, :]
+    try:
+        allowed = torch.as_tensor(mask_function(index, index, torch.full_like(index, q_pos), kv))
+        allowed = torch.broadcast_to(allowed, kv.shape).reshape(-1)
+    except Exception:  # noqa: BLE001  a mask function that needs real positions or vmap
+        return None
+    hits = allowed.nonzero().flatten()
+    if not len(hits):
+        return None
+    first, last = int(hits[0]), int(hits[-1])
+    if not bool(allowed[first:last + 1].all()):
+        return None
+    return (None if first == 0 else q_pos - first, None if last == 2 * q_pos - 1 else last - q_pos)
+
+
+def _projections(block, attn, o_proj, call: dict, log: _ModuleLog, names: dict) -> Projections | str:
+    """Where the heads sit in the q/k/v weights, or the reason they cannot be sliced."""
+    if o_proj is None:
+        return "no linear map reads z (the heads' outputs) directly, so there is nothing to slice per head"
+    q, k, v = call["query"], call["key"], call["value"]
+    h, g, d, e = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
+    b, p = v.shape[0], v.shape[2]
+    v_flat = v.transpose(1, 2).reshape(b, p, g * e)
+    linears = [m for m in attn.modules() if _is_linear(m) and m is not o_proj]
+    outs = {m: log.outputs.get(m) for m in linears}
+    path = {m: names[m] for m in linears}
+
+    def matches(out, columns):
+        return out is not None and out.shape[:2] == (b, p) and torch.equal(out[..., columns], v_flat)
+
+    per_head = _per_head_params(attn, linears + [o_proj], h, g, d, names)
+    if isinstance(per_head, str):
+        return per_head
+    if len(linears) == 1:
+        (fused,) = linears
+        out = outs[fused]
+        width = out.shape[-1] if out is not None else 0
+        if width == h * d + g * d + g * e and matches(out, slice(h * d + g * d, width)):
+            return Projections("concat", path[fused], path[fused], path[fused], per_head)
+        if g == h and d == e and width == 3 * h * d and out is not None and torch.equal(
+                out.reshape(b, p, h, 3 * d)[..., 2 * d:].reshape(b, p, h * d), v_flat):
+            return Projections("interleaved", path[fused], path[fused], path[fused], per_head)
+    if len(linears) == 3:
+        v_proj = [m for m in linears if outs[m] is not None and outs[m].shape[-1] == g * e and matches(outs[m], slice(None))]
+        rest = [m for m in linears if m not in v_proj]
+        if len(v_proj) == 1:
+            by_width = {outs[m].shape[-1] for m in rest if outs[m] is not None}
+            if h == g and by_width == {h * d}:
+                q_proj, k_proj = rest  # same heads kept on both sides: which is which does not matter
+            else:
+                q_proj = next((m for m in rest if outs[m] is not None and outs[m].shape[-1] == h * d), None)
+                k_proj = next((m for m in rest if m is not q_proj and outs[m] is not None and outs[m].shape[-1] == g * d), None)
+            if q_proj is not None and k_proj is not None:
+                return Projections("separate", path[q_proj], path[k_proj], path[v_proj[0]], per_head)
+    shown = ", ".join(f"{path[m]} ({m.weight.shape[0]} outputs)" for m in linears) or "none"
+    return f"its q/k/v projections are not a layout interp can slice per head: {shown}"
+
+
+def _per_head_params(attn, linears, h, g, d, names) -> tuple[tuple[str, str, int], ...] | str:
+    """Parameters of the attention module outside its projections: per-head ones (sliced), per-head-size ones
+    (norms over d, shared by every head: kept), anything else (pruning refused)."""
+    skip = {id(p) for m in linears for p in m.parameters()}
+    out = []
+    for name, param in attn.named_parameters():
+        if id(param) in skip:
+            continue
+        first = param.shape[0] if param.ndim else 0
+        if param.ndim and param.shape[-1] == d and param.numel() == d:
+            continue  # a norm over each head's d features, shared by all heads
+        side = "q" if first in (h, h * d) else "kv" if first in (g, g * d) else None
+        if side is None:
+            return f"the attention module has a parameter {name} of shape {tuple(param.shape)} that is not per head"
+        width = 1 if first in (h, g) and param.ndim == 1 else (d if first in (h * d, g * d) else 1)
+        out.append((f"{names[attn]}.{name}", side, width))
+    return tuple(out)
