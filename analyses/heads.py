@@ -120,8 +120,9 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> Non
 
     if model.attn == "eager":
         def on_pattern(pattern, hook):  # (b, h, q, k)
+            window = model.structure.layer_attn[hook.layer].window
             tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
-                            lambda: argmax_from_pattern(pattern, targets))
+                            lambda: argmax_from_pattern(pattern, targets, window))
             if hook.layer == last:
                 raise _Done
 
@@ -134,9 +135,10 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> Non
 
         def on_lse(lse, hook):  # (b, h, q), fires after q and k of the same layer
             q, k = held.pop("q"), held.pop("k")
-            scaling = model.attn_scales[hook.layer]  # the attention module's own score scale
-            tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_qk(q, k, lse, scaling, pairs),
-                            lambda: argmax_from_qk(q, k, targets))
+            layer = model.structure.layer_attn[hook.layer]  # the scale, cap and window the model computes with
+            tally.add_layer(hook.layer, index, targets,
+                            lambda pairs: weights_from_qk(q, k, lse, layer.scale, pairs, layer.softcap, layer.window),
+                            lambda: argmax_from_qk(q, k, targets, layer.window))
             if hook.layer == last:
                 raise _Done
 

@@ -228,15 +228,21 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
                          "pass allow_empty_layers=True (the layer's attention output is then only its bias).")
     hf = copy.deepcopy(model.hf)
     slice_heads(hf, model.structure, keep)
-    pruned = HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
-    _check_pruned(model, pruned, heads)
+    why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
+           "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "
+           "ablate_heads to remove these heads instead.").format(type(model._attn_modules[0]).__name__)
+    try:
+        pruned = HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
+    except RuntimeError as err:
+        raise NotImplementedError(f"The pruned {model.cfg.family} model does not run ({err}): {why}") from None
+    _check_pruned(model, pruned, heads, why)
     return pruned
 
 
-def _check_pruned(model, pruned, heads, tol: float = 1e-4) -> None:
-    """The pruned model must compute what zero-ablating the heads computes. Some attention modules read head
-    counts from the shared config (Phi-3 splits its fused q/k/v by ``config.num_attention_heads``) and cannot
-    run sliced per layer: refuse them by name instead of returning a model that computes something else."""
+def _check_pruned(model, pruned, heads, why: str, tol: float = 1e-4) -> None:
+    """The pruned model must compute what zero-ablating the heads computes; a model whose attention couples heads
+    or reads head counts from the shared config cannot be sliced per layer: refuse it, saying why, instead of
+    returning a model that computes something else."""
     ids = torch.randint(min(4, model.cfg.vocab_size - 1), model.cfg.vocab_size, (1, 7),
                         generator=torch.Generator().manual_seed(0))
     with model.studying(), pruned.studying(), torch.no_grad():
@@ -245,8 +251,5 @@ def _check_pruned(model, pruned, heads, tol: float = 1e-4) -> None:
         got = _main_output(pruned(ids)).float()
     err = float((got - expected).abs().max())
     if not err <= tol * max(1.0, float(expected.abs().max())):
-        raise NotImplementedError(
-            f"Pruning this {model.cfg.family} model does not give the zero-ablated model (max difference {err:.3g}): "
-            f"its attention module ({type(model._attn_modules[0]).__name__}) reads head counts that per-layer "
-            "slicing cannot change. Use ablate_heads to remove these heads instead."
-        )
+        raise NotImplementedError(f"Pruning this {model.cfg.family} model does not give the zero-ablated model "
+                                  f"(max difference {err:.3g}): {why}")

@@ -144,11 +144,13 @@ def weights_from_pattern(pattern: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     return pattern[pairs.b, :, pairs.q, pairs.k]
 
 
-def weights_from_qk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float, pairs: Pairs) -> torch.Tensor:
-    """``exp(scaling * q_i . k_j - lse_i)`` for every pair, in fp32: (n_pairs, h).
+def weights_from_qk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float, pairs: Pairs,
+                    softcap: float | None = None, window: tuple[int | None, int | None] = (None, None)) -> torch.Tensor:
+    """``exp(cap(scaling * q_i . k_j) - lse_i)`` for every pair, in fp32: (n_pairs, h).
 
     q: (b, p, h, d) after RoPE; k: (b, p, g, d) with head h reading key/value head h // (h / g);
-    lse: (b, h, q) logsumexp of the scaled, masked scores. Pairs must be allowed by the mask.
+    lse: (b, h, q) logsumexp of the scaled, capped, masked scores (a sink included). softcap: the layer's logit
+    soft-cap; window: (keys before, keys after) the query the layer may see: pairs outside it weigh 0.
     """
     n_heads, n_kv, d_head = q.shape[2], k.shape[2], q.shape[3]
     b, qi, kj = pairs.b.to(q.device), pairs.q.to(q.device), pairs.k.to(q.device)
@@ -157,23 +159,38 @@ def weights_from_qk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling
     for s in range(0, len(b), step):
         bb, ii, jj = b[s:s + step], qi[s:s + step], kj[s:s + step]
         qs = q[bb, ii].float().unflatten(1, (n_kv, n_heads // n_kv))  # (n, g, r, d)
-        dots = torch.einsum("ngrd,ngd->ngr", qs, k[bb, jj].float()).flatten(1)  # (n, h)
-        out.append(torch.exp(dots * scaling - lse[bb, :, ii].float()))
+        dots = torch.einsum("ngrd,ngd->ngr", qs, k[bb, jj].float()).flatten(1) * scaling  # (n, h)
+        if softcap is not None:
+            dots = torch.tanh(dots / softcap) * softcap
+        w = torch.exp(dots - lse[bb, :, ii].float())
+        out.append(w * _in_window(ii, jj, window)[:, None])
     return torch.cat(out) if out else torch.zeros(0, n_heads, device=q.device)
 
 
-def argmax_from_pattern(pattern: torch.Tensor, targets: Targets) -> torch.Tensor:
+def _in_window(qi: torch.Tensor, kj: torch.Tensor, window: tuple[int | None, int | None]) -> torch.Tensor:
+    """1.0 where key kj lies inside query qi's window of keys, else 0.0."""
+    before, after = window
+    inside = torch.ones_like(qi, dtype=torch.bool)
+    if before is not None:
+        inside &= kj >= qi - before
+    if after is not None:
+        inside &= kj <= qi + after
+    return inside.float()
+
+
+def argmax_from_pattern(pattern: torch.Tensor, targets: Targets, window=(None, None)) -> torch.Tensor:
     """Key index of each row's largest allowed weight: (b, h, q)."""
-    allowed = _allowed(targets, 0, pattern.shape[2], pattern.device)
+    allowed = _allowed(targets, 0, pattern.shape[2], pattern.device, window)
     return pattern.masked_fill(~allowed, -1.0).argmax(dim=-1)
 
 
-def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets) -> torch.Tensor:
+def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets, window=(None, None)) -> torch.Tensor:
     """The same from q (b, p, h, d) and k (b, p, g, d), over query tiles: O(tile x p) memory per head.
 
-    The scale and the logsumexp do not move a row's argmax, so raw dot products suffice. Every tile's scores
-    go into one buffer allocated once: causal tiles see more keys as they go, and fresh blocks of growing size
-    would fragment the allocator's heap until its peak grows like p^2 (measured: +0.85 GiB at 8k tokens).
+    The scale, the soft-cap and the logsumexp do not move a row's argmax, so raw dot products suffice. Every
+    tile's scores go into one buffer allocated once: causal tiles see more keys as they go, and fresh blocks of
+    growing size would fragment the allocator's heap until its peak grows like p^2 (measured: +0.85 GiB at 8k
+    tokens).
     """
     n_batch, n_pos, n_heads, d_head = q.shape
     n_kv = k.shape[2]
@@ -182,7 +199,6 @@ def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets) -> torch.
     buffer = torch.empty(n_batch * n_heads * tile * n_pos, dtype=torch.promote_types(q.dtype, k.dtype),
                          device=q.device)
     padded = ~targets.valid.to(q.device)[:, None, None, :]  # (b, 1, 1, k)
-    future = torch.ones(tile, tile, dtype=torch.bool, device=q.device).triu(1)  # key after query, within a tile
     out = torch.empty(n_batch, n_heads, n_pos, dtype=torch.long, device=q.device)
     for s in range(0, n_pos, tile):
         e = min(n_pos, s + tile)
@@ -192,21 +208,30 @@ def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets) -> torch.
         torch.bmm(q_t, k_t[:, :, :n_keys], out=scores)
         scores = scores.view(n_batch, n_heads, t, n_keys)  # head h = g * r + j reads key/value head g
         scores.masked_fill_(padded[..., :n_keys], float("-inf"))
-        if targets.causal:
-            scores[..., s:e].masked_fill_(future[:t, :t], float("-inf"))
+        scores.masked_fill_(~_band(s, e, n_keys, targets.causal, window, q.device), float("-inf"))
         out[:, :, s:e] = scores.argmax(dim=-1)
     return out
 
 
-def _allowed(targets: Targets, start: int, end: int, device) -> torch.Tensor:
+def _band(start: int, end: int, n_keys: int, causal: bool, window, device) -> torch.Tensor:
+    """(end - start, n_keys): keys that rows start..end-1 may see (causal, and within the layer's window)."""
+    offset = torch.arange(n_keys, device=device)[None] - torch.arange(start, end, device=device)[:, None]
+    before, after = window
+    after = 0 if causal and after is None else after
+    inside = torch.ones_like(offset, dtype=torch.bool)
+    if before is not None:
+        inside &= offset >= -before
+    if after is not None:
+        inside &= offset <= after
+    return inside
+
+
+def _allowed(targets: Targets, start: int, end: int, device, window=(None, None)) -> torch.Tensor:
     """(b, 1, end - start, p): which keys the query rows start..end-1 may attend to."""
     valid = targets.valid.to(device)
     n_pos = valid.shape[1]
     allowed = valid[:, None, None, :].expand(-1, 1, end - start, n_pos)
-    if targets.causal:
-        rows = torch.arange(start, end, device=device)[:, None]
-        allowed = allowed & (torch.arange(n_pos, device=device)[None] <= rows)
-    return allowed
+    return allowed & _band(start, end, n_pos, targets.causal, window, device)
 
 
 # -- accumulating over batches and layers ----------------------------------------------------------------

@@ -197,8 +197,9 @@ class ActivationCache:
         if bad:
             raise IndexError(f"Heads of layer {layer} run 0..{n_heads - 1}; got {bad}.")
         group = n_heads // n_kv_heads
-        q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
-        k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
+        # laid out as the eager path's tensors are, so that the same matmul kernel gives the same bits
+        q_sel = q[:, :, heads].transpose(1, 2).contiguous()  # (b, h, q, d)
+        k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2).contiguous()  # (b, h, k, d)
         scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[layer]
         softcap = meta.softcap(layer)
         if softcap is not None:

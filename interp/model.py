@@ -18,7 +18,7 @@ from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookReg
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
-from .pruning import CONFIG_KEY, check_head_counts, kept_heads
+from .pruning import CONFIG_KEY, check_head_counts, kept_heads, save_pruned
 from .structure import Structure, discover
 
 __all__ = ["HookedModel", "ModelConfig"]
@@ -109,6 +109,14 @@ def _replace_first(output, fn):
     if isinstance(output, torch.Tensor):
         return fn(output)
     return (fn(output[0]), *output[1:])
+
+
+class _Handles(list):
+    """Several torch hook handles removed together."""
+
+    def remove(self) -> None:
+        for handle in self:
+            handle.remove()
 
 
 def _take_over(hf: torch.nn.Module) -> None:
@@ -328,16 +336,32 @@ class HookedModel:
                     return (point(args[0]), *args[1:]), kwargs
                 return args, {**kwargs, "hidden_states": point(kwargs["hidden_states"])}
             return block.register_forward_pre_hook(pre, with_kwargs=True)
-        if kind == "resid_mid" and s.resid_mid[layer][1] == "input":
-            def observe(module, args, kwargs):
-                point(args[0] if args else kwargs["hidden_states"])  # the block adds its residual from its own variable
-            return block.get_submodule(s.resid_mid[layer][0]).register_forward_pre_hook(observe, with_kwargs=True)
         if kind == "result":
             return block.get_submodule(s.o_proj[layer]).register_forward_hook(self._result_hook(point))
-        path = {"resid_post": "", "attn_out": s.o_proj[layer] or s.attn[layer], "mlp_out": s.mlp[layer],
-                "resid_mid": s.resid_mid[layer][0] if s.resid_mid[layer] else None}[kind]
-        module = block.get_submodule(path) if path else block
-        return module.register_forward_hook(lambda m, i, out: _replace_first(out, point))
+        if kind in ("resid_post", "attn_out"):
+            module = block.get_submodule(s.o_proj[layer] or s.attn[layer]) if kind == "attn_out" else block
+            return module.register_forward_hook(lambda m, i, out: _replace_first(out, point))
+        # resid_mid and mlp_out: some blocks run their MLP on (b * p, m) (OPT); hooks always see (b, p, m)
+        shape: list[int] = []
+
+        def remember(module, args, kwargs):
+            shape[:] = (args[0] if args else kwargs["hidden_states"]).shape[:-1]
+
+        handles = [block.register_forward_pre_hook(remember, with_kwargs=True)]
+
+        def shaped(t):
+            if t.ndim == 2 and len(shape) == 2:
+                return point(t.reshape(*shape, t.shape[-1])).reshape(t.shape)
+            return point(t)
+
+        if kind == "resid_mid" and s.resid_mid[layer][1] == "input":
+            def observe(module, args, kwargs):
+                shaped(args[0] if args else kwargs["hidden_states"])  # the block adds its residual from its own variable
+            handles.append(block.get_submodule(s.resid_mid[layer][0]).register_forward_pre_hook(observe, with_kwargs=True))
+        else:
+            module = block.get_submodule(s.mlp[layer] if kind == "mlp_out" else s.resid_mid[layer][0])
+            handles.append(module.register_forward_hook(lambda m, i, out: _replace_first(out, shaped)))
+        return _Handles(handles)
 
     def _result_hook(self, point: HookPoint):
         """Replace the output projection by a per-head sum, so that an edit to hook_result reaches the model."""
@@ -452,7 +476,7 @@ class HookedModel:
         """What rebuilding this model's patterns from q and k needs: per layer the scale, the window of keys,
         the soft-cap and the sink logits (their values now), and the padding of the run."""
         layers = self.structure.layer_attn
-        sinks = {l: self._blocks[l].get_submodule(a.sinks).detach().float().clone()
+        sinks = {l: self._blocks[l].get_parameter(a.sinks).detach().float().clone()
                  for l, a in enumerate(layers) if a.sinks is not None}
         return AttentionMeta(
             list(self.attn_scales), self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
@@ -466,7 +490,10 @@ class HookedModel:
         pruned heads included). Files get the usual permissions (read for all, as the umask allows), not the
         owner-only mode that transformers' temporary-file writes leave on the weights."""
         folder = Path(folder)
-        self.hf.save_pretrained(folder)
+        if self.cfg.pruned:
+            save_pruned(self.hf, folder)
+        else:
+            self.hf.save_pretrained(folder)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(folder)
         fix_permissions(folder)

@@ -38,7 +38,7 @@ from transformers.pytorch_utils import Conv1D
 from .structure import Projections, Structure, discover
 
 __all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "slice_heads", "check_head_counts",
-           "from_pretrained_pruned"]
+           "from_pretrained_pruned", "save_pruned"]
 
 CONFIG_KEY = "interp_pruned_heads"
 
@@ -286,9 +286,29 @@ def from_pretrained_pruned(model_class, folder: Path, config, attn_key: str,
     state = _read_state_dict(folder)
     result = hf.load_state_dict(state, strict=False)
     if result.unexpected_keys:
-        raise ValueError(f"{folder}: weights that the pruned model has no place for: {result.unexpected_keys[:5]}")
+        raise ValueError(
+            f"{folder}: weights that the pruned model has no place for: {result.unexpected_keys[:5]}. A pruned model "
+            "saved with the HF model's own save_pretrained is stored in transformers' checkpoint layout (for MoE "
+            "and some other families it renames or splits weights); save it with HookedModel.save_pretrained, "
+            "which keeps the model's own layout."
+        )
     loaded = {t.data_ptr() for name, t in hf.state_dict().items() if name in state}
     untied = [k for k in result.missing_keys if hf.state_dict()[k].data_ptr() not in loaded]
     if untied:
         raise ValueError(f"{folder}: weights missing from the checkpoint: {untied[:5]}")
     return hf
+
+
+def save_pruned(hf: torch.nn.Module, folder: Path) -> None:
+    """Save a pruned model's config and its weights in the module's own layout (``state_dict`` names and shapes,
+    tied weights once), which ``from_pretrained_pruned`` reads back as it is. transformers' save_pretrained would
+    convert some families' weights to their checkpoint layout (fused MoE experts split per expert, renamed
+    keys), and undoing that needs its internal loading machinery."""
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    hf.config.architectures = [type(hf).__name__]  # as save_pretrained records it: loading builds this class
+    hf.config.save_pretrained(folder)
+    if getattr(hf, "generation_config", None) is not None and hf.can_generate():
+        hf.generation_config.save_pretrained(folder)
+    save_model(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -170,7 +170,10 @@ def _is_linear(module: torch.nn.Module) -> bool:
 
 
 def _close(a: torch.Tensor | None, b: torch.Tensor, tol: float) -> bool:
-    return a is not None and a.shape == b.shape and bool(((a.float() - b.float()).abs() <= tol).all())
+    """Equal within ``tol``; a tensor flattened over batch and position ((b * p, m), as OPT's MLP runs) counts."""
+    if a is None or a.numel() != b.numel() or a.shape[-1] != b.shape[-1]:
+        return False
+    return bool(((a.float().reshape(b.shape) - b.float()).abs() <= tol).all())
 
 
 def _find_blocks(hf, attn_modules: list[torch.nn.Module]) -> tuple[str, torch.nn.ModuleList]:
@@ -240,26 +243,28 @@ def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dic
 
     post_norm = any(_is_norm(m) and log.outputs.get(m) is y for m in block.modules())
     tol = 1e-5 * max(float(y.abs().max()), float(x.abs().max()), 1e-6)
+    added = [log.outputs[post_attn_norm]] if post_attn_norm is not None else []  # what attention adds
+    added += [a] if a is not None else []
     resid_mid, h = None, None
     for m in later:
-        if post_attn_norm is not None and m is post_attn_norm:
+        t = log.inputs.get(m)
+        if m is post_attn_norm or not fresh(t) or t.numel() != x.numel() or t.shape[-1] != x.shape[-1]:
             continue
-        if fresh(log.inputs.get(m)) and (_is_norm(m) or not post_norm):
+        # h = x + (what attention adds); a norm also qualifies, for blocks that scale the branch before the add
+        if _is_norm(m) or not post_norm and any(_close(t, x.float() + c.float().reshape(x.shape), tol) for c in added):
             resid_mid = (names[m], "output" if post_norm else "input")
-            h = log.outputs[m] if post_norm else log.inputs[m]
+            h = (log.outputs[m] if post_norm else t).reshape(x.shape)
             break
     kind = "post-norm" if post_norm else "pre-norm" if resid_mid is not None else "parallel"
 
     # The MLP: the module whose output is what the MLP branch adds, found by value.
-    added = [log.outputs[post_attn_norm]] if post_attn_norm is not None else []
-    added += [a] if a is not None else []
     if kind == "pre-norm":
         targets = [y.float() - h.float()]
     elif kind == "post-norm":
         final = next(m for m in block.modules() if _is_norm(m) and log.outputs.get(m) is y)
         targets = [log.inputs[final].float() - h.float()] if log.inputs.get(final) is not None else []
     else:
-        targets = [y.float() - x.float() - t.float() for t in added]
+        targets = [y.float() - x.float() - t.float().reshape(x.shape) for t in added]
     mlp = post_mlp_norm = None
     candidates = [m for m in block.modules() if m not in inside_attn and m is not block and m is not o_proj
                   and log.outputs.get(m) is not None and log.order.get(m, -1) > log.order[attn]]
