@@ -50,7 +50,7 @@ _PASSTHROUGH = frozenset({
     "position_ids", "cache_position", "use_cache", "past_key_values", "past_key_value", "layer_idx",
     "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "query_length", "deterministic",
-    "sliding_window", "is_causal", "encoder_hidden_states", "head_mask", "token_type_ids",
+    "sliding_window", "is_causal", "encoder_hidden_states", "head_mask", "token_type_ids", "logits_to_keep",
 })
 
 
@@ -129,6 +129,15 @@ def _record(module, query, key, value, attention_mask, out, scaling, softcap, si
     ))
 
 
+# Families whose eager attention applies the sinks as a scale on the output, not as an extra softmax column (the
+# same numbers, rounded differently). Which form a family uses cannot be seen in the call; it is in its modeling code.
+_SINK_SCALES_OUTPUT = frozenset({"granite_swa", "granitemoe_swa"})
+
+
+def _sinks_scale_output(module) -> bool:
+    return getattr(getattr(module, "config", None), "model_type", None) in _SINK_SCALES_OUTPUT
+
+
 def _check_kwargs(kwargs: dict) -> None:
     for key, value in kwargs.items():
         if value is None or key in _PASSTHROUGH:
@@ -180,10 +189,17 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         scores = scores + attention_mask
     if hooks is not None and hooks.attn_scores:
         scores = hooks.attn_scores(scores)
+    sink_scale = None
     if s_aux is None:
         if hooks is not None and hooks.lse:
             hooks.lse(torch.logsumexp(scores.float(), dim=-1))
         pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, q, k)
+    elif _sinks_scale_output(module):  # Granite SWA: the usual softmax, then out * sigmoid(lse - sink)
+        lse = torch.logsumexp(scores, dim=-1)
+        sink_scale = (lse - s_aux.view(1, -1, 1)).to(torch.float32).sigmoid()  # (b, h, q)
+        if hooks is not None and hooks.lse:
+            hooks.lse(torch.logaddexp(lse.float(), s_aux.float().view(1, -1, 1)))
+        pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     else:  # as GPT-OSS: the sink logit joins each row, the row max is subtracted, the sink column is dropped
         sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
         combined = torch.cat([scores, sinks], dim=-1)
@@ -191,10 +207,16 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
             hooks.lse(torch.logsumexp(combined.float(), dim=-1))
         combined = combined - combined.max(dim=-1, keepdim=True).values
         pattern = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-    if hooks is not None and hooks.pattern:
-        pattern = hooks.pattern(pattern)
+    if hooks is not None and hooks.pattern:  # hooks see the weights on the keys: rows sum to less than 1
+        shown = pattern if sink_scale is None else pattern * sink_scale[..., None].to(pattern.dtype)
+        edited = hooks.pattern(shown)
+        if edited is not shown:
+            pattern, sink_scale = edited, None
     attn = F.dropout(pattern, p=dropout, training=module.training).to(value_states.dtype)
-    out = torch.matmul(attn, value_states).transpose(1, 2).contiguous()  # (b, q, h, e)
+    out = torch.matmul(attn, value_states)
+    if sink_scale is not None:
+        out = out * sink_scale.unsqueeze(-1).to(out.dtype)
+    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
     if hooks is not None and hooks.z:
         out = hooks.z(out)
     if Recording.active is not None:

@@ -18,7 +18,7 @@ from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookReg
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
-from .pruning import CONFIG_KEY, check_head_counts, kept_heads, save_pruned
+from .pruning import CONFIG_KEY, check_head_counts, save_pruned
 from .structure import Structure, discover
 
 __all__ = ["HookedModel", "ModelConfig"]
@@ -98,7 +98,7 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
         family=c.model_type,
         heads_per_layer=heads,
         kv_heads_per_layer=kv_heads,
-        empty_layers=tuple(l for l, kept in kept_heads(c).items() if not kept),
+        empty_layers=tuple(sorted(int(l) for l, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept)),
         d_head_v=layers[0].d_head_v,
         block=structure.kind,
     )
@@ -232,16 +232,9 @@ class HookedModel:
             eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
             if eager_only:
                 raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
-        key = ATTN_KEYS[attn]
-        self.hf.set_attn_implementation(key)
-        if self.hf.config._attn_implementation != key:
-            raise RuntimeError(
-                f"transformers did not take our attention function for {type(self.hf).__name__} "
-                f"(config._attn_implementation is {self.hf.config._attn_implementation!r}); this class may not "
-                "use the attention interface."
-            )
+        self.hf.set_attn_implementation(ATTN_KEYS[attn])
         self.attn = attn
-        self._probe()
+        self._probe()  # the config's record of the key is not proof (composite models keep one per sub-config)
         return self
 
     def _probe(self) -> None:
@@ -251,7 +244,7 @@ class HookedModel:
             with torch.no_grad():
                 self(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
         if not fired:
-            raise RuntimeError(
+            raise NotImplementedError(
                 f"{type(self.hf).__name__} did not call interp's attention function; it does not dispatch through "
                 "transformers' attention interface, so it is not supported."
             )

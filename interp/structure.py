@@ -25,13 +25,14 @@ model passed: scale, soft-cap, sinks) and every module records its first input a
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from .attention import EAGER_KEY, Recording
 
-__all__ = ["LayerAttention", "Projections", "Structure", "discover"]
+__all__ = ["LayerAttention", "Projections", "Structure", "describe", "discover"]
 
 _BIG = 1 << 20  # query position at which a layer's mask function is read (windows longer than this are "none")
 
@@ -160,8 +161,12 @@ class _ModuleLog:
             handle.remove()
 
 
+_NORM_NAME = re.compile(r"Norm(Gated|PerHead)?\d*$")  # LlamaRMSNorm, CohereLayerNorm, StableLmLayerNormPerHead
+
+
 def _is_norm(module: torch.nn.Module) -> bool:
-    return isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm)) or "Norm" in type(module).__name__
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)) or bool(
+        _NORM_NAME.search(type(module).__name__))
 
 
 def _is_linear(module: torch.nn.Module) -> bool:
@@ -199,7 +204,7 @@ def _find_blocks(hf, attn_modules: list[torch.nn.Module]) -> tuple[str, torch.nn
 def _read(hf, recording: Recording, log: _ModuleLog) -> Structure:
     calls = recording.calls
     if not calls:
-        raise RuntimeError(f"{type(hf).__name__} did not call interp's attention function; it does not dispatch "
+        raise NotImplementedError(f"{type(hf).__name__} did not call interp's attention function; it does not dispatch "
                            "through transformers' attention interface, so it is not supported.")
     attn_modules = [c["module"] for c in calls]
     if len(set(map(id, attn_modules))) != len(attn_modules):
@@ -241,17 +246,24 @@ def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dic
     def fresh(t):
         return t is not None and t is not x and id(t) not in produced
 
-    post_norm = any(_is_norm(m) and log.outputs.get(m) is y for m in block.modules())
+    post_norm = any(m is not block and _is_norm(m) and log.outputs.get(m) is y for m in block.modules())
     tol = 1e-5 * max(float(y.abs().max()), float(x.abs().max()), 1e-6)
     added = [log.outputs[post_attn_norm]] if post_attn_norm is not None else []  # what attention adds
     added += [a] if a is not None else []
     resid_mid, h = None, None
-    for m in later:
+    same = [c.float().reshape(x.shape) for c in added if c.numel() == x.numel()]
+    for m in block.modules():  # a module around the attention that returns x + (what attention adds): editable
+        t = log.outputs.get(m)
+        if (m is not block and m is not attn and attn in set(m.modules()) and t is not None and not post_norm
+                and t.numel() == x.numel() and any(_close(t, x.float() + c, tol) for c in same)):
+            resid_mid, h = (names[m], "output"), t.reshape(x.shape)
+            break
+    for m in later if resid_mid is None else ():
         t = log.inputs.get(m)
         if m is post_attn_norm or not fresh(t) or t.numel() != x.numel() or t.shape[-1] != x.shape[-1]:
             continue
         # h = x + (what attention adds); a norm also qualifies, for blocks that scale the branch before the add
-        if _is_norm(m) or not post_norm and any(_close(t, x.float() + c.float().reshape(x.shape), tol) for c in added):
+        if _is_norm(m) or not post_norm and any(_close(t, x.float() + c, tol) for c in same):
             resid_mid = (names[m], "output" if post_norm else "input")
             h = (log.outputs[m] if post_norm else t).reshape(x.shape)
             break
@@ -261,10 +273,10 @@ def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dic
     if kind == "pre-norm":
         targets = [y.float() - h.float()]
     elif kind == "post-norm":
-        final = next(m for m in block.modules() if _is_norm(m) and log.outputs.get(m) is y)
+        final = next(m for m in block.modules() if m is not block and _is_norm(m) and log.outputs.get(m) is y)
         targets = [log.inputs[final].float() - h.float()] if log.inputs.get(final) is not None else []
     else:
-        targets = [y.float() - x.float() - t.float().reshape(x.shape) for t in added]
+        targets = [y.float() - x.float() - c for c in same]
     mlp = post_mlp_norm = None
     candidates = [m for m in block.modules() if m not in inside_attn and m is not block and m is not o_proj
                   and log.outputs.get(m) is not None and log.order.get(m, -1) > log.order[attn]]
@@ -418,3 +430,57 @@ def _per_head_params(attn, linears, h, g, d, names) -> tuple[tuple[str, str, int
         width = 1 if first in (h, g) and param.ndim == 1 else (d if first in (h * d, g * d) else 1)
         out.append((f"{names[attn]}.{name}", side, width))
     return tuple(out)
+
+
+def describe(s: Structure) -> list[str]:
+    """What the discovery found, in plain lines (``interp info`` prints them)."""
+    lines = []
+    mid = s.resid_mid[0]
+    if s.kind == "parallel":
+        lines.append("blocks: parallel attention and MLP (both read the block's input): no hook_resid_mid")
+    elif s.kind == "post-norm":
+        lines.append(f"blocks: post-norm; hook_resid_mid is the output of {mid[0]} (editable)")
+    else:
+        where = "output (editable)" if mid[1] == "output" else "input (observe only)"
+        lines.append(f"blocks: pre-norm; hook_resid_mid is the {where} of {mid[0]}")
+    attn_out = f"hook_attn_out: output of {s.o_proj[0] or s.attn[0]}"
+    if s.post_attn_norm[0]:
+        attn_out += f"; {s.post_attn_norm[0]} normalises it before the residual add"
+    lines.append(attn_out)
+    if s.mlp[0]:
+        mlp = f"hook_mlp_out: output of {s.mlp[0]}"
+        if s.post_mlp_norm[0]:
+            mlp += f"; {s.post_mlp_norm[0]} normalises it before the residual add"
+        lines.append(mlp)
+    layers = s.layer_attn
+    scales = sorted({round(a.scale, 6) for a in layers})
+    lines.append(f"attention: scale {', '.join(map(str, scales))} (as the model passes it)"
+                 + ("; causal" if all(a.causal for a in layers) else "; bidirectional"))
+    windows: dict[tuple, list[int]] = {}
+    for l, a in enumerate(layers):
+        if a.window[0] is not None or (a.window[1] not in (None, 0)):
+            windows.setdefault(a.window, []).append(l)
+    for (before, after), where in windows.items():
+        span = f"{before + 1} keys up to the query" if after == 0 else f"{before} keys before and {after} after"
+        lines.append(f"windows: {span} on layers {_spans(where)} of {len(layers)}")
+    if any(a.softcap for a in layers):
+        lines.append(f"logit soft-cap: {sorted({a.softcap for a in layers if a.softcap})}")
+    if any(a.sinks for a in layers):
+        lines.append(f"attention sinks ({layers[0].sinks}): pattern rows sum to less than 1")
+    if layers[0].d_head != layers[0].d_head_v:
+        lines.append(f"head sizes: q/k {layers[0].d_head}, v {layers[0].d_head_v}")
+    reasons = {p for p in s.projections if isinstance(p, str)}
+    lines.append("pruning: " + (f"refused ({reasons.pop()})" if reasons else f"q/k/v {s.projections[0].layout}"))
+    return lines
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> '0-2, 4'."""
+    out, start = [], None
+    for i, l in enumerate(layers):
+        if start is None:
+            start = l
+        if i + 1 == len(layers) or layers[i + 1] != l + 1:
+            out.append(f"{start}" if start == l else f"{start}-{l}")
+            start = None
+    return ", ".join(out)

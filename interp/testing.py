@@ -60,11 +60,21 @@ _SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id
 
 
 def tiny_config(model_type: str, **overrides):
-    """A small config of ``model_type``: every size field its class takes set to the sizes above."""
+    """A small config of ``model_type``: every size field its class takes set to the sizes above, and the same for
+    its sub-configs (the text and vision configs of a multimodal model)."""
     cls = CONFIG_MAPPING[model_type]
     params = inspect.signature(cls.__init__).parameters
     kwargs = {name: value for names, value in _SIZES.items() for name in names if name in params}
+    sub_configs = getattr(cls, "sub_configs", None) or {}
+    if sub_configs:
+        default = cls()
+        for name in sub_configs:
+            sub_type = getattr(getattr(default, name, None), "model_type", None)
+            if name in params and sub_type in CONFIG_MAPPING and sub_type != model_type:
+                kwargs[name] = tiny_config(sub_type)
     kwargs.update({name: 0 for name in _SPECIAL_TOKENS if name in params})
+    if "kv_lora_rank" in params:  # multi-head latent attention: keys and values come one per query head
+        kwargs.update({name: 4 for name in ("num_key_value_heads",) if name in params})
     kwargs.update(FAMILIES.get(model_type, {}))
     kwargs.update(overrides)
     return cls(**kwargs)
