@@ -29,6 +29,14 @@ def test_console_script_help():
         assert command in done.stdout
 
 
+def test_info_says_what_the_probe_found(capsys):
+    code, out, _ = run(capsys, "info", "minilm")
+    assert code == 0
+    found = out.split("found by the load probe:")[1]
+    assert "post-norm; hook_resid_mid is the output of attention.output.LayerNorm" in found
+    assert "hook_attn_out: output of attention.output.dense" in found and "bidirectional" in found
+
+
 def test_info(capsys):
     code, out, _ = run(capsys, "info", "toy-induction", "--format", "json")
     assert code == 0
