@@ -190,6 +190,11 @@ def cmd_info(args) -> int:
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
+    from interp.structure import describe
+
+    print("\nfound by the load probe:")
+    for line in describe(model.structure):
+        print(f"  {line}")
     print(f"\nhook names ({len(model.hook_names())}):")
     from hooks import HOOK_TABLE
 

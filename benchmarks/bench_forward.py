@@ -3,6 +3,7 @@
 Variants run interleaved (round-robin) on the same weights; the table shows medians and ratios to HF sdpa.
 
     python benchmarks/bench_forward.py                                   # GPT-2-small shape, 4 x 512, fp32, CPU
+    python benchmarks/bench_forward.py --shape gemma2-small               # soft-cap + sliding window vs HF eager
     python benchmarks/bench_forward.py --device cuda --dtype bfloat16 --shape llama-1b --batch 8 --seq 4096
     python benchmarks/bench_forward.py --device cuda --dtype float16 --kernel   # attention kernel alone, TFLOP/s
 """
@@ -20,29 +21,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import interp  # noqa: E402
-from interp.attention import fused_attention  # noqa: E402
+from interp.kernels import fused_attention  # noqa: E402
 from interp.loading import resolve_device, resolve_dtype  # noqa: E402
 
 SHAPES = {
-    "gpt2-small": dict(family="gpt2", n_layer=12, n_head=12, n_embd=768),
+    "gpt2-small": dict(family="gpt2", n_layer=12, n_head=12, n_embd=768, vocab_size=50257),
+    "llama-small": dict(family="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                        num_attention_heads=12, num_key_value_heads=4, vocab_size=32000),
     "llama-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8),
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
+    # Gemma 2's attention: logit soft-capping on every layer and a sliding window (shorter than --seq 512) on
+    # every other one; HF has no sdpa path for it, so HF eager is the baseline
+    "gemma2-small": dict(family="gemma2", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64,
+                         sliding_window=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                         vocab_size=32000),
 }
 
 
 def build(shape: str, seq: int, device, dtype):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(SHAPES[shape])
     family = spec.pop("family")
+    positions = {"gpt2": "n_positions"}.get(family, "max_position_embeddings")
+    config = AutoConfig.for_model(family, **spec, **{positions: max(1024, seq)})
     torch.manual_seed(0)
-    if family == "gpt2":
-        config = GPT2Config(**spec, n_positions=max(1024, seq), vocab_size=50257)
-        hf = GPT2LMHeadModel(config)
-    else:
-        config = LlamaConfig(**spec, max_position_embeddings=max(2048, seq), vocab_size=32000)
-        hf = LlamaForCausalLM(config)
-    return hf.to(device=device, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def has_sdpa(hf) -> bool:
+    try:
+        hf.set_attn_implementation("sdpa")
+    except (ValueError, ImportError):
+        return False
+    return hf.config._attn_implementation == "sdpa"
 
 
 def sync(device):
@@ -65,8 +78,8 @@ def variants(model, ids, has_tl: bool):
         run = (lambda: model.run_with_cache(ids, names=names)[1]) if names else (lambda: model(ids))
         return (lambda: model.set_attn(attn)), run
 
-    table = {
-        "HF sdpa": hf_run("sdpa"),
+    table = {"HF sdpa": hf_run("sdpa")} if has_sdpa(hf) else {}
+    table |= {
         "HF eager": hf_run("eager"),
         "HF eager + output_attentions": hf_run("eager", output_attentions=True),
         "ours flash (no hooks)": ours("flash"),
@@ -110,10 +123,11 @@ def bench_forward(args) -> None:
                 sync(device)
                 times[name].append(time.perf_counter() - t0)
                 del out
-    base = statistics.median(times["HF sdpa"])
+    reference = "HF sdpa" if "HF sdpa" in times else "HF eager"  # Gemma 2 has no sdpa path in HF
+    base = statistics.median(times[reference])
     print(f"# {args.shape}, batch {args.batch} x {args.seq}, {str(dtype).removeprefix('torch.')}, {device}, "
-          f"torch {torch.__version__}, {args.repeats} interleaved repeats (median)")
-    print(f"| variant | median ms | x HF sdpa |\n|---|---:|---:|")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats (median)")
+    print(f"| variant | median ms | x {reference} |\n|---|---:|---:|")
     for name, ts in times.items():
         med = statistics.median(ts)
         print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} |")
@@ -154,9 +168,12 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--kernel", action="store_true", help="time the attention kernel alone instead")
     p.add_argument("--kernel-seq", type=int, default=16384)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bench_kernel(args) if args.kernel else bench_forward(args)
 
 
