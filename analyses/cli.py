@@ -406,7 +406,7 @@ def cmd_report(args) -> int:
                                progress=progress)
     finally:
         progress.close()
-    labelled = ", ".join(f"{h['label']} {h['layer']}.{h['head']}" for h in summary["strongest_heads"]) or "none"
+    labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
     print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s (strongest heads: {labelled})")
     return 0
 

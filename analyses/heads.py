@@ -17,7 +17,8 @@ import torch
 
 from interp.inputs import pad_ids, tokenize
 
-from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, label_heads,
+from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
+                     label_heads,
                      order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)
 
 __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
@@ -49,8 +50,9 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
 
     Returns columns ``layer``, ``head``, one per score, ``positional_offset``, ``positional_fraction``,
-    ``label`` (the score that clears its threshold by the largest factor, else ``"none"``), then the
-    interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
+    ``label`` (the most specific class whose score clears its threshold: induction, duplicate_token,
+    previous_token, next_token, positional, self, sink; else ``"none"``), ``labels`` (every class cleared,
+    most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
     """
     cfg = model.cfg
     kinds = check_kinds(kinds, cfg.causal)
@@ -85,6 +87,7 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     real = set(cfg.heads())  # an emptied layer's placeholder head is not scored
     df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
     df["label"] = label_heads(df, limits)
+    df["labels"] = head_labels(df, limits)
     df = order_columns(df)
     df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
                     attn=model.attn)

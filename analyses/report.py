@@ -22,12 +22,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from interp.inputs import pad_ids  # noqa: E402
+from interp.structure import describe  # noqa: E402
 
 from .ablation import ablation_scan  # noqa: E402
-from .heads import corpus_sentences, detect_heads  # noqa: E402
+from .heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
 from .metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from .plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
 from .pruning import curve_summary, pruning_curve  # noqa: E402
+from .scores import SCORE_DEFINITIONS, strongest_heads  # noqa: E402
 from .toy import repeated_sequences  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
@@ -106,23 +108,19 @@ class _Figures:
         return f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt)}">'
 
 
-def _strongest_heads(df: pd.DataFrame) -> list[tuple[str, int, int, float]]:
-    """Per label: the labelled head with the largest score of that kind."""
-    out = []
-    for label in [l for l in df["label"].unique() if l != "none"]:
-        column = "positional_fraction" if label == "positional" else label
-        rows = df[df["label"] == label].sort_values(column, ascending=False)
-        top = rows.iloc[0]
-        out.append((label, int(top["layer"]), int(top["head"]), float(top[column])))
-    return sorted(out)
+# Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
+# is 270 forwards (README: CLI gives the measured times).
+_MANY_HEADS = 100
 
 
-def write_report(model, out: str | Path, prompts: list[str] | None = None, seed: int = 0, n_prompts: int = 64,
-                 progress: Callable[[str], None] | None = None) -> dict:
+def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
+                 progress: Callable[[str], None] | None = None, study_prompts: int | None = None) -> dict:
     """Classify heads, scan ablations, draw pruning curves and write the report into ``out``.
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.png``; returns the summary. ``progress`` is called with the name of each stage.
+    study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
+    more than 100 heads).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +128,9 @@ def write_report(model, out: str | Path, prompts: list[str] | None = None, seed:
     step = progress or (lambda stage: None)
     stages: list[tuple[str, float]] = []  # (stage, start time)
     t_start = time.perf_counter()
+    n_heads = len(model.cfg.heads())
+    if study_prompts is None:
+        study_prompts = 32 if n_heads <= _MANY_HEADS else 4
 
     def timed(stage: str):
         step(stage)
@@ -139,31 +140,25 @@ def write_report(model, out: str | Path, prompts: list[str] | None = None, seed:
     heads = detect_heads(model, prompts=prompts, n_prompts=n_prompts, seed=seed)
     heads.to_csv(out / "heads.csv", index=False)
     scores = [s for s in _SCORES if s in heads]
+    grid_size = (1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers)
     for score in scores:
-        fig, ax = plt.subplots(figsize=(1.2 + 0.55 * model.cfg.n_heads, 1.0 + 0.5 * model.cfg.n_layers))
+        fig, ax = plt.subplots(figsize=grid_size)
         head_score_grid(heads, score, ax=ax)
         figures.add(f"grid_{score}", fig)
+    strongest = strongest_heads(heads)
 
     timed("attention maps")
-    text = example_prompt(model, prompts, seed)
-    _, cache = model.run_with_cache(text, names=lambda n: n.endswith(("hook_q", "hook_k")))
-    maps = []
-    for label, layer, head, score in _strongest_heads(heads):
-        fig, ax = plt.subplots(figsize=(6.5, 5.5))
-        attention_heatmap(cache, layer, head, tokens=model.to_str_tokens(_ids_of(model, text)), ax=ax,
-                          title=f"{label}: head {layer}.{head} (score {score:.2f})")
-        maps.append((label, layer, head, score, figures.add(f"attention_{label}_L{layer}H{head}", fig)))
+    maps = _attention_maps(model, strongest, prompts, seed, figures)
 
     timed("ablation")
-    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, 32), seed=seed)
+    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
     scan = ablation_scan(model, inputs, metric)
     scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * model.cfg.n_heads, 1.0 + 0.5 * model.cfg.n_layers))
+    fig, ax = plt.subplots(figsize=grid_size)
     ablation_heatmap(scan, ax=ax)
     figures.add("ablation", fig)
 
     timed("pruning")
-    n_heads = sum(model.cfg.heads_per_layer)
     step_size = max(0.1, 1.0 / n_heads)
     curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
                         pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
@@ -178,9 +173,10 @@ def write_report(model, out: str | Path, prompts: list[str] | None = None, seed:
 
     summary = {
         "model": model.summary(),
-        "labelled_heads": [{"layer": int(r.layer), "head": int(r.head), "label": r.label}
-                           for r in heads.itertuples() if r.label != "none"],
-        "strongest_heads": [{"label": l, "layer": ly, "head": h, "score": round(s, 4)} for l, ly, h, s, _ in maps],
+        "structure": describe(model.structure),
+        "label_counts": {k: int(v) for k, v in heads["label"].value_counts().items()},
+        "strongest_heads": strongest.to_dict(orient="records"),
+        "attention_maps": [{"class": c, "layer": l, "head": h, "prompt": what} for c, l, h, what, _ in maps],
         "thresholds": heads.attrs.get("thresholds"),
         "head_inputs": heads.attrs.get("inputs"),
         "study_inputs": inputs_what,
@@ -189,12 +185,35 @@ def write_report(model, out: str | Path, prompts: list[str] | None = None, seed:
         "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
         "pruning": summary_curves.to_dict(orient="records"),
         "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
+        "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "python": platform.python_version()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "index.html").write_text(_page(summary, heads, scan, summary_curves, maps, scores, figures))
+    (out / "index.html").write_text(_page(summary, heads, strongest, scan, summary_curves, maps, scores, figures))
     return summary
+
+
+def _attention_maps(model, strongest, prompts, seed, figures) -> list[tuple]:
+    """The strongest head of each class on a prompt that exercises it: repeated random tokens for induction and
+    duplicate-token heads (their behaviour needs an earlier occurrence), the example text for the others."""
+    text = example_prompt(model, prompts, seed)
+    length = min(40, model.cfg.max_positions or 40)
+    repeated = repeated_random_tokens(model, 1, length, torch.Generator().manual_seed(seed))[0]
+    caches: dict[str, object] = {}
+    maps = []
+    for kind, group in strongest.groupby("class", sort=False):
+        top = group.iloc[0]
+        layer, head = int(top["layer"]), int(top["head"])
+        prompt, what = (repeated, "repeated random tokens") if kind in ("induction", "duplicate_token") else \
+            (text, "the example text")
+        if what not in caches:
+            caches[what] = model.run_with_cache(prompt, names=lambda n: n.endswith(("hook_q", "hook_k")))[1]
+        fig, ax = plt.subplots(figsize=(6.5, 5.5))
+        attention_heatmap(caches[what], layer, head, tokens=model.to_str_tokens(_ids_of(model, prompt)), ax=ax,
+                          title=f"{kind}: head {layer}.{head} (score {top['score']:.2f}) on {what}")
+        maps.append((kind, layer, head, what, figures.add(f"attention_{kind}_L{layer}H{head}", fig)))
+    return maps
 
 
 def _ids_of(model, text):
@@ -217,6 +236,7 @@ th, td { border: 1px solid #ddd; padding: 0.25rem 0.55rem; text-align: right; }
 th { background: #f4f4f4; } td.text, th.text { text-align: left; }
 img { max-width: 100%; margin: 0.4rem 0.6rem 0.4rem 0; vertical-align: top; }
 .grid img { max-width: 48%; } .muted { color: #666; font-size: 0.9rem; }
+.side { display: flex; gap: 2rem; align-items: flex-start; } .found { margin: 0.6rem 0; font-size: 0.9rem; }
 """
 
 
@@ -239,15 +259,23 @@ def _inputs_text(inputs: dict | None) -> str:
     return "; ".join(f"{what} ({', '.join(kinds)})" for what, kinds in groups.items())
 
 
-def _page(summary, heads, scan, curves, maps, scores, figures) -> str:
+def _page(summary, heads, strongest, scan, curves, maps, scores, figures) -> str:
     m = summary["model"]
     esc = html.escape
-    items = [(k, str(v)) for k, v in m.items()]
-    half = (len(items) + 1) // 2  # two (property, value) column pairs side by side: a short section
-    left, right = items[:half], items[half:] + [("", "")] * (2 * half - len(items))
-    model_rows = pd.DataFrame([(*a, *b) for a, b in zip(left, right)], columns=["property", "value"] * 2)
-    labelled = heads[heads["label"] != "none"][["layer", "head", "label", *scores]]
-    maps_html = "".join(figures.img(name, f"attention map of {label} head {l}.{h}") for label, l, h, _, name in maps)
+    shown = ("class", "family", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "block", "attn", "dtype",
+             "n_params", "tokenizer")
+    model_rows = pd.DataFrame([(k, str(m[k])) for k in shown if k in m], columns=["property", "value"])
+    found = "".join(f"<li>{esc(line)}</li>" for line in summary["structure"])
+    table = strongest.assign(
+        head=[f"{l}.{h}" for l, h in zip(strongest["layer"], strongest["head"])],
+        interval=[f"{lo:.3f} to {hi:.3f}" if lo == lo else "" for lo, hi in zip(strongest["lo"], strongest["hi"])],
+    )[["class", "head", "score", "interval", "labels"]]
+    counts = ", ".join(f"{k} {v}" for k, v in summary["label_counts"].items())
+    definitions = "".join(f"<li><b>{esc(k)}</b>: {esc(v)} (threshold {summary['thresholds'].get(k, 0):g})</li>"
+                          for k, v in SCORE_DEFINITIONS.items() if (k if k != "positional" else "positional_fraction")
+                          in heads)
+    maps_html = "".join(figures.img(name, f"attention map of {kind} head {l}.{h} on {what}")
+                        for kind, l, h, what, name in maps)
     grids = "".join(figures.img(f"grid_{s}", f"{s} score per head") for s in scores)
     top = pd.DataFrame(summary["most_important_by_ablation"])
     seconds = summary["seconds"]
@@ -257,34 +285,41 @@ def _page(summary, heads, scan, curves, maps, scores, figures) -> str:
 <h1>Attention heads of {esc(m['class'])}</h1>
 <p class="muted">interp report, {esc(time.strftime('%Y-%m-%d %H:%M'))}; attention path {esc(m['attn'])};
 torch {esc(summary['versions']['torch'])}, transformers {esc(summary['versions']['transformers'])};
-{seconds['total']:.1f} s.</p>
+{seconds['total']:.1f} s on {summary['threads']} CPU thread(s).</p>
 
 <h2>Model</h2>
-{_table(model_rows)}
+<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div>
 
-<h2>Head classification</h2>
-<p>Scores per head from <code>detect_heads</code>; framed cells are heads labelled with that class
-(thresholds: {esc(', '.join(f'{k} {v:g}' for k, v in (summary['thresholds'] or {}).items()))}).
-Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
+<h2>Strongest heads of each class</h2>
+<p>Each class's highest-scoring heads with 95% bootstrap intervals over prompts; <b>labels</b> lists every class
+a head clears, most specific first (a head's primary label is the first). Label counts: {esc(counts)}. All
+{len(heads)} heads with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
+{_table(table) if len(table) else '<p>No head passes a threshold.</p>'}
+<ul class="muted">{definitions}</ul>
+<p class="muted">Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
+
+<h2>Scores per head</h2>
+<p>Framed cells are heads whose primary label is that class.</p>
 <div class="grid">{grids}</div>
-<p>{len(labelled)} of {len(heads)} heads are labelled (full table in <code>heads.csv</code>):</p>
-{_table(labelled) if len(labelled) else '<p>No head passes a threshold.</p>'}
 
 <h2>Attention maps</h2>
-<p>The strongest head of each class on an example prompt.</p>
+<p>The strongest head of each class on a prompt that exercises it: repeated random tokens for induction and
+duplicate-token heads, the example text for the others.</p>
 <div class="grid">{maps_html or '<p>No labelled heads to show.</p>'}</div>
 
 <h2>Ablation scan</h2>
 <p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
-baseline {summary['baseline']:.4f}. Cells show the change in the metric (<code>ablation.csv</code>).</p>
+baseline {summary['baseline']:.4f}. Cells show the change in the metric
+(<a href="ablation.csv"><code>ablation.csv</code></a>).</p>
 {figures.img('ablation', 'ablation scan heatmap')}
 <p>Heads whose ablation hurts most:</p>
 {_table(top, '{:.4f}')}
 
 <h2>Pruning curve</h2>
 <p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
-random orders (mean of 3 seeds, range shaded); <code>pruning.csv</code>.</p>
+random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
 {figures.img('pruning', 'pruning curve')}
 {_table(curves, '{:.3f}')}
+<p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
 </body></html>
 """

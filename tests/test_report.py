@@ -44,7 +44,9 @@ def test_report_files(report):
     heads = pd.read_csv(report / "heads.csv")
     assert len(heads) == 8 and {"layer", "head", "label", "induction", "previous_token"} <= set(heads.columns)
     summary = json.loads((report / "summary.json").read_text())
-    assert {h["label"] for h in summary["strongest_heads"]} >= {"induction", "previous_token"}
+    assert {h["class"] for h in summary["strongest_heads"]} >= {"induction", "previous_token"}
+    assert [(m["class"], m["prompt"]) for m in summary["attention_maps"]][:1] == [("induction", "repeated random tokens")]
+    assert "labels" in heads.columns and summary["threads"] == __import__("torch").get_num_threads()
     assert {r["order"] for r in summary["pruning"]} == {"importance", "random"}
     pngs = sorted(p.name for p in (report / "figures").glob("*.png"))
     assert "ablation.png" in pngs and "pruning.png" in pngs and any(p.startswith("attention_induction") for p in pngs)
