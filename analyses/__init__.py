@@ -13,9 +13,11 @@ __all__ += ["ablate_heads", "ablation_scan", "curve_summary", "embedding_similar
 
 # Head detection (issue 3)
 from .heads import detect_heads  # noqa: E402
-from .scores import DEFAULT_THRESHOLDS, LABEL_ORDER, head_labels, label_heads, pattern_scores  # noqa: E402
+from .scores import (DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS, head_labels, label_heads,  # noqa: E402
+                     pattern_scores, strongest_heads)
 
-__all__ += ["DEFAULT_THRESHOLDS", "LABEL_ORDER", "detect_heads", "head_labels", "label_heads", "pattern_scores"]
+__all__ += ["DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "detect_heads", "head_labels", "label_heads",
+            "pattern_scores", "strongest_heads"]
 
 # Plots and the HTML report (issue 5): loaded on first use, so `import analyses` does not import matplotlib
 _LAZY = {"attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",

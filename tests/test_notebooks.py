@@ -2,7 +2,7 @@
 still holds; the committed copies carry their outputs, stay small and import only the public API.
 
 Each notebook runs in a temporary copy (the committed file is not rewritten), with a check cell appended that
-asserts, in the notebook's own kernel, the facts its markdown states. The three take about a minute together.
+asserts, in the notebook's own kernel, the facts its markdown states. The four take about two minutes together.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat is in the test extra
 nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e '.[test]'")
 
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_quickstart", "02_induction_heads", "03_head_pruning"]
+NAMES = ["01_quickstart", "02_induction_heads", "03_head_pruning", "04_real_model_heads"]
 CELL_TIMEOUT = 300  # seconds per cell; the slowest cell (pruning curves) takes about 10 s
 MAX_BYTES = 1_000_000
 OUR_PACKAGES = ("interp", "hooks", "analyses")
@@ -30,8 +30,12 @@ CLAIMS = {
     "01_quickstart": """
 assert (eager_cache["pattern", 0] - pattern).abs().max().item() < 1e-6, "flash and eager patterns differ"
 labels = heads.set_index(["layer", "head"])["label"]
-assert labels[(0, 2)] == "previous_token", "the notebook shows head 0.2 as the previous-token head"
+assert labels[(16, 0)] == "previous_token", "the notebook shows head 16.0 as a previous-token head"
+assert labels[(18, 6)] == "induction", "the notebook shows head 18.6 as an induction head"
+assert "sink" in heads.set_index(["layer", "head"])["labels"][(18, 6)], "the text says induction heads are also sinks"
 assert (labels == "sink").sum() > len(labels) / 2, "the text says most heads are sinks"
+p16 = cache.pattern(16, heads=[0])[0, 0]
+assert p16.diagonal(-1).mean() > 0.5, "head 16.0 puts most of its weight on the previous token"
 assert change > 0.01, "zeroing a head's z must change the output"
 """,
     "02_induction_heads": """
@@ -61,6 +65,16 @@ assert summary.loc["importance", "area"] > summary.loc["random", "area"]
 assert abs(pruned_similarity - ablated_similarity) < 1e-5, "pruned model == zero ablation"
 assert pruned.cfg.heads_per_layer != model.cfg.heads_per_layer and sum(pruned.cfg.heads_per_layer) == 36
 assert n_params(pruned) < n_params(model)
+""",
+    "04_real_model_heads": """
+assert agreement > 0.9999 and largest_difference < 1e-4, "the scores equal HF's own attention weights"
+assert names(ours) == names(hf_scores) and len(induction_heads) >= 6
+assert all(17 <= l <= 23 for l, _ in induction_heads), "induction heads sit in layers 17 to 23"
+assert {l for l, _ in previous_token_heads} <= {1, 2, 11, 16, 19}
+removed = table["gain removed"]
+assert 0.75 <= removed["induction heads"] <= 0.95, "about 85% of the gain"
+assert all(abs(removed[f"random heads {i}"]) <= 0.2 for i in (1, 2, 3)), "random heads barely move it"
+assert removed["previous-token heads"] < removed["induction heads"], "previous-token heads matter less"
 """,
 }
 
@@ -116,6 +130,11 @@ def test_induction_notebook_runs_and_ablation_breaks_copying(tmp_path):
     assert rows["induction heads"][1] > clean_loss + 2.0, table  # second-copy loss goes up
     assert rows["previous-token heads"][1] > clean_loss + 2.0, table
     assert rows["induction heads"][2] < 0.1 < 0.95 < rows["clean"][2], table  # copying disappears
+
+
+def test_real_model_notebook_checks_heads_against_hf_and_ablates_them(tmp_path):
+    nb = _executed("04_real_model_heads", tmp_path)
+    assert _number(r"Pearson r = (\S+),", _text(nb, "np.corrcoef")) > 0.9999
 
 
 def test_pruning_notebook_runs(tmp_path):

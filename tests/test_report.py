@@ -81,3 +81,17 @@ def test_page_renders_in_chromium_with_every_image_loaded(report, tmp_path):
     assert pixels.std() > 0.1  # not a blank page
     colours = np.unique((pixels[::7, ::7] * 255).astype(np.uint8).reshape(-1, 3), axis=0)
     assert len(colours) > 50  # text, tables and heatmaps, not a flat page
+
+
+@pytest.mark.slow
+def test_report_on_smollm2(tmp_path):
+    """The report on a 30-layer real model (about 80 s): a short table of each class's strongest heads, the
+    induction map on repeated tokens, a scan of all 270 heads on 4 prompts (`python -m pytest -m slow`)."""
+    assert main(["report", "--model", "smollm2", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    strongest = pd.DataFrame(summary["strongest_heads"])
+    assert len(strongest) <= 3 * 7 and strongest.groupby("class").size().max() <= 3
+    assert (strongest[strongest["class"] == "induction"]["layer"].between(17, 23)).all()
+    assert summary["attention_maps"][0] == {"class": "induction", "layer": 18, "head": 6,
+                                            "prompt": "repeated random tokens"}
+    assert len(pd.read_csv(tmp_path / "ablation.csv")) == 270 and "first 4" in summary["study_inputs"]
