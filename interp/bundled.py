@@ -120,6 +120,11 @@ def _converted(name: str) -> Path:
     if (target / "SOURCE.json").exists():
         return target
     gguf_dir, gguf_file = gguf_source(name)
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"Converting the bundled model {name!r} from its GGUF file needs the packages "
+                                  f"{' and '.join(missing)}: pip install 'interp[models]' (or: pip install "
+                                  f"{' '.join(missing)}).")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
