@@ -19,9 +19,20 @@ from .scores import (DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS, head_la
 __all__ += ["DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "detect_heads", "head_labels", "label_heads",
             "pattern_scores", "strongest_heads"]
 
+# Circuits (issue 13): patching, attribution, composition
+from .attribution import attribution_patching, direct_logit_attribution, logit_lens  # noqa: E402
+from .composition import LowRank, composition_scores, ov_circuit, qk_circuit  # noqa: E402
+from .metrics import next_token_loss  # noqa: E402
+from .patching import activation_patching, path_patching  # noqa: E402
+from .tasks import induction_task, ioi_task  # noqa: E402
+
+__all__ += ["LowRank", "activation_patching", "attribution_patching", "composition_scores", "ioi_task",
+            "direct_logit_attribution", "induction_task", "logit_lens", "next_token_loss", "ov_circuit",
+            "path_patching", "qk_circuit"]
+
 # Plots and the HTML report (issue 5): loaded on first use, so `import analyses` does not import matplotlib
 _LAZY = {"attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
-         "pruning_curve_plot": "plots", "write_report": "report"}
+         "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "write_report": "report"}
 __all__ += list(_LAZY)
 
 

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import pandas as pd
 import torch
 
+from .engine import copies_per_forward, scan
 from .metrics import Batch, as_metric, batch_of
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
@@ -166,104 +167,6 @@ def ablate_heads(model, heads, method: str = "zero", reference=None):
         yield model
 
 
-def _same_output(a, b, tol: float = 1e-5) -> bool:
-    """Whether two model outputs agree (their main tensor) within ``tol`` relative to its size."""
-    from .metrics import _main_output
-
-    x, y = _main_output(a).float(), _main_output(b).float()
-    return bool((x - y).abs().max() <= tol * max(1.0, float(y.abs().max())))
-
-
-def _slice_output(output, start: int, stop: int, total: int):
-    """Rows ``start:stop`` of every batch-sized tensor in a model output (tuples of tensors included)."""
-
-    def cut(value):
-        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == total:
-            return value[start:stop]
-        if isinstance(value, tuple):
-            return tuple(cut(v) for v in value)
-        return value
-
-    if isinstance(output, torch.Tensor):
-        return cut(output)
-    return type(output)(**{k: cut(v) for k, v in output.items()})
-
-
-def _run(model, batch: Batch, copies: int = 1):
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    if copies > 1:
-        ids = ids.repeat(copies, 1)
-        mask = None if mask is None else mask.repeat(copies, 1)
-    return model(ids, mask)
-
-
-class _Prefix:
-    """The block outputs of one run, replayed instead of recomputed for the blocks before the first ablated layer:
-    a head's ablation changes nothing before its layer, so a scan of layer l's heads only needs layers l.. again
-    (half the work of a full scan on average). Exact: the replayed tensors are the ones those blocks computed."""
-
-    def __init__(self, model):
-        self.model, self.outputs = model, {}
-        self.enabled = True
-
-    @contextmanager
-    def recording(self):
-        def keep(layer):
-            def hook(module, args, output):
-                self.outputs[layer] = output
-            return hook
-
-        handles = [block.register_forward_hook(keep(l)) for l, block in enumerate(self.model._blocks)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    @contextmanager
-    def replaying(self, first_layer: int, copies: int):
-        """Blocks 0..first_layer-1 return block first_layer-1's recorded output (only the last one is read)."""
-        skipped = list(self.model._blocks[:first_layer]) if self.enabled else []
-        if skipped:
-            out = _repeat(self.outputs[first_layer - 1], copies, self.model.device)
-            for block in skipped:
-                block.forward = lambda *args, **kwargs: out
-        try:
-            yield
-        finally:
-            for block in skipped:
-                block.__dict__.pop("forward", None)
-
-
-def _repeat(value, copies: int, device):
-    if isinstance(value, torch.Tensor):
-        return value.repeat(copies, *([1] * (value.ndim - 1))) if copies > 1 else value
-    if isinstance(value, tuple):
-        return type(value)(_repeat(v, copies, device) for v in value)
-    return value
-
-
-def _copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
-    """How many copies of the batch fit in ``memory_budget`` bytes of activations (an estimate).
-
-    Per token: the output row (vocab logits or d_model), about 12 x d_model of layer activations alive at once
-    (residual, q/k/v, z, MLP), and on the eager path one row of the n x n pattern per head.
-    Default budget: 1 GiB on CUDA, where one large forward beats many small ones; 16 MiB on CPU, where a
-    forward is compute-bound beyond a few hundred tokens and larger batches only add memory traffic
-    (measured in BENCHMARKS.md: batching pays there only for small forwards).
-    """
-    if memory_budget is None:
-        memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
-    b, p = batch["input_ids"].shape
-    cfg = model.cfg
-    has_head = getattr(model.hf, "get_output_embeddings", lambda: None)() is not None
-    per_token = (cfg.vocab_size if has_head else cfg.d_model) + 12 * cfg.d_model
-    if model.attn == "eager":
-        per_token += 2 * max(cfg.heads_per_layer) * p
-    per_copy = b * p * per_token * torch.finfo(model.dtype).bits // 8
-    return max(1, int(memory_budget // per_copy))
-
-
 def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, reference=None,
                   memory_budget: float | None = None, heads_per_forward: int | None = None, ablated=()) -> pd.DataFrame:
     """The effect of ablating each head alone: one row per head with ``layer``, ``head``, ``metric``,
@@ -274,7 +177,7 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     head's copy of the batch, exactly as a run with only that head ablated.
     heads: the heads to scan (default all). ablated: heads zero-ablated in every run, baseline included
     (e.g. heads pruned so far). memory_budget: bytes of activations one forward may use (an estimate; default
-    1 GiB on CUDA, 16 MiB on CPU, see ``_copies_per_forward``); ``heads_per_forward`` overrides it (1 = one
+    1 GiB on CUDA, 16 MiB on CPU, see ``engine.copies_per_forward``); ``heads_per_forward`` overrides it (1 = one
     head per forward).
     """
     metric = as_metric(metric)
@@ -284,35 +187,20 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     replacement = _Replacement(model, method, reference)
     zero = _Replacement(model, "zero")
     if heads_per_forward is None:
-        heads_per_forward = _copies_per_forward(model, batch, memory_budget)
+        heads_per_forward = copies_per_forward(model, batch, memory_budget)
     if heads_per_forward < 1:
         raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
 
-    with model.studying(), torch.no_grad():
-        base_hooks = _ablation_hooks(model, _head_masks(model, [ablated]), zero) if ablated else []
-        prefix = _Prefix(model)
-        with model.hooks(base_hooks), prefix.recording():
-            baseline = metric(_run(model, batch), batch)
-        rows = []
-        b = batch["input_ids"].shape[0]
-        for start in range(0, len(heads), heads_per_forward):
-            group = heads[start:start + heads_per_forward]
-            copies = len(group)
-            hooks = _ablation_hooks(model, _head_masks(model, [[head] for head in group]), replacement, copies)
-            if ablated:
-                base = _head_masks(model, [ablated])
-                hooks = _ablation_hooks(model, base, zero, copies) + hooks  # zero first, then the scanned head
-            first_layer = min(layer for layer, _ in group)
-            with model.hooks(hooks):
-                with prefix.replaying(first_layer, copies):
-                    output = _run(model, batch, copies)
-                if start == 0 and first_layer > 0:  # check the replay once against a full forward
-                    prefix.enabled = _same_output(output, _run(model, batch, copies))
-            values = [metric(_slice_output(output, i * b, (i + 1) * b, copies * b), batch) for i in range(copies)]
-            for (layer, head), value in zip(group, values):
-                rows.append({"layer": layer, "head": head, "metric": value, "delta": value - baseline,
-                             "baseline": baseline})
-            del output
+    base = _head_masks(model, [ablated]) if ablated else {}
+
+    def hooks_for(group, copies):
+        hooks = _ablation_hooks(model, base, zero, copies) if ablated else []  # zero first, then the scanned head
+        return hooks + _ablation_hooks(model, _head_masks(model, [[head] for head in group]), replacement, copies)
+
+    baseline, values = scan(model, batch, heads, lambda head: head[0], hooks_for, metric, heads_per_forward,
+                            _ablation_hooks(model, base, zero) if ablated else [])
+    rows = [{"layer": layer, "head": head, "metric": value, "delta": value - baseline, "baseline": baseline}
+            for (layer, head), value in zip(heads, values)]
     df = pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
     df.attrs.update(metric=metric.name, method=method)  # for plot titles
     return df

@@ -6,6 +6,8 @@
     interp prune      [--model M] [--save DIR]  pruning curves, importance vs random; save a pruned model
     interp plot       --layer L --head H --out PNG [--text T]   one head's attention map
     interp plot       heads|ablation|pruning [--csv FILE] --out PNG   a score grid, scan or curve
+    interp patch      [--model M]               activation, attribution or path patching of every head
+    interp attribute  [--model M]               direct logit attribution (or --lens: the logit lens)
     interp train-toy  --out DIR                 train the toy induction model
     interp report     --out DIR                 everything above as one HTML page
 
@@ -75,6 +77,15 @@ def _set_threads(value: str) -> int:
             raise UserError(f"--threads takes a positive integer or 'auto'; got {value!r}")
     torch.set_num_threads(n)
     return n
+
+
+def _circuit_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clean", default=None, help="clean input text (or token ids); default: the induction task")
+    p.add_argument("--corrupted", default=None, help="corrupted input, the same length in tokens as --clean")
+    p.add_argument("--answer", default=None, help="with --clean: the correct next token (text or id)")
+    p.add_argument("--wrong", default=None, help="with --clean: the wrong next token; metric logit[answer] - logit[wrong]")
+    p.add_argument("--n-prompts", type=int, default=16, help="sequences of the induction task")
+    p.add_argument("--top", type=int, default=20, help="table: the heads with the largest effects")
 
 
 def _format_option(p: argparse.ArgumentParser) -> None:
@@ -360,6 +371,95 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _circuit_inputs(args, model):
+    """(clean, corrupted, metric, description): the induction task by default, or --clean/--corrupted texts with
+    --answer/--wrong tokens (a logit difference at the last position)."""
+    from .attribution import token_ids
+    from .metrics import logit_difference
+    from .tasks import induction_task
+
+    if args.clean is None and args.corrupted is None:
+        clean, corrupted, metric = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
+        return clean, corrupted, metric, f"the induction task ({args.n_prompts} sequences [BOS, x, x] against [BOS, y, x])"
+    if args.clean is None or args.corrupted is None or args.answer is None or args.wrong is None:
+        raise UserError("give --clean, --corrupted, --answer and --wrong together (or none of them for the "
+                        "induction task)")
+    clean, corrupted = _text_or_ids(args.clean, model), _text_or_ids(args.corrupted, model)
+    answer, wrong = (int(token_ids(model, _token(v), 1, name)[0]) for v, name in ((args.answer, "--answer"),
+                                                                                    (args.wrong, "--wrong")))
+    return clean, corrupted, logit_difference(answer, wrong), f"{args.clean!r} against {args.corrupted!r}"
+
+
+def _text_or_ids(value: str, model):
+    import torch
+
+    if model.tokenizer is None:
+        return torch.tensor([_id_line(value, "the input")])
+    return model.to_tokens(value)
+
+
+def _token(value: str):
+    return int(value) if value.strip().lstrip("-").isdigit() else value
+
+
+def cmd_patch(args) -> int:
+    from .attribution import attribution_patching
+    from .patching import activation_patching, path_patching
+
+    with _Progress(["load", args.method]) as progress:
+        progress("load")
+        model = _load(args)
+        clean, corrupted, metric, what = _circuit_inputs(args, model)
+        progress(args.method)
+        if args.method == "activation":
+            df = activation_patching(model, clean, corrupted, metric, by=args.by, what=args.what)
+        elif args.method == "attribution":
+            df = attribution_patching(model, clean, corrupted, metric, by=args.by)
+        else:
+            if not args.receivers:
+                raise UserError("--method path needs --receivers LAYER.HEAD,... (the heads the path ends in)")
+            df = path_patching(model, clean, corrupted, _parse_heads(args.receivers, model), metric, via=args.via)
+    if args.format == "table":
+        a = df.attrs
+        print(f"# {args.method} patching of {a.get('what', 'z')} on {what}; {a['metric']}: clean {a['clean']:.4f}, "
+              f"corrupted {a['corrupted']:.4f}; effect 0 = corrupted, 1 = clean")
+        df = df.reindex(df["effect"].abs().sort_values(ascending=False).index).head(args.top)
+    _emit(df, args.format)
+    return 0
+
+
+def cmd_attribute(args) -> int:
+    from .attribution import direct_logit_attribution, logit_lens, token_ids
+
+    with _Progress(["load", "attribution"]) as progress:
+        progress("load")
+        model = _load(args)
+        if args.text is None:
+            from .tasks import induction_task
+
+            clean, _, _ = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
+            inputs, answer, wrong = clean[:, :-1], clean[:, -1], None
+            what = "the induction task's second copy, last token"
+        else:
+            if args.answer is None:
+                raise UserError("--text needs --answer (the next token to attribute), and optionally --wrong")
+            inputs = _text_or_ids(args.text, model)
+            answer = token_ids(model, _token(args.answer), 1, "--answer")
+            wrong = None if args.wrong is None else token_ids(model, _token(args.wrong), 1, "--wrong")
+            what = repr(args.text)
+        progress("attribution")
+        if args.lens:
+            df = logit_lens(model, inputs, answer=answer)
+        else:
+            df = direct_logit_attribution(model, inputs, answer, wrong)
+    if args.format == "table" and not args.lens:
+        print(f"# direct logit attribution on {what}: logit{' difference' if wrong is not None else ''} "
+              f"{df.attrs['logit']:.4f}, remainder {df.attrs['remainder']:.2e}")
+        df = df.reindex(df["attribution"].abs().sort_values(ascending=False).index).head(args.top)
+    _emit(df, args.format)
+    return 0
+
+
 def cmd_train_toy(args) -> int:
     import inspect
 
@@ -475,6 +575,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("patch", help="activation, attribution or path patching of every head")
+    _model_options(p)
+    _format_option(p)
+    _circuit_options(p)
+    p.add_argument("--method", choices=["activation", "attribution", "path"], default="activation")
+    p.add_argument("--what", choices=["z", "q", "k", "v", "pattern"], default="z",
+                   help="activation patching: which activation of a head is patched (pattern: eager path only)")
+    p.add_argument("--by", choices=["head", "head_pos"], default="head")
+    p.add_argument("--receivers", default=None, help="path patching: LAYER.HEAD list the paths end in")
+    p.add_argument("--via", choices=["q", "k", "v"], default="q", help="path patching: the receivers' input")
+    p.set_defaults(func=cmd_patch)
+
+    p = sub.add_parser("attribute", help="direct logit attribution of every head and MLP (or the logit lens)")
+    _model_options(p)
+    _format_option(p)
+    p.add_argument("--text", default=None, help="the input (default: the induction task's second copy)")
+    p.add_argument("--answer", default=None, help="the next token to attribute (a token or its id)")
+    p.add_argument("--wrong", default=None, help="attribute logit[answer] - logit[wrong]")
+    p.add_argument("--lens", action="store_true", help="print the logit lens instead")
+    p.add_argument("--n-prompts", type=int, default=16)
+    p.add_argument("--top", type=int, default=20, help="table: the largest components")
+    p.set_defaults(func=cmd_attribute)
 
     p = sub.add_parser("train-toy", help="train the toy induction model (the bundled default)")
     p.add_argument("--out", type=Path, required=True)

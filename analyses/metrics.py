@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["Metric", "as_metric", "batch_of", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
-           "embedding_similarity", "mean_pool"]
+           "embedding_similarity", "mean_pool", "next_token_loss"]
 
 Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
 
@@ -158,17 +158,52 @@ class _CopyLoss(Metric):
 
 
 class _LogitDifference(Metric):
-    """logits[correct] - logits[wrong] at one position (default the last), averaged over the batch."""
+    """logits[correct] - logits[wrong] at one position (default the last), averaged over the batch; one token
+    each, or one per sequence."""
 
     higher_is_better = True
 
-    def __init__(self, correct: int, wrong: int, position: int):
-        self.correct, self.wrong, self.position = int(correct), int(wrong), int(position)
-        self.name = f"logit_difference({self.correct}, {self.wrong})"
+    def __init__(self, correct, wrong, position: int):
+        self.correct, self.wrong, self.position = (torch.as_tensor(correct).long(), torch.as_tensor(wrong).long(),
+                                                   int(position))
+        shown = [t.item() if t.ndim == 0 else f"{t.numel()} tokens" for t in (self.correct, self.wrong)]
+        self.name = f"logit_difference({shown[0]}, {shown[1]})"
 
     def per_example(self, output, inputs: Batch) -> torch.Tensor:
         logits = _main_output(output)[:, self.position].float()  # (b, vocab)
-        return logits[:, self.correct] - logits[:, self.wrong]
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        correct, wrong = (t.to(logits.device).expand(logits.shape[0]) if t.ndim == 0 else t.to(logits.device)
+                          for t in (self.correct, self.wrong))
+        if correct.shape[0] != logits.shape[0] or wrong.shape[0] != logits.shape[0]:
+            raise ValueError(f"{self.name} has one token per sequence for {correct.shape[0]} sequences; the model ran on "
+                             f"{logits.shape[0]}.")
+        return logits[rows, correct] - logits[rows, wrong]
+
+
+class _NextTokenLoss(Metric):
+    """Mean cross-entropy of fixed target tokens, whatever input the model ran on."""
+
+    name, higher_is_better = "next_token_loss", False
+
+    def __init__(self, targets: torch.Tensor, start: int, stop: int | None):
+        self.targets, self.start, self.stop = targets, start, stop
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        logits = _main_output(output)
+        if logits.shape[:2] != self.targets.shape:
+            raise ValueError(f"next_token_loss was built for inputs of shape {tuple(self.targets.shape)}; the model "
+                             f"ran on {tuple(logits.shape[:2])}.")
+        stop = self.stop if self.stop is not None else logits.shape[1] - 1
+        targets = self.targets[:, self.start + 1:stop + 1].to(logits.device)
+        nll = F.cross_entropy(logits[:, self.start:stop].transpose(1, 2).float(), targets, reduction="none")
+        return nll.mean(1)
+
+
+def next_token_loss(targets, start: int, stop: int | None = None) -> Metric:
+    """Metric: mean cross-entropy of predicting ``targets[:, t + 1]`` from the logits at positions ``start <= t <
+    stop`` (default: to the end). The targets are fixed, so on a corrupted input it still scores the clean
+    continuation: the metric for patching (lower is better)."""
+    return _NextTokenLoss(torch.as_tensor(targets), int(start), stop)
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -213,8 +248,9 @@ first_copy_loss: Metric = _CopyLoss("first")
 second_copy_loss: Metric = _CopyLoss("second")
 
 
-def logit_difference(correct: int, wrong: int, position: int = -1) -> Metric:
-    """Metric: ``logits[:, position, correct] - logits[:, position, wrong]`` (higher is better)."""
+def logit_difference(correct, wrong, position: int = -1) -> Metric:
+    """Metric: ``logits[:, position, correct] - logits[:, position, wrong]`` (higher is better); ``correct`` and
+    ``wrong`` are token ids, one for every sequence or one per sequence."""
     return _LogitDifference(correct, wrong, position)
 
 

@@ -22,7 +22,8 @@ import seaborn as sns
 import torch
 from matplotlib.patches import Rectangle
 
-__all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "clean_token"]
+__all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
+           "clean_token"]
 
 _FRACTION_SCORES = {"previous_token", "next_token", "self", "sink", "duplicate_token", "induction",
                     "positional_fraction"}
@@ -262,4 +263,46 @@ def pruning_curve_plot(df: pd.DataFrame, ax=None, metric_name: str | None = None
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     ax.set_title(f"pruning curve: {name}")
+    return ax
+
+
+# -- circuits --------------------------------------------------------------------------------------------
+def patching_heatmap(df: pd.DataFrame, value: str = "effect", ax=None, annotate: bool = True, fmt: str = ".2f",
+                     cmap: str = "RdBu_r", title: str | None = None):
+    """A layers x heads heatmap of ``activation_patching``, ``attribution_patching`` or ``path_patching``
+    (``by="head"``): by default the normalised ``effect`` (0: the corrupted run, 1: the clean run), diverging at
+    0 so that heads that push the other way show blue."""
+    if "pos" in df:
+        raise ValueError("patching_heatmap draws by='head' results; sum or select positions first, e.g. "
+                         "df.groupby(['layer', 'head'], as_index=False)['effect'].sum().")
+    grid = _grid(df, value)
+    if ax is None:
+        ax = _new_axes(grid)
+    limit = float(np.nanmax(np.abs(grid.to_numpy()))) if grid.notna().any().any() else 1.0
+    limit = limit or 1.0
+    sns.heatmap(grid, ax=ax, cmap=cmap, center=0.0, vmin=-limit, vmax=limit, annot=annotate, fmt=fmt,
+                annot_kws={"fontsize": _annotation_size(grid)}, linewidths=0.5, linecolor="white",
+                cbar_kws={"label": value})
+    what = df.attrs.get("what", "z")
+    ax.set_title(title or f"patching {what}: {value} on {df.attrs.get('metric', 'metric')}")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", rotation=0)
+    return ax
+
+
+def dla_bars(df: pd.DataFrame, top: int = 20, ax=None, title: str | None = None):
+    """The ``top`` components of a ``direct_logit_attribution`` by size, as horizontal bars (red: towards the
+    answer, blue: against it)."""
+    names = [("embed" if c == "embed" else f"head {l}.{h}" if c == "head" else f"mlp {l}" if c == "mlp" else c)
+             for c, l, h in zip(df["component"], df["layer"], df["head"])]
+    values = df["attribution"].to_numpy(dtype=float)
+    order = np.argsort(-np.abs(values))[:top][::-1]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.0, 0.3 * len(order) + 1.2), layout="constrained")
+    ax.barh([names[i] for i in order], values[order], color=["#b2182b" if values[i] > 0 else "#2166ac" for i in order])
+    ax.axvline(0.0, color="0.3", lw=0.8)
+    target = "logit difference" if df.attrs.get("wrong") is not None else "logit"
+    ax.set_xlabel(f"direct contribution to the {target}")
+    ax.set_title(title or f"direct logit attribution ({target} {df.attrs.get('logit', float('nan')):.2f})")
     return ax

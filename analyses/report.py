@@ -25,11 +25,15 @@ from interp.inputs import pad_ids  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
 from .ablation import ablation_scan  # noqa: E402
+from .attribution import attribution_patching, direct_logit_attribution  # noqa: E402
 from .heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
 from .metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
-from .plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
+from .patching import activation_patching  # noqa: E402
+from .plots import (ablation_heatmap, attention_heatmap, dla_bars, head_score_grid, patching_heatmap,  # noqa: E402
+                    pruning_curve_plot)
 from .pruning import curve_summary, pruning_curve  # noqa: E402
 from .scores import SCORE_DEFINITIONS, strongest_heads  # noqa: E402
+from .tasks import induction_task  # noqa: E402
 from .toy import repeated_sequences  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
@@ -158,6 +162,11 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     ablation_heatmap(scan, ax=ax)
     figures.add("ablation", fig)
 
+    circuits = None
+    if model.tokenizer is not None and model.cfg.causal and model.structure.final_norm is not None:
+        timed("circuits")
+        circuits = _circuits(model, figures, out, seed)
+
     timed("pruning")
     step_size = max(0.1, 1.0 / n_heads)
     curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
@@ -184,6 +193,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
         "baseline": float(scan["baseline"].iloc[0]),
         "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
         "pruning": summary_curves.to_dict(orient="records"),
+        "circuits": circuits,
         "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
@@ -192,6 +202,30 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "index.html").write_text(_page(summary, heads, strongest, scan, summary_curves, maps, scores, figures))
     return summary
+
+
+def _circuits(model, figures, out: Path, seed: int) -> dict:
+    """The induction task: attribution patching of every head (one backward), exact activation patching of the
+    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
+    clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
+    estimate = attribution_patching(model, clean, corrupted, metric)
+    top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
+    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
+    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
+    estimate.to_csv(out / "attribution.csv", index=False)
+    dla.to_csv(out / "dla.csv", index=False)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
+    patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
+    figures.add("attribution", fig)
+    fig, ax = plt.subplots(figsize=(6.5, 6.0))
+    dla_bars(dla, top=16, ax=ax)
+    figures.add("dla", fig)
+    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
+    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
+            "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
+            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
+                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
+            "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}
 
 
 def _attention_maps(model, strongest, prompts, seed, figures) -> list[tuple]:
@@ -315,6 +349,8 @@ baseline {summary['baseline']:.4f}. Cells show the change in the metric
 <p>Heads whose ablation hurts most:</p>
 {_table(top, '{:.4f}')}
 
+{_circuits_html(summary.get("circuits"), figures)}
+
 <h2>Pruning curve</h2>
 <p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
 random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
@@ -323,3 +359,22 @@ random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruni
 <p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
 </body></html>
 """
+
+
+def _circuits_html(c, figures) -> str:
+    if not c:
+        return ""
+    esc = html.escape
+    table = pd.DataFrame(c["top_heads"]).assign(head=lambda d: [f"{l}.{h}" for l, h in zip(d["layer"], d["head"])])
+    return f"""<h2>Circuits: which heads carry the induction task</h2>
+<p>{esc(c['task'])}; metric <code>{esc(c['metric'])}</code> (the loss of the clean second copy), clean
+{c['clean']:.3f}, corrupted {c['corrupted']:.3f}. <b>Attribution patching</b> estimates, from one backward pass,
+how much of the way from corrupted to clean each head's clean output alone would take the model (effect 0:
+corrupted, 1: clean; <a href="attribution.csv"><code>attribution.csv</code></a>); the eight heads it ranks highest
+were then patched exactly (<b>activation patching</b>):</p>
+{figures.img('attribution', 'attribution patching heatmap')}
+{_table(table[['head', 'effect', 'estimate']], '{:.3f}')}
+<p><b>Direct logit attribution</b> of the last token of the clean second copy: each component's direct
+contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
+{c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
+{figures.img('dla', 'direct logit attribution bars')}"""

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import interp
-from analyses import ablation, ablation_scan, embedding_similarity, head_importance, prune_model, second_copy_loss
+from analyses import ablation_scan, embedding_similarity, engine, head_importance, prune_model, second_copy_loss
 from analyses.ablation import all_heads
 from analyses.metrics import batch_of
 from analyses.toy import repeated_sequences
@@ -133,7 +133,7 @@ def bench_scan(device, dtype) -> list[dict]:
         for label, per_forward in (("one", 1), ("default", None), ("all", n_heads)):
             times[label] = statistics.median(
                 _timed_scan(model, inputs, metric, device, heads_per_forward=per_forward) for _ in range(reps))
-        copies = ablation._copies_per_forward(model, batch_of(model, inputs), None)
+        copies = engine.copies_per_forward(model, batch_of(model, inputs), None)
         rows.append({"case": name, "heads": n_heads, "default_copies": min(copies, n_heads),
                      "one_per_forward_s": times["one"], "default_s": times["default"], "all_in_one_s": times["all"]})
         print(_fmt_scan(rows[-1]), flush=True)

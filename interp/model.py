@@ -450,8 +450,9 @@ class HookedModel:
                 if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
 
     def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
-                       **kwargs) -> tuple[object, ActivationCache]:
-        """Run once and capture activations (references, not copies) into an ActivationCache."""
+                       fwd_hooks: Iterable = (), **kwargs) -> tuple[object, ActivationCache]:
+        """Run once and capture activations (references, not copies) into an ActivationCache. ``fwd_hooks`` are
+        active during the run and fire before the capture, so the cache holds what they return."""
         ids, mask = self._inputs(inputs, attention_mask)
         selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
         store: dict[str, torch.Tensor] = {}
@@ -459,7 +460,7 @@ class HookedModel:
         def save(tensor, hook):
             store[hook.name] = tensor.detach() if detach else tensor
 
-        with self.hooks([(selected, save)]):
+        with self.hooks([*fwd_hooks, (selected, save)]):
             output = self(ids, mask, **kwargs)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))

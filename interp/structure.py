@@ -91,7 +91,8 @@ class Structure:
     projections: tuple[Projections | str, ...]  # a Projections, or why pruning cannot slice the layer
     kind: str  # "pre-norm", "post-norm" or "parallel"
     d_model: int
-    notes: tuple[str, ...] = field(default=())
+    attn_in_norm: tuple[str | None, ...] = ()  # the norm whose output the attention module reads
+    final_norm: str | None = None  # from the root: the norm applied to the last block's output, if any
 
     @property
     def n_layers(self) -> int:
@@ -216,10 +217,14 @@ def _read(hf, recording: Recording, log: _ModuleLog) -> Structure:
     if len(kinds) != 1:
         raise NotImplementedError(f"{type(hf).__name__} mixes block kinds {sorted(kinds)}; not supported.")
     d_model = int(log.inputs[blocks[0]].shape[-1])
+    last = log.outputs.get(blocks[-1])
+    final_norm = next((name for name, m in hf.named_modules() if _is_norm(m) and last is not None
+                       and log.inputs.get(m) is last), None)
     return Structure(
-        layers=layers_path, kind=kinds.pop(), d_model=d_model,
+        layers=layers_path, kind=kinds.pop(), d_model=d_model, final_norm=final_norm,
         **{key: tuple(p[key] for p in per_layer) for key in
-           ("attn", "o_proj", "mlp", "resid_mid", "post_attn_norm", "post_mlp_norm", "layer_attn", "projections")},
+           ("attn", "o_proj", "mlp", "resid_mid", "post_attn_norm", "post_mlp_norm", "layer_attn", "projections",
+            "attn_in_norm")},
     )
 
 
@@ -301,8 +306,12 @@ def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dic
         children = [m for m in block.children() if m not in inside_attn and not _is_norm(m) and attn not in set(m.modules())]
         mlp = max(children, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
+    attn_input = log.inputs.get(attn)
+    attn_in_norm = next((m for m in block.modules() if m is not block and _is_norm(m) and attn_input is not None
+                         and log.outputs.get(m) is attn_input), None)
     return dict(
         kind=kind,
+        attn_in_norm=names[attn_in_norm] if attn_in_norm is not None else None,
         attn=names[attn],
         o_proj=names.get(o_proj) if o_proj is not None else None,
         mlp=names.get(mlp) if mlp is not None else None,

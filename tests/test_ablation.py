@@ -10,7 +10,7 @@ from conftest import no_torch_hooks, padded_batch, tiny_hf
 
 import interp
 from analyses import ablate_heads, ablation_scan, embedding_similarity, lm_loss, logit_difference, second_copy_loss
-from analyses import ablation as ablation_mod
+from analyses import engine
 from analyses.ablation import all_heads
 from analyses.metrics import first_copy_loss, mean_pool
 from analyses.toy import copy_losses, repeated_sequences
@@ -142,8 +142,8 @@ def test_scan_groups_follow_the_memory_budget(monkeypatch):
     model = _model("gpt2")
     inputs = _inputs(model)
     sizes = []
-    real_run = ablation_mod._run
-    monkeypatch.setattr(ablation_mod, "_run", lambda m, b, copies=1: sizes.append(copies) or real_run(m, b, copies))
+    real_run = engine._run
+    monkeypatch.setattr(engine, "_run", lambda m, b, copies=1: sizes.append(copies) or real_run(m, b, copies))
     big = ablation_scan(model, inputs, lm_loss, memory_budget=2**30)
     assert sizes == [1, 8]  # baseline, then all 8 heads in one forward
     sizes.clear()

@@ -2,7 +2,7 @@
 still holds; the committed copies carry their outputs, stay small and import only the public API.
 
 Each notebook runs in a temporary copy (the committed file is not rewritten), with a check cell appended that
-asserts, in the notebook's own kernel, the facts its markdown states. The four take about two minutes together.
+asserts, in the notebook's own kernel, the facts its markdown states. The five take about four minutes together.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat is in the test extra
 nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e '.[test]'")
 
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_quickstart", "02_induction_heads", "03_head_pruning", "04_real_model_heads"]
+NAMES = ["01_quickstart", "02_induction_heads", "03_head_pruning", "04_real_model_heads", "05_circuits"]
 CELL_TIMEOUT = 300  # seconds per cell; the slowest cell (pruning curves) takes about 10 s
 MAX_BYTES = 1_000_000
 OUR_PACKAGES = ("interp", "hooks", "analyses")
@@ -75,6 +75,22 @@ removed = table["gain removed"]
 assert 0.75 <= removed["induction heads"] <= 0.95, "about 85% of the gain"
 assert all(abs(removed[f"random heads {i}"]) <= 0.2 for i in (1, 2, 3)), "random heads barely move it"
 assert removed["previous-token heads"] < removed["induction heads"], "previous-token heads matter less"
+""",
+    "05_circuits": """
+assert (per_prompt > 0).all() and per_prompt.mean() > 2.0 and corrupted_value < 0, "the model does the task"
+assert rho > 0.8, "attribution patching agrees with activation patching"
+assert patch_seconds / attribution_seconds > 20
+assert abs(dla.attrs["remainder"]) < 1e-4 and abs(dla["attribution"].sum() - dla.attrs["logit"]) < 1e-4
+assert len(shared) >= 2 and (23, 0) in shared, "the methods agree on the heads that matter"
+assert max(largest_path.values()) < 0.05, "no single sender matters through 23.0's inputs"
+assert patched.set_index(["layer", "head"]).loc[(23, 0), "effect"] > 0.3
+reads = lambda l, h: k[(k["layer"] == l) & (k["head"] == h)].sort_values("score", ascending=False)
+for l, h in [(17, 3), (17, 4), (17, 5)]:
+    top = reads(l, h).iloc[0]
+    assert (top["source_layer"], top["source_head"]) == (16, 0), (l, h)
+assert tuple(reads(20, 6).iloc[0][["source_layer", "source_head"]]) == (19, 3)
+assert tuple(reads(18, 6).iloc[1][["source_layer", "source_head"]]) == (16, 0)
+assert reads(17, 3).iloc[0]["score"] > 3 * k.attrs["baseline"]
 """,
 }
 
@@ -135,6 +151,11 @@ def test_induction_notebook_runs_and_ablation_breaks_copying(tmp_path):
 def test_real_model_notebook_checks_heads_against_hf_and_ablates_them(tmp_path):
     nb = _executed("04_real_model_heads", tmp_path)
     assert _number(r"Pearson r = (\S+),", _text(nb, "np.corrcoef")) > 0.9999
+
+
+def test_circuits_notebook_runs(tmp_path):
+    nb = _executed("05_circuits", tmp_path)
+    assert _number(r"Spearman (\S+) over all heads", _text(nb, "rho = np.corrcoef")) > 0.8
 
 
 def test_pruning_notebook_runs(tmp_path):

@@ -1,0 +1,253 @@
+"""Activation patching and path patching: what a head's activation on a clean input does when it is put into a run
+on a corrupted input.
+
+- ``activation_patching`` (Meng et al. 2022; Wang et al. 2022): run the corrupted input with one head's
+  activation (its slice of ``hook_z``, or of q, k, v or the pattern) taken from the clean run. Every head (or
+  head and position) alone, several per forward through the shared engine (``analyses.engine``).
+- ``path_patching`` (Wang et al. 2022; Goldowsky-Dill et al. 2023): the effect of a sender head only through
+  chosen receiver heads' q, k or v. The receivers' inputs are recomputed in a run where the sender's output is
+  clean and every other head's output is frozen at its corrupted value (MLPs recompute); the metric is read in
+  a corrupted run where only the receivers' q, k or v are replaced by those.
+
+Both return ``metric`` (the raw metric with the patch) and ``effect = (patched - corrupted) / (clean -
+corrupted)``: 0 is the corrupted run, 1 the clean one. The metric is taken over the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pandas as pd
+import torch
+
+from .ablation import check_heads
+from .engine import Prefix, _run, copies_per_forward, scan, slice_output
+from .metrics import Batch, Metric, as_metric, batch_of
+
+__all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
+
+WHAT = ("z", "q", "k", "v", "pattern")
+# the axes of each activation: (head axis, position axis) in the tensor its hook receives
+_AXES = {"z": (2, 1), "q": (2, 1), "k": (2, 1), "v": (2, 1), "pattern": (1, 2)}
+
+
+def paired_batches(model, clean, corrupted) -> tuple[Batch, Batch]:
+    """Clean and corrupted inputs as batches of the same shape (position i of one stands for position i of the
+    other) and the same padding."""
+    clean, corrupted = batch_of(model, clean), batch_of(model, corrupted)
+    a, b = clean["input_ids"], corrupted["input_ids"]
+    if a.shape != b.shape:
+        raise ValueError(f"clean and corrupted inputs must have the same shape (batch, pos), so that each position "
+                         f"of one patches the same position of the other; got {tuple(a.shape)} and {tuple(b.shape)}. "
+                         "Pad or trim them to the same length.")
+    ma, mb = clean["attention_mask"], corrupted["attention_mask"]
+    if (ma is None) != (mb is None) or ma is not None and not torch.equal(ma, mb):
+        raise ValueError("clean and corrupted inputs must have the same padding (attention_mask).")
+    return clean, corrupted
+
+
+class _Scalar(Metric):
+    """A metric whose value must be one finite number: a clear error instead of a silent mean."""
+
+    def __init__(self, inner: Metric):
+        self.inner, self.name, self.higher_is_better = inner, inner.name, inner.higher_is_better
+
+    def per_example(self, output, inputs):
+        return self.inner.per_example(output, inputs)
+
+    def loss(self, output, inputs):
+        return self.inner.loss(output, inputs)
+
+    def __call__(self, output, inputs) -> float:
+        try:
+            value = self.inner(output, inputs)
+        except (ValueError, RuntimeError, TypeError) as err:
+            if "one element" in str(err) or "converted to Python scalars" in str(err):
+                raise ValueError(f"metric {self.name!r} must return one number (a float or a 0-d tensor); it "
+                                 "returned several. Reduce it, e.g. with .mean().") from None
+            raise
+        if not math.isfinite(value):
+            raise ValueError(f"metric {self.name!r} returned {value}; it must be a finite number.")
+        return value
+
+
+def scalar_metric(metric) -> Metric:
+    """``metric`` as a ``Metric`` whose calls must give one finite number."""
+    return _Scalar(as_metric(metric))
+
+
+def _items(model, what: str, by: str, heads, n_pos: int) -> list[tuple]:
+    if by not in ("head", "head_pos"):
+        raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
+    if what in ("k", "v"):  # one key/value head serves several query heads
+        units = [(l, g) for l, n in enumerate(model.cfg.kv_heads_per_layer) if l not in model.cfg.empty_layers
+                 for g in range(n)]
+        if heads is not None:
+            wanted = {tuple(h) for h in heads}
+            units = [u for u in units if u in wanted]
+    else:
+        units = model.cfg.heads() if heads is None else check_heads(model, heads)
+    if by == "head":
+        return units
+    return [(l, h, p) for l, h in units for p in range(n_pos)]
+
+
+def _patch_hooks(what: str, group: list[tuple], clean: dict[int, torch.Tensor], copies: int) -> list:
+    """Hooks that put ``clean[layer]`` into copy i's slice for ``group[i]`` (a (layer, head[, pos]) item)."""
+    head_axis, pos_axis = _AXES[what]
+    by_layer: dict[int, list[tuple[int, tuple]]] = {}
+    for i, item in enumerate(group):
+        by_layer.setdefault(item[0], []).append((i, item))
+
+    def hook_for(layer, entries):
+        def hook(act, point):  # z, q, k, v: (n, p, h, d); pattern: (n, h, q, k)
+            b = act.shape[0] // copies
+            mask = torch.zeros(*act.shape[:3], 1, dtype=torch.bool, device=act.device)
+            for i, item in entries:
+                index = [slice(i * b, (i + 1) * b), slice(None), slice(None)]
+                index[head_axis] = item[1]
+                if len(item) == 3:
+                    index[pos_axis] = item[2]
+                mask[tuple(index)] = True
+            source = clean[layer].to(act.dtype).repeat(copies, *([1] * (act.ndim - 1)))
+            return torch.where(mask, source, act)
+
+        return hook
+
+    return [(f"blocks.{layer}.attn.hook_{what}", hook_for(layer, entries)) for layer, entries in by_layer.items()]
+
+
+def activation_patching(model, clean, corrupted, metric, by: str = "head", what: str = "z", heads=None,
+                        memory_budget: float | None = None, heads_per_forward: int | None = None) -> pd.DataFrame:
+    """Patch each head's clean activation into the corrupted run, one head (or head and position) at a time.
+
+    clean, corrupted: inputs of the same shape (text, token ids ``(b, p)`` or a mapping with ``input_ids``);
+    position i of the clean input stands for position i of the corrupted one. metric: ``metric(output, inputs)
+    -> float`` over the whole batch (``analyses.metrics``, e.g. ``logit_difference``). by: ``"head"`` or
+    ``"head_pos"``. what: ``"z"`` (the head's output, default), ``"q"``, ``"k"``, ``"v"`` (for k and v the rows
+    are key/value heads, each serving several query heads under GQA) or ``"pattern"`` (eager path only).
+    heads: the heads to patch (default all). memory_budget, heads_per_forward: as in ``ablation_scan``.
+
+    Returns one row per head (and position): ``layer``, ``head`` (, ``pos``), ``metric``, ``effect``;
+    ``df.attrs`` holds the clean and corrupted metric values.
+    """
+    if what not in WHAT:
+        raise ValueError(f"what must be one of {', '.join(WHAT)}; got {what!r}.")
+    if what == "pattern" and model.attn != "eager":
+        raise ValueError("Patching patterns needs the eager path (the flash path never builds them): call "
+                         "model.set_attn('eager') first, or patch 'q' and 'k'.")
+    metric = scalar_metric(metric)
+    clean, corrupted = paired_batches(model, clean, corrupted)
+    items = _items(model, what, by, heads, clean["input_ids"].shape[1])
+    names = [f"blocks.{l}.attn.hook_{what}" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    with model.studying(), torch.no_grad():
+        output, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
+        clean_value = metric(output, clean)
+    sources = {l: cache[what, l] for l in range(model.cfg.n_layers) if f"blocks.{l}.attn.hook_{what}" in cache}
+    if heads_per_forward is None:
+        heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
+    corrupted_value, values = scan(model, corrupted, items, lambda item: item[0],
+                                   lambda group, copies: _patch_hooks(what, group, sources, copies), metric,
+                                   heads_per_forward)
+    return _frame(items, values, clean_value, corrupted_value, metric, by, what)
+
+
+def _frame(items, values, clean_value, corrupted_value, metric, by, what) -> pd.DataFrame:
+    span = clean_value - corrupted_value
+    columns = ["layer", "head", "pos"] if by == "head_pos" else ["layer", "head"]
+    df = pd.DataFrame([dict(zip(columns, item)) for item in items], columns=columns)
+    df["metric"] = values
+    df["effect"] = [(v - corrupted_value) / span if span else float("nan") for v in values]
+    df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, what=what, by=by)
+    return df
+
+
+def path_patching(model, clean, corrupted, receivers, metric, senders=None, via: str = "q",
+                  heads_per_forward: int | None = None) -> pd.DataFrame:
+    """The effect of each sender head on the metric only through the receivers' ``via`` (``"q"``, ``"k"`` or
+    ``"v"``): Wang et al. 2022's path patching.
+
+    For each sender alone: (1) a corrupted run in which the sender's output is its clean output and every other
+    head's output is frozen at its corrupted value (MLPs recompute) gives the receivers' q, k or v; (2) a
+    corrupted run with only the receivers' q, k or v replaced by those gives the metric. receivers: (layer,
+    head) pairs (for k and v under GQA, a receiver's key/value head, shared by its group, is replaced).
+    senders: heads before the last receiver's layer (default: all of them).
+
+    Returns one row per sender: ``layer``, ``head``, ``metric``, ``effect`` (0 corrupted, 1 clean).
+    """
+    if via not in ("q", "k", "v"):
+        raise ValueError(f"via must be 'q', 'k' or 'v'; got {via!r}.")
+    metric = scalar_metric(metric)
+    clean, corrupted = paired_batches(model, clean, corrupted)
+    receivers = check_heads(model, receivers)
+    last = max(l for l, _ in receivers)
+    senders = [h for h in model.cfg.heads() if h[0] < last] if senders is None else check_heads(model, senders)
+    late = [s for s in senders if s[0] >= last]
+    if late:
+        raise ValueError(f"Senders must sit before the receivers' last layer {last}; got {late}.")
+    z_names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    group_of = {l: model.cfg.heads_per_layer[l] // model.cfg.kv_heads_per_layer[l] for l in range(model.cfg.n_layers)}
+    targets = sorted({(l, h if via == "q" else h // group_of[l]) for l, h in receivers})
+    with model.studying(), torch.no_grad():
+        out, clean_cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=z_names)
+        clean_value = metric(out, clean)
+        out, corrupted_cache = model.run_with_cache(corrupted["input_ids"], corrupted["attention_mask"], names=z_names)
+        corrupted_value = metric(out, corrupted)
+        per_forward = heads_per_forward or copies_per_forward(model, corrupted, None)
+        prefix = Prefix(model)
+        with prefix.recording():
+            _run(model, corrupted)
+        b = corrupted["input_ids"].shape[0]
+        values = []
+        for start in range(0, len(senders), per_forward):
+            group = senders[start:start + per_forward]
+            copies = len(group)
+            captured = _receiver_inputs(model, corrupted, group, copies, clean_cache, corrupted_cache, via,
+                                        {l for l, _ in targets}, prefix)
+            patched = {l: captured[l] for l in captured}
+            hooks = _receiver_hooks(via, targets, patched)
+            with model.hooks(hooks), prefix.replaying(min(l for l, _ in targets), copies):
+                output = _run(model, corrupted, copies)
+            values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) for i in range(copies)]
+    df = _frame(senders, values, clean_value, corrupted_value, metric, "head", f"z through the receivers' {via}")
+    df.attrs.update(receivers=receivers, via=via)
+    return df
+
+
+def _receiver_inputs(model, batch, group, copies, clean_cache, corrupted_cache, via, layers, prefix):
+    """Run (1) for a group of senders: copy i has sender i's clean output, every other head frozen at its
+    corrupted output; returns each receiver layer's ``via`` activation over all copies."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def freeze(z, point):
+        rows = z.shape[0] // copies
+        frozen = corrupted_cache["z", point.layer].repeat(copies, 1, 1, 1).to(z.dtype)
+        for i, (layer, head) in enumerate(group):
+            if layer == point.layer:
+                frozen[i * rows:(i + 1) * rows, :, head] = clean_cache["z", layer][:, :, head].to(z.dtype)
+        return frozen
+
+    def keep(act, point):
+        captured[point.layer] = act
+
+    hooks = [([f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers],
+              freeze), ([f"blocks.{l}.attn.hook_{via}" for l in sorted(layers)], keep)]
+    with model.hooks(hooks), prefix.replaying(min(l for l, _ in group), copies):
+        _run(model, batch, copies)
+    return captured
+
+
+def _receiver_hooks(via: str, targets: Sequence[tuple[int, int]], patched: dict[int, torch.Tensor]) -> list:
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in targets:
+        by_layer.setdefault(layer, []).append(head)
+
+    def hook_for(layer, heads):
+        def hook(act, point):
+            act = act.clone()
+            act[:, :, heads] = patched[layer][:, :, heads].to(act.dtype)
+            return act
+        return hook
+
+    return [(f"blocks.{layer}.attn.hook_{via}", hook_for(layer, heads)) for layer, heads in by_layer.items()]
