@@ -114,8 +114,15 @@ _BY_TEMPLATE = {spec.template: spec for spec in HOOK_TABLE}
 _LAYER_RE = re.compile(r"\.(\d+)\.")
 
 
+_STACK_RE = re.compile(r"^(encoder|decoder)\.")
+
+
 def spec_for(name: str) -> HookSpec:
-    """The table row of a concrete hook name, e.g. ``"blocks.3.attn.hook_z"``."""
+    """The table row of a concrete hook name, e.g. ``"blocks.3.attn.hook_z"``. Encoder-decoder names
+    (``encoder.blocks.0.attn.hook_q``, ``decoder.blocks.1.cross_attn.hook_z``, ``...hook_cross_attn_out``) share
+    the rows of their decoder-only counterparts; in cross-attention q comes from the decoder and k, v from the
+    encoder's output."""
+    name = _STACK_RE.sub("", name).replace(".cross_attn.", ".attn.").replace("hook_cross_attn_out", "hook_attn_out")
     return _BY_TEMPLATE[_LAYER_RE.sub(".{l}.", name, count=1)]
 
 

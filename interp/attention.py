@@ -40,7 +40,6 @@ ATTN_KEYS = {"eager": EAGER_KEY, "flash": FLASH_KEY}
 
 # Keyword arguments that change the attention math in a way we do not implement.
 REFUSED_KWARGS = {
-    "position_bias": "an additive position bias (T5-style relative positions)",
     "alibi": "ALiBi position bias",
 }
 # Keyword arguments models pass that do not change what this function computes: bookkeeping for other
@@ -61,13 +60,14 @@ class LayerHooks:
     (``copy.deepcopy``, pickling) carries no hooks: they belong to the wrapper, not to the weights.
     """
 
-    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner")
+    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias")
 
     def __init__(self, points: dict[str, HookPoint], owner=None):
         for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"):
             setattr(self, kind, points[kind])
         self.any = False
         self.owner = weakref.ref(owner) if owner is not None else (lambda: None)
+        self.bias = None  # the position bias of the last hooked call (T5), for rebuilding patterns from q and k
 
     def refresh(self) -> None:
         self.any = any(bool(getattr(self, kind)) for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"))
@@ -122,10 +122,11 @@ class Recording:
         Recording.active = None
 
 
-def _record(module, query, key, value, attention_mask, out, scaling, softcap, sinks, kwargs) -> None:
+def _record(module, query, key, value, attention_mask, out, scaling, softcap, sinks, kwargs, bias=None) -> None:
     Recording.active.calls.append(dict(
         module=module, query=query, key=key, value=value, out=out, mask=attention_mask, scaling=scaling,
         softcap=softcap, sinks=None if sinks is None else sinks.detach(), sliding_window=kwargs.get("sliding_window"),
+        position_bias=bias,
     ))
 
 
@@ -163,15 +164,18 @@ def _fire_qkv(hooks: LayerHooks, query, key, value):
 
 # -- the two paths ---------------------------------------------------------------------------------------
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None,
-                    **kwargs):
+                    position_bias=None, **kwargs):
     """HF's eager attention, with our hooks inside. query: (b, h, q, d); key: (b, g, k, d); value: (b, g, k, e).
 
     softcap: Gemma 2's ``tanh(s / softcap) * softcap`` on the scaled scores, before the mask. s_aux: one sink
     logit per head (GPT-OSS): a column appended to every row's scores before the softmax and dropped after it,
-    so that the pattern's rows sum to less than 1.
+    so that the pattern's rows sum to less than 1. position_bias: T5's relative position bias ``(1 or b, h, q, k)``,
+    added to the scaled scores before the mask, as T5's eager attention adds it.
     """
     _check_kwargs(kwargs)
     hooks = _active_hooks(module)
+    if hooks is not None:
+        hooks.bias = position_bias
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     if hooks is not None:
@@ -185,6 +189,8 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         scores = scores / softcap
         scores = torch.tanh(scores)
         scores = scores * softcap
+    if position_bias is not None:
+        scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
     if hooks is not None and hooks.attn_scores:
@@ -220,20 +226,22 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     if hooks is not None and hooks.z:
         out = hooks.z(out)
     if Recording.active is not None:
-        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs)
+        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
     return out, pattern
 
 
 def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
-                    softcap=None, s_aux=None, **kwargs):
+                    softcap=None, s_aux=None, position_bias=None, **kwargs):
     """Attention that never builds the n x n matrix. Same arguments as ``eager_attention``.
 
     With attention sinks the output is exact from the logsumexp: the sink takes ``sigmoid(sink - lse)`` of
     each row, so ``out * sigmoid(lse - sink)``, and the row's logsumexp becomes ``logaddexp(lse, sink)``.
+    A position bias (T5) is folded into the additive mask, so the kernel's logsumexp is that of the biased scores.
     """
     _check_kwargs(kwargs)
     hooks = _active_hooks(module)
     if hooks is not None:
+        hooks.bias = position_bias
         if hooks.attn_scores or hooks.pattern:
             raise ValueError(
                 "hook_pattern and hook_attn_scores exist only on the eager path. Call model.set_attn('eager'), "
@@ -248,6 +256,9 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     causal = bool(causal and query.shape[2] > 1 and attention_mask is None)
     if causal and key.shape[2] > query.shape[2]:  # prefill into a larger static cache, as HF does
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    if position_bias is not None:
+        attention_mask = _with_bias(position_bias, attention_mask, causal, query.shape[2], key.shape[2])
+        causal = False
 
     need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
     out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
@@ -261,8 +272,17 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     if hooks is not None and hooks.z:
         out = hooks.z(out)
     if Recording.active is not None:
-        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs)
+        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
     return out, None
+
+
+def _with_bias(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, n_q: int, n_k: int) -> torch.Tensor:
+    """The additive mask with a position bias folded in: bias + mask, and the causal triangle made explicit when
+    the kernel's causal flag stood for it (queries are the last ``n_q`` of ``n_k`` positions)."""
+    if causal:
+        offset = torch.arange(n_k, device=bias.device)[None] - torch.arange(n_q, device=bias.device)[:, None]
+        bias = bias.masked_fill(offset > n_k - n_q, float("-inf"))
+    return bias if mask is None else bias + mask
 
 
 # -- masks -----------------------------------------------------------------------------------------------

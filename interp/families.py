@@ -12,8 +12,9 @@ from __future__ import annotations
 __all__ = ["check_supported", "unsupported_features"]
 
 
-def unsupported_features(config) -> list[str]:
-    """Attention features of this config that we would compute differently; empty if none."""
+def unsupported_features(config, seq2seq: bool = False) -> list[str]:
+    """Attention features of this config that we would compute differently; empty if none. ``seq2seq``: the
+    config is loaded as an encoder-decoder model (``interp.seq2seq``), so cross-attention is supported."""
     found = []
     for attr, what in (("alibi", "ALiBi position bias"), ("use_alibi", "ALiBi position bias"),
                        ("position_buckets", "relative position buckets (DeBERTa-style)")):
@@ -21,17 +22,21 @@ def unsupported_features(config) -> list[str]:
             found.append(f"{what} ({attr}={getattr(config, attr)!r})")
     if getattr(config, "reorder_and_upcast_attn", False):
         found.append("GPT-2's reorder_and_upcast_attn=True (honoured only by HF's own eager key)")
-    if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
-        found.append("cross-attention (encoder-decoder models are not supported yet)")
+    if getattr(config, "add_cross_attention", False) and not getattr(config, "is_encoder_decoder", False):
+        found.append("cross-attention in a decoder-only model (add_cross_attention=True; encoder-decoder models "
+                     "with is_encoder_decoder=True are supported)")
+    elif getattr(config, "is_encoder_decoder", False) and not seq2seq:
+        found.append("cross-attention (load the whole encoder-decoder model: interp.load_model gives a "
+                     "Seq2SeqHookedModel)")
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type not in (None, "absolute", "rope", "rotary"):
         found.append(f"relative position scores (position_embedding_type={position_type!r})")
     return found
 
 
-def check_supported(config) -> None:
+def check_supported(config, seq2seq: bool = False) -> None:
     """Raise NotImplementedError naming any attention feature of ``config`` that we do not implement."""
-    found = unsupported_features(config)
+    found = unsupported_features(config, seq2seq)
     if found:
         raise NotImplementedError(
             f"This {getattr(config, 'model_type', 'model')} model uses {'; '.join(found)}, which interp's attention "

@@ -33,11 +33,12 @@ def fused_attention(query, key, value, mask, scale: float, dropout: float = 0.0,
     """softmax(cap(scale * q k^T) + mask) v and the per-row fp32 logsumexp of the capped, masked scores.
 
     mask: additive, broadcastable to (b, h, q, k), or None. causal: apply the causal mask (only with mask None).
-    softcap: ``cap(s) = tanh(s / softcap) * softcap`` (Gemma 2), computed by ``tiled_attention``.
+    softcap: ``cap(s) = tanh(s / softcap) * softcap`` (Gemma 2), computed by ``tiled_attention``, as is a mask
+    that needs a gradient (T5's learned position bias folded into it): the fused CPU kernel has none for its mask.
     Returns out: (b, h, q, e) and lse: (b, h, q), or None when not asked for. The logsumexp is differentiable
     with respect to query and key whenever they require grad.
     """
-    if softcap is not None:
+    if softcap is not None or (mask is not None and mask.requires_grad and torch.is_grad_enabled()):
         return tiled_attention(query, key, value, mask, scale, causal, softcap, dropout)
     if dropout > 0.0:
         if need_lse:

@@ -116,7 +116,7 @@ def test_unsupported_attention_features_are_refused_at_load():
 
 
 @pytest.mark.parametrize("fn", [eager_attention, flash_attention])
-@pytest.mark.parametrize("kwarg", ["position_bias", "some_new_argument"])
+@pytest.mark.parametrize("kwarg", ["alibi", "some_new_argument"])
 def test_attention_arguments_we_do_not_implement_are_refused_by_name(fn, kwarg):
     module = torch.nn.Module().eval()
     q = torch.randn(1, 2, 3, 4)
