@@ -60,7 +60,7 @@ class LayerHooks:
     (``copy.deepcopy``, pickling) carries no hooks: they belong to the wrapper, not to the weights.
     """
 
-    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias")
+    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias", "causal")
 
     def __init__(self, points: dict[str, HookPoint], owner=None):
         for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"):
@@ -68,6 +68,7 @@ class LayerHooks:
         self.any = False
         self.owner = weakref.ref(owner) if owner is not None else (lambda: None)
         self.bias = None  # the position bias of the last hooked call (T5), for rebuilding patterns from q and k
+        self.causal = None  # whether the layer is causal, as discovered (None: unknown, the module's is_causal says)
 
     def refresh(self) -> None:
         self.any = any(bool(getattr(self, kind)) for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"))
@@ -251,8 +252,12 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     if scaling is None:
         scaling = query.size(-1) ** -0.5
 
-    # As HF's sdpa integration: causal via the kernel flag when no mask was built.
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As HF's sdpa integration: causal via the kernel flag when no mask was built. The mask function skips the mask
+    # for a causal layer without padding; whether the layer is causal is what discovery found (NLLB-MoE's decoder
+    # self-attention says is_causal=False, and HF refuses sdpa for it), else the call's or module's flag.
+    attached = getattr(module, _HOOKS_ATTR, None)
+    causal = is_causal if is_causal is not None else (
+        attached.causal if attached is not None and attached.causal is not None else getattr(module, "is_causal", True))
     causal = bool(causal and query.shape[2] > 1 and attention_mask is None)
     if causal and key.shape[2] > query.shape[2]:  # prefill into a larger static cache, as HF does
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]

@@ -216,6 +216,7 @@ class Seq2SeqHookedModel:
         self._layer_hooks = {}
         for site in sites:
             lh = LayerHooks({k: self._registry[f"{site.name}.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
+            lh.causal = site.causal
             attach_layer_hooks(modules[site.name], lh)
             self._layer_hooks[site.name] = lh
         self.attn: str | None = None

@@ -83,6 +83,24 @@ def test_parity_with_hf_eager_with_padding_on_both_sides(pair, attn):
         assert (got[real] - want[real]).abs().max() <= 1e-5 * want[real].abs().max()
 
 
+def test_a_decoder_whose_modules_say_not_causal_is_still_causal_on_flash():
+    """NLLB-MoE's decoder self-attention modules say is_causal=False (HF refuses sdpa for it); without padding
+    the mask function skips the causal mask, so the flash path must know the layer is causal from discovery."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.for_model("nllb-moe", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
+                                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    hf = AutoModelForSeq2SeqLM.from_config(config).eval()
+    assert not hf.get_decoder().layers[0].self_attn.is_causal
+    src, tgt = torch.randint(5, 100, (2, 7)), torch.randint(5, 100, (2, 5))
+    with torch.no_grad():
+        want = hf(input_ids=src, decoder_input_ids=tgt, use_cache=False).logits  # HF eager
+        got = interp.load_model(copy.deepcopy(hf), attn="flash")(src, decoder_input_ids=tgt).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_t5_position_bias_matters_and_is_used():
     """Zeroing T5's relative position bias changes the output: a path that dropped it would not be exact."""
     hf = _tiny("t5")
