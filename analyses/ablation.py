@@ -161,6 +161,12 @@ def ablate_heads(model, heads, method: str = "zero", reference=None):
     >>> ablated > model(tokens, labels=tokens).loss.item() + 1.0
     True
     """
+    if getattr(model, "sites", None) is not None:  # an encoder-decoder model: heads are (site, head) pairs
+        from .seq2seq import ablate_seq2seq_heads
+
+        with ablate_seq2seq_heads(model, heads, method, reference):
+            yield model
+        return
     heads = check_heads(model, heads)
     replacement = _Replacement(model, method, reference)
     with model.hooks(_ablation_hooks(model, _head_masks(model, [heads]), replacement)):

@@ -54,6 +54,11 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     previous_token, next_token, positional, self, sink; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
     """
+    if getattr(model, "sites", None) is not None:  # an encoder-decoder model: per stack, and cross-attention
+        from .seq2seq import seq2seq_heads
+
+        return seq2seq_heads(model, batch=prompts, n_prompts=n_prompts, seq_len=seq_len or 12, seed=seed,
+                             thresholds=thresholds, n_bootstrap=n_bootstrap)
     cfg = model.cfg
     kinds = check_kinds(kinds, cfg.causal)
     limits = resolve_thresholds(thresholds)

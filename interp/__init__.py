@@ -12,6 +12,7 @@ from . import attention as _attention  # noqa: F401  (registers our attention an
 from .attention import EAGER_KEY, FLASH_KEY
 from .loading import BUNDLED, load_model
 from .model import HookedModel, ModelConfig
+from .seq2seq import Seq2SeqHookedModel
 
-__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "load_model"]
+__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "Seq2SeqHookedModel", "load_model"]
 __version__ = "0.1.0"

@@ -109,6 +109,15 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
+def _wrap(hf, tokenizer, attn: str):
+    """A HookedModel, or for an encoder-decoder model (T5, BART, ...) a Seq2SeqHookedModel."""
+    if getattr(hf.config, "is_encoder_decoder", False) and callable(getattr(hf, "get_encoder", None)):
+        from .seq2seq import Seq2SeqHookedModel
+
+        return Seq2SeqHookedModel(hf, tokenizer=tokenizer, attn=attn)
+    return HookedModel(hf, tokenizer=tokenizer, attn=attn)
+
+
 def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer=None) -> HookedModel:
     """Load a model with interp's attention and hook points.
 
@@ -133,13 +142,13 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
         hf = source
         if device != "auto" or torch_dtype is not None:
             hf = hf.to(device=resolve_device(device) if device != "auto" else None, dtype=torch_dtype)
-        return HookedModel(hf, tokenizer=tokenizer, attn=attn)
+        return _wrap(hf, tokenizer, attn)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a folder path, a bundled name or a PreTrainedModel; got {type(source).__name__}.")
 
     folder = resolve_source(source)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    check_supported(config)  # refuse before loading any weight
+    check_supported(config, seq2seq=True)  # refuse before loading any weight
     model_class = _model_class(config)
     with _quiet_loading():
         if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
@@ -153,4 +162,4 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     hf = hf.to(resolve_device(device)).eval()
     if tokenizer is None and any((folder / f).exists() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return HookedModel(hf, tokenizer=tokenizer, attn=attn)
+    return _wrap(hf, tokenizer, attn)

@@ -169,6 +169,7 @@ class HookedModel:
         self._layer_hooks = []
         for layer, module in enumerate(self._attn_modules):
             lh = LayerHooks({k: self._registry[f"blocks.{layer}.attn.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
+            lh.causal = s.layer_attn[layer].causal  # what the probe found, not the module's is_causal flag
             attach_layer_hooks(module, lh)
             self._layer_hooks.append(lh)
         self.attn: str | None = None
