@@ -29,10 +29,10 @@ import torch
 
 from hooks import ActivationCache, HookPoint, HookRegistry, NameFilter, spec_for
 
-from .attention import (ATTN_KEYS, EAGER_KEY, LayerHooks, Recording, attach_layer_hooks, attached_layer_hooks,
-                        detach_layer_hooks)
+from .attention import ATTN_KEYS, EAGER_KEY, LayerHooks, Recording, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, tokenize
+from .model import _replace_first, _take_over
 from .structure import _find_blocks, _ModuleLog, _is_linear
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
@@ -138,12 +138,10 @@ def _discover(hf) -> tuple[list[Site], str, str, dict]:
                 causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log)))
     order = {("encoder", "self"): 0, ("decoder", "self"): 1, ("decoder", "cross"): 2}
     sites.sort(key=lambda s: (order[(s.stack, s.kind)] > 0, s.block, order[(s.stack, s.kind)]))
-    modules = {c["module"]: None for c in enc + dec_self + dec_cross}
     by_name = {}
     for site in sites:
         group = {("encoder", "self"): enc, ("decoder", "self"): dec_self, ("decoder", "cross"): dec_cross}[(site.stack, site.kind)]
         by_name[site.name] = group[site.block]["module"]
-    del modules
     return sites, enc_path, dec_path, by_name
 
 
@@ -181,13 +179,7 @@ class Seq2SeqHookedModel:
     def __init__(self, hf: torch.nn.Module, tokenizer=None, attn: str = "flash"):
         check_supported(hf.config, seq2seq=True)
         self.hf, self.tokenizer = hf, tokenizer
-        for module in hf.modules():  # one wrapper at a time
-            previous = attached_layer_hooks(module)
-            if previous is not None:
-                owner = previous.owner()
-                if owner is not None:
-                    owner._drop_torch_hooks()
-                detach_layer_hooks(module)
+        _take_over(hf)  # one wrapper at a time
         sites, enc_path, dec_path, modules = _discover(hf)
         c = hf.config
         self.cfg = Seq2SeqConfig(
@@ -439,12 +431,6 @@ class Seq2SeqHookedModel:
                 "n_encoder_layers": self.cfg.n_encoder_layers, "n_decoder_layers": self.cfg.n_decoder_layers,
                 "sites": [s.name for s in self.cfg.sites], "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "n_params": sum(p.numel() for p in self.hf.parameters())}
-
-
-def _replace_first(output, fn):
-    if isinstance(output, torch.Tensor):
-        return fn(output)
-    return (fn(output[0]), *output[1:])
 
 
 class Seq2SeqCache(ActivationCache):
