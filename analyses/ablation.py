@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import pandas as pd
 import torch
 
-from .engine import copies_per_forward, scan
+from .engine import Shard, copies_per_forward, scan
 from .metrics import Batch, as_metric, batch_of
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
@@ -99,7 +99,7 @@ class _Replacement:
             if method == "mean":
                 weights = torch.ones(z.shape[:2], dtype=z.dtype, device=z.device)
                 if batch["attention_mask"] is not None:
-                    weights = batch["attention_mask"].to(z.dtype)
+                    weights = batch["attention_mask"].to(device=z.device, dtype=z.dtype)  # z: on its layer's device
                 z = (z * weights[:, :, None, None]).sum((0, 1)) / weights.sum()  # (h, d)
             self.values[layer] = z
 
@@ -185,28 +185,42 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     (e.g. heads pruned so far). memory_budget: bytes of activations one forward may use (an estimate; default
     1 GiB on CUDA, 16 MiB on CPU, see ``engine.copies_per_forward``); ``heads_per_forward`` overrides it (1 = one
     head per forward).
+
+    Under torch.distributed (``torchrun``) each rank scans its share of the prompts (and of a resample
+    reference; a mean reference is averaged whole on every rank) and the per-example values are combined, so every
+    rank returns the one-process result. A metric that is not a mean over examples (a plain callable) cannot be
+    split: the scan then runs whole on every rank (with a warning).
     """
     metric = as_metric(metric)
     batch = batch_of(model, inputs)
     heads = all_heads(model) if heads is None else check_heads(model, heads)
     ablated = check_heads(model, ablated, allow_empty=True)
+    if heads_per_forward is not None and heads_per_forward < 1:
+        raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
+    with Shard(batch, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
+        batch, local = shard.rows(batch), shard.metric(metric)
+        if method == "resample" and reference is not None:  # position by position: the same rows as the inputs
+            reference = shard.rows(batch_of(model, reference))
+        baseline, values = _scan(model, batch, local, method, heads, reference, memory_budget, heads_per_forward,
+                                 ablated)
+        baseline, *values = shard.means([baseline, *values])
+    rows = [{"layer": layer, "head": head, "metric": value, "delta": value - baseline, "baseline": baseline}
+            for (layer, head), value in zip(heads, values)]
+    df = pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
+    df.attrs.update(metric=metric.name, method=method)  # for plot titles
+    return df
+
+
+def _scan(model, batch, metric, method, heads, reference, memory_budget, heads_per_forward, ablated):
     replacement = _Replacement(model, method, reference)
     zero = _Replacement(model, "zero")
     if heads_per_forward is None:
         heads_per_forward = copies_per_forward(model, batch, memory_budget)
-    if heads_per_forward < 1:
-        raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
-
     base = _head_masks(model, [ablated]) if ablated else {}
 
     def hooks_for(group, copies):
         hooks = _ablation_hooks(model, base, zero, copies) if ablated else []  # zero first, then the scanned head
         return hooks + _ablation_hooks(model, _head_masks(model, [[head] for head in group]), replacement, copies)
 
-    baseline, values = scan(model, batch, heads, lambda head: head[0], hooks_for, metric, heads_per_forward,
-                            _ablation_hooks(model, base, zero) if ablated else [])
-    rows = [{"layer": layer, "head": head, "metric": value, "delta": value - baseline, "baseline": baseline}
-            for (layer, head), value in zip(heads, values)]
-    df = pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
-    df.attrs.update(metric=metric.name, method=method)  # for plot titles
-    return df
+    return scan(model, batch, heads, lambda head: head[0], hooks_for, metric, heads_per_forward,
+                _ablation_hooks(model, base, zero) if ablated else [])

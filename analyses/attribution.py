@@ -16,7 +16,10 @@ import torch.nn.functional as F
 
 import pandas as pd
 
+from interp.distributed import onloaded
+
 from .ablation import check_heads
+from .engine import Shard
 from .metrics import _main_output, batch_of
 from .patching import paired_batches, scalar_metric
 
@@ -32,6 +35,10 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     Exact where the metric is linear in the head's output; worse where a softmax downstream saturates.
     Returns ``layer``, ``head`` (, ``pos``), ``metric`` (corrupted + estimate), ``effect`` (estimate / (clean -
     corrupted)), ``estimate``.
+
+    Under torch.distributed (``torchrun``) each rank differentiates the batch mean over its share of the prompts
+    and the per-example terms are gathered, so every rank returns the one-process result; a metric that is not a
+    mean over examples (a plain callable) runs whole on every rank.
     """
     if by not in ("head", "head_pos"):
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
@@ -40,6 +47,35 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     heads = model.cfg.heads() if heads is None else check_heads(model, heads)
     layers = sorted({l for l, _ in heads})
     names = [f"blocks.{l}.attn.hook_z" for l in layers]
+    with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
+        clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
+        *values, cache, z_corrupted, grads = _first_order(model, clean, corrupted, local, layers, names,
+                                                          None if shard.index is None else shard.n)
+        clean_value, corrupted_value = shard.means(values)
+        per_layer = {}  # layer -> (p, h): the estimate of each head at each position, summed over the batch
+        for layer in layers:
+            grad = grads[layer]
+            diff = cache["z", layer].float() - z_corrupted[layer].float()  # (b, p, h, e)
+            per_row = (diff * grad.float()).sum(3) if grad is not None else torch.zeros(diff.shape[:3])  # (b, p, h)
+            per_layer[layer] = shard.gather(per_row.cpu()).sum(0)
+    span = clean_value - corrupted_value
+    rows = []
+    for layer, head in heads:
+        per_pos = per_layer[layer][:, head]  # (p,)
+        parts = [(None, float(per_pos.sum()))] if by == "head" else list(enumerate(per_pos.tolist()))
+        for pos, estimate in parts:
+            row = {"layer": layer, "head": head, **({} if pos is None else {"pos": pos})}
+            rows.append({**row, "metric": corrupted_value + estimate,
+                         "effect": estimate / span if span else float("nan"), "estimate": estimate})
+    df = pd.DataFrame(rows)
+    df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, by=by, what="z")
+    return df
+
+
+def _first_order(model, clean, corrupted, metric, layers, names, n: int | None):
+    """The metric on the clean and the corrupted run, the clean run's z, and at the corrupted run z and d (batch
+    metric) / dz of each layer. ``n``: None for the whole batch; else these are one rank's rows of ``n`` prompts,
+    the metric returns per-example values and the gradient is of their sum / n (the whole batch's mean)."""
     with model.studying():
         with torch.no_grad():
             out, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
@@ -56,29 +92,15 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
                 p.requires_grad_(False)
             with model.hooks([(names, opening)]):
                 out = model(corrupted["input_ids"], corrupted["attention_mask"])
-            value = metric.per_example(out, corrupted).float().mean()
+            per_example = metric.per_example(out, corrupted).float()
+            value = per_example.mean() if n is None else per_example.sum() / n
             if not value.requires_grad:
                 raise TypeError(f"attribution_patching differentiates the metric; {metric.name} returned a value "
                                 "without a gradient. Use a metric from analyses.metrics or one returning a tensor.")
             grads = dict(zip(layers, torch.autograd.grad(value, [deltas[l] for l in layers], allow_unused=True)))
-    corrupted_value = float(value.detach())
-    span = clean_value - corrupted_value
-    per_layer = {}  # layer -> (p, h): the estimate of each head at each position, summed over the batch
-    for layer in layers:
-        grad = grads[layer]
-        diff = cache["z", layer].float() - z_corrupted[layer].float()  # (b, p, h, e)
-        per_layer[layer] = (diff * grad.float()).sum((0, 3)) if grad is not None else torch.zeros(diff.shape[1:3])
-    rows = []
-    for layer, head in heads:
-        per_pos = per_layer[layer][:, head]  # (p,)
-        parts = [(None, float(per_pos.sum()))] if by == "head" else list(enumerate(per_pos.tolist()))
-        for pos, estimate in parts:
-            row = {"layer": layer, "head": head, **({} if pos is None else {"pos": pos})}
-            rows.append({**row, "metric": corrupted_value + estimate,
-                         "effect": estimate / span if span else float("nan"), "estimate": estimate})
-    df = pd.DataFrame(rows)
-    df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, by=by, what="z")
-    return df
+        with torch.no_grad():
+            corrupted_value = metric(out, corrupted)
+    return clean_value, corrupted_value, cache, z_corrupted, grads
 
 
 # -- the final norm, frozen --------------------------------------------------------------------------------------
@@ -113,13 +135,13 @@ def frozen_norm(norm, x: torch.Tensor):
     if "RMS" not in type(norm).__name__ and (isinstance(norm, torch.nn.LayerNorm) or "LayerNorm" in type(norm).__name__):
         sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
-        gamma = weight.detach().float() if weight is not None else torch.ones(x.shape[-1], device=x.device)
-        beta = bias.detach().float() if bias is not None else torch.zeros(x.shape[-1], device=x.device)
+        gamma = weight.detach().float().to(x.device) if weight is not None else torch.ones(x.shape[-1], device=x.device)
+        beta = bias.detach().float().to(x.device) if bias is not None else torch.zeros(x.shape[-1], device=x.device)
         return (lambda c: gamma * (c.float() - c.float().mean(-1, keepdim=True)) / sigma), beta
     with torch.no_grad():
         param = next(norm.parameters(), None)
         ones = torch.ones(1, x.shape[-1], dtype=param.dtype if param is not None else x.dtype, device=x.device)
-        weight = norm(ones).float()[0] * (1.0 + eps) ** 0.5
+        weight = norm(ones).float()[0].to(x.device) * (1.0 + eps) ** 0.5
     rms = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (lambda c: weight * c.float() / rms), torch.zeros(x.shape[-1], device=x.device)
 
@@ -178,15 +200,19 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
     names = (["blocks.0.hook_resid_pre", f"blocks.{last}.hook_resid_post"]
              + [f"blocks.{l}.attn.hook_result" for l in range(model.cfg.n_layers) if s.o_proj[l] is not None]
              + [f"blocks.{l}.hook_mlp_out" for l in range(model.cfg.n_layers) if s.mlp[l] is not None])
-    with model.studying(), torch.no_grad():
-        out, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=names)
+    with model.studying(), torch.no_grad():  # every activation on the inputs' device (blocks may live elsewhere)
+        out, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=names, device=model.device)
     rows_ = torch.arange(n)
     logits = _main_output(out)[:, position].float()  # (n, vocab)
     target = logits[rows_, answer] - (logits[rows_, wrong] if wrong is not None else 0.0)
-    direction = unembed.weight.detach().float()[answer] - (unembed.weight.detach().float()[wrong] if wrong is not None else 0.0)
     norm = model.hf.get_submodule(s.final_norm)
     final = cache[f"blocks.{last}.hook_resid_post"][:, position]
-    apply, beta = frozen_norm(norm, final.float())
+    with onloaded(unembed, norm):  # weights offloaded by a device map are read here, outside a forward
+        w_u = unembed.weight.detach().float().to(final.device)
+        direction = w_u[answer] - (w_u[wrong] if wrong is not None else 0.0)
+        u_bias = None if getattr(unembed, "bias", None) is None else unembed.bias.detach().float().to(final.device)
+        apply, beta = frozen_norm(norm, final.float())
+    del w_u
     scale = _logit_scale(unembed, norm, final, logits)
 
     def attribute(c):  # c: (..., n, m) at the position -> mean over the batch of its logit contribution
@@ -200,16 +226,16 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
             result = cache["result", layer][:, position].transpose(0, 1)  # (h, n, m)
             for head, value in enumerate(attribute(result).tolist()):
                 rows.append({"component": "head", "layer": layer, "head": head, "attribution": value})
-            o_bias = getattr(model._blocks[layer].get_submodule(s.o_proj[layer]), "bias", None)
-            if o_bias is not None:
-                bias = bias + o_bias.detach().float()
+            o_proj = model._blocks[layer].get_submodule(s.o_proj[layer])
+            with onloaded(o_proj):
+                if getattr(o_proj, "bias", None) is not None:
+                    bias = bias + o_proj.bias.detach().float().to(bias.device)
         if s.mlp[layer] is not None:
             rows.append({"component": "mlp", "layer": layer, "head": None,
                          "attribution": float(attribute(cache["mlp_out", layer][:, position]))})
     bias_value = float((apply(bias.expand(n, -1)) * direction).sum(-1).mean() + (beta * direction).sum(-1).mean())
-    if getattr(unembed, "bias", None) is not None:
-        b = unembed.bias.detach().float()
-        bias_value += float((b[answer] - (b[wrong] if wrong is not None else 0.0)).mean())
+    if u_bias is not None:
+        bias_value += float((u_bias[answer] - (u_bias[wrong] if wrong is not None else 0.0)).mean())
     bias_value *= scale
     rows.append({"component": "bias", "layer": None, "head": None, "attribution": bias_value})
     explained = sum(r["attribution"] for r in rows)
@@ -227,7 +253,7 @@ def _logit_scale(unembed, norm, final: torch.Tensor, logits: torch.Tensor) -> fl
     ``1 / logits_scaling``), read off this run: 1.0 when there is none or when the relation is not one constant
     (then the difference shows in the remainder)."""
     with torch.no_grad():
-        computed = unembed(norm(final)).float()  # (n, vocab)
+        computed = unembed(norm(final)).float().to(logits.device)  # (n, vocab)
     scale = float((computed * logits).sum() / (computed * computed).sum().clamp(min=1e-30))
     exact = (logits - scale * computed).abs().max() <= 1e-4 * max(1.0, float(logits.abs().max()))
     return scale if bool(exact) and abs(scale - 1.0) > 1e-6 else 1.0

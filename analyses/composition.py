@@ -25,6 +25,8 @@ import pandas as pd
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from interp.distributed import onloaded
+
 __all__ = ["LowRank", "head_weights", "qk_circuit", "ov_circuit", "composition_scores"]
 
 
@@ -72,7 +74,15 @@ def _norm_weight(norm) -> torch.Tensor | None:
 
 
 def head_weights(model, layer: int, fold_norms: bool = True) -> dict[str, torch.Tensor]:
-    """The layer's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps."""
+    """The layer's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps, on the
+    model's input device (a model split by a device map has its layers elsewhere; offloaded weights are loaded for
+    the read)."""
+    with onloaded(model._blocks[layer]):
+        weights = _head_weights(model, layer, fold_norms)
+    return {name: w.to(model.device) for name, w in weights.items()}
+
+
+def _head_weights(model, layer: int, fold_norms: bool) -> dict[str, torch.Tensor]:
     s = model.structure
     proj = s.projections[layer]
     if isinstance(proj, str) or s.o_proj[layer] is None:

@@ -4,18 +4,23 @@ A scan runs the model once per *item* (a head to ablate, a head to patch, a head
 forward: the batch is replicated and copy ``i`` gets item ``i``'s hooks, as many copies per forward as a memory
 budget allows (``copies_per_forward``). The blocks before an item's first layer are not recomputed: the clean
 run's block outputs are replayed (``Prefix``), checked once per scan against a full forward.
+
+Across processes (``Shard``): when torch.distributed is initialised, a study runs on this rank's rows of its batch
+and combines the per-example metric values of every rank, so that each rank returns what one process computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .metrics import Batch, _main_output
+from interp import distributed
 
-__all__ = ["scan", "copies_per_forward", "slice_output"]
+from .metrics import Batch, Metric, _main_output
+
+__all__ = ["scan", "copies_per_forward", "slice_output", "Shard"]
 
 
 def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], int],
@@ -104,6 +109,8 @@ class Prefix:
     def replaying(self, first_layer: int, copies: int):
         """Blocks 0..first_layer-1 return block first_layer-1's recorded output (only the last one is read)."""
         skipped = list(self.model._blocks[:first_layer]) if self.enabled else []
+        # a block dispatched by accelerate (device_map) has its own forward on the instance: put it back after
+        own = [block.__dict__.get("forward") for block in skipped]
         if skipped:
             out = _repeat(self.outputs[first_layer - 1], copies, self.model.device)
             for block in skipped:
@@ -111,8 +118,11 @@ class Prefix:
         try:
             yield
         finally:
-            for block in skipped:
-                block.__dict__.pop("forward", None)
+            for block, forward in zip(skipped, own):
+                if forward is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.forward = forward
 
 
 def _repeat(value, copies: int, device):
@@ -144,3 +154,99 @@ def copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
     return max(1, int(memory_budget // per_copy))
 
 
+# -- across processes ------------------------------------------------------------------------------------------
+def _mean_of_examples(metric) -> bool:
+    """Whether ``metric(output, batch)`` is the mean of ``metric.per_example(output, batch)``, so that the values of
+    disjoint rows combine exactly: true of ``analyses.metrics``' metrics, false of a plain callable (any function of
+    the whole batch)."""
+    metric = getattr(metric, "inner", metric)  # patching's scalar_metric wrapper
+    return isinstance(metric, Metric) and type(metric).__call__ is Metric.__call__
+
+
+def _fingerprint(batch: Batch) -> list[int]:
+    """Shape, a position-weighted checksum of the ids and the number of real tokens: equal on every rank that has
+    the same batch."""
+    ids = batch["input_ids"].long().cpu()
+    mask = batch["attention_mask"]
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long).reshape(ids.shape) % 1_000_003
+    return [*ids.shape, int((ids * weights).sum()), -1 if mask is None else int(mask.long().sum())]
+
+
+class _Local(Metric):
+    """A metric on one rank's rows: calling it gives their per-example values (b_rank,), which ``Shard.means``
+    combines with the other ranks' into the mean one process computes."""
+
+    def __init__(self, metric: Metric):
+        self.metric, self.name, self.higher_is_better = metric, metric.name, metric.higher_is_better
+
+    def per_example(self, output, inputs: Batch) -> torch.Tensor:
+        return self.metric.per_example(output, inputs)
+
+    def loss(self, output, inputs: Batch) -> torch.Tensor:
+        return self.metric.loss(output, inputs)
+
+    def __call__(self, output, inputs: Batch) -> torch.Tensor:
+        return self.metric.per_example(output, inputs).float()
+
+
+class Shard:
+    """This process's part of a study's batch when torch.distributed is initialised, else the whole batch.
+
+    A study builds ``Shard(batch, metric)``, runs inside ``with shard:`` on ``shard.rows(batch)`` with
+    ``shard.metric(metric)``, and turns what the metric returned into numbers with ``shard.means(values)``:
+
+    - one process (or a metric that is not a mean over examples, which cannot be split exactly: such a study runs
+      whole on every rank, with a warning): ``index`` is None, ``rows`` and ``metric`` return their argument, the
+      metric returns floats and ``means`` passes them through; nothing changes.
+    - sharded: ``index`` holds this rank's rows (contiguous, ``interp.distributed.shard``), the metric returns each
+      row's value and ``means`` gathers every rank's rows in the original order and takes the float32 mean as
+      ``Metric.__call__`` does, so every rank gets the single-process numbers (up to the batch-size dependence of
+      the kernels, about 1e-7). ``with shard:`` makes an error on one rank reach every rank.
+
+    Every rank must pass the same batch (checked with a fingerprint).
+    """
+
+    def __init__(self, batch: Batch, metric=None):
+        self.n = batch["input_ids"].shape[0]
+        self.index = None
+        if not distributed.initialised():
+            return
+        distributed.check_same(_fingerprint(batch), "inputs")
+        if metric is not None and not _mean_of_examples(metric):
+            distributed.warn_once(f"metric {getattr(metric, 'name', metric)!r} is not a mean of per-example values "
+                                  "(use one from analyses.metrics, or a Metric subclass), so it cannot be split across "
+                                  "ranks exactly: the study runs whole on every rank.")
+            return
+        self.index = distributed.shard(self.n)
+
+    def __enter__(self) -> Shard:
+        self._together = distributed.failing_together() if self.index is not None else nullcontext()
+        self._together.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._together.__exit__(*exc)
+
+    def rows(self, batch: Batch | None) -> Batch | None:
+        """This rank's rows of a batch of the study's size (inputs, their corrupted or reference twins)."""
+        if self.index is None or batch is None:
+            return batch
+        index = self.index.to(batch["input_ids"].device)
+        mask = batch["attention_mask"]
+        return {"input_ids": batch["input_ids"][index], "attention_mask": None if mask is None else mask[index]}
+
+    def metric(self, metric: Metric) -> Metric:
+        """The metric on this rank's rows (``Metric.rows``), giving per-example values when sharded."""
+        return metric if self.index is None else _Local(metric.rows(self.index))
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row values ``(b_rank, ...)`` of this rank -> ``(n, ...)`` of all rows in order (unchanged unsharded)."""
+        return values if self.index is None else distributed.gather_rows(values, self.index, self.n)
+
+    def means(self, values: Sequence) -> list[float]:
+        """What the study's metric returned, as floats: unchanged in one process; sharded, each entry holds this
+        rank's per-example values and becomes the mean over every rank's rows (one collective for all)."""
+        if self.index is None:
+            return [float(v) for v in values]
+        table = self.gather(torch.stack([torch.as_tensor(v).float().cpu() for v in values], dim=1))  # (n, k)
+        return [float(column.mean()) for column in table.T.contiguous()]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from interp import distributed
 from interp.inputs import pad_ids, tokenize
 
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
@@ -48,6 +49,10 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     thresholds: per kind, the score a head needs for that label (``positional`` reads
         ``positional_fraction``); defaults ``scores.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
+
+    Under torch.distributed (``torchrun``, ``accelerate launch``) the batches are split across ranks and each
+    prompt's sums and row counts are added up over ranks (float64, one contributor each), so the bootstrap runs on
+    the same per-prompt statistics in the same order, and every rank returns what one process returns.
 
     Returns columns ``layer``, ``head``, one per score, ``positional_offset``, ``positional_fraction``,
     ``label`` (the most specific class whose score clears its threshold: induction, duplicate_token,
@@ -109,13 +114,26 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
     lengths = torch.tensor([len(p) for p in prompts])
     order = torch.argsort(lengths, stable=True)  # similar lengths share a batch: less padding
     tally = Tally(kinds, len(prompts), cfg.heads_per_layer, int(lengths.max()))
-    with torch.no_grad():
-        for start in range(0, len(prompts), batch_size):
+    starts = list(range(0, len(prompts), batch_size))
+    if distributed.initialised():
+        checksum = sum(int(p.long().sum()) for p in prompts)
+        distributed.check_same([len(prompts), int(lengths.sum()), checksum], "prompts")
+    mine = distributed.shard(len(starts), strided=True)  # this rank's batches (the same batches as one process's)
+    with distributed.failing_together(), torch.no_grad():
+        for start in starts if mine is None else [starts[i] for i in mine]:
             index = order[start:start + batch_size]
             ids, mask = pad_ids([prompts[i] for i in index], left=cfg.causal, pad_id=model.pad_token_id)
             targets = build_targets(ids, mask, cfg.causal, kinds)
             tally.add_rows(index, targets)
             _score_batch(model, ids, mask, index, targets, tally)
+        if mine is not None:  # every other rank's prompts are zeros here: the sums are exact
+            names = list(tally.sums)
+            parts = [tally.sums[s] for s in names] + [tally.rows[s] for s in names]
+            summed = distributed.all_sum(*parts, *([tally.hist] if tally.hist is not None else []))
+            for i, s in enumerate(names):
+                tally.sums[s], tally.rows[s] = summed[i], summed[len(names) + i]
+            if tally.hist is not None:
+                tally.hist = summed[-1]
     return tally
 
 

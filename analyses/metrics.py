@@ -12,6 +12,7 @@ scan compares them copy by copy) and a differentiable per-example ``loss`` for `
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -83,6 +84,12 @@ class Metric:
 
     def __call__(self, output, inputs: Batch) -> float:
         return float(self.per_example(output, inputs).float().mean())
+
+    def rows(self, index: torch.Tensor) -> Metric:
+        """The metric for rows ``index`` of the batch it is used on (a study split across processes runs each
+        rank's rows). A metric that holds one value per sequence (targets, reference embeddings) returns a copy
+        holding those rows; one without per-row state returns itself."""
+        return self
 
     def __repr__(self) -> str:
         return f"<metric {self.name}>"
@@ -179,6 +186,11 @@ class _LogitDifference(Metric):
                              f"{logits.shape[0]}.")
         return logits[rows, correct] - logits[rows, wrong]
 
+    def rows(self, index: torch.Tensor) -> Metric:
+        part = copy.copy(self)
+        part.correct, part.wrong = (t if t.ndim == 0 else t[index.to(t.device)] for t in (self.correct, self.wrong))
+        return part
+
 
 class _NextTokenLoss(Metric):
     """Mean cross-entropy of fixed target tokens, whatever input the model ran on."""
@@ -197,6 +209,9 @@ class _NextTokenLoss(Metric):
         targets = self.targets[:, self.start + 1:stop + 1].to(logits.device)
         nll = F.cross_entropy(logits[:, self.start:stop].transpose(1, 2).float(), targets, reduction="none")
         return nll.mean(1)
+
+    def rows(self, index: torch.Tensor) -> Metric:
+        return _NextTokenLoss(self.targets[index.to(self.targets.device)], self.start, self.stop)
 
 
 def next_token_loss(targets, start: int, stop: int | None = None) -> Metric:
@@ -241,6 +256,12 @@ class _EmbeddingSimilarity(Metric):
 
     def loss(self, output, inputs: Batch) -> torch.Tensor:
         return (self._embed(output, inputs) * self.probe).sum(-1)
+
+    def rows(self, index: torch.Tensor) -> Metric:
+        part = copy.copy(self)
+        part.reference = self.reference[index.to(self.reference.device)]
+        part.probe, part.ids = self.probe[index.to(self.probe.device)], self.ids[index.to(self.ids.device)]
+        return part
 
 
 lm_loss: Metric = _LMLoss()

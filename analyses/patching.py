@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from .ablation import check_heads
-from .engine import Prefix, _run, copies_per_forward, scan, slice_output
+from .engine import Prefix, Shard, _run, copies_per_forward, scan, slice_output
 from .metrics import Batch, Metric, as_metric, batch_of
 
 __all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
@@ -58,6 +58,9 @@ class _Scalar(Metric):
 
     def loss(self, output, inputs):
         return self.inner.loss(output, inputs)
+
+    def rows(self, index) -> Metric:
+        return _Scalar(self.inner.rows(index))
 
     def __call__(self, output, inputs) -> float:
         try:
@@ -131,6 +134,11 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
 
     Returns one row per head (and position): ``layer``, ``head`` (, ``pos``), ``metric``, ``effect``;
     ``df.attrs`` holds the clean and corrupted metric values.
+
+    Under torch.distributed (``torchrun``) each rank patches its share of the prompts and the per-example metric
+    values are combined, so every rank returns the one-process result; this needs a metric that is a mean over
+    examples (``analyses.metrics``). Any other metric is a function of the whole batch, which cannot be split: the
+    study then runs whole on every rank (with a warning).
     """
     if what not in WHAT:
         raise ValueError(f"what must be one of {', '.join(WHAT)}; got {what!r}.")
@@ -141,15 +149,18 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     clean, corrupted = paired_batches(model, clean, corrupted)
     items = _items(model, what, by, heads, clean["input_ids"].shape[1])
     names = [f"blocks.{l}.attn.hook_{what}" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
-    with model.studying(), torch.no_grad():
-        output, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
-        clean_value = metric(output, clean)
-    sources = {l: cache[what, l] for l in range(model.cfg.n_layers) if f"blocks.{l}.attn.hook_{what}" in cache}
-    if heads_per_forward is None:
-        heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
-    corrupted_value, values = scan(model, corrupted, items, lambda item: item[0],
-                                   lambda group, copies: _patch_hooks(what, group, sources, copies), metric,
-                                   heads_per_forward)
+    with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
+        clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
+        with model.studying(), torch.no_grad():
+            output, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
+            clean_value = local(output, clean)
+        sources = {l: cache[what, l] for l in range(model.cfg.n_layers) if f"blocks.{l}.attn.hook_{what}" in cache}
+        if heads_per_forward is None:
+            heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
+        corrupted_value, values = scan(model, corrupted, items, lambda item: item[0],
+                                       lambda group, copies: _patch_hooks(what, group, sources, copies), local,
+                                       heads_per_forward)
+        clean_value, corrupted_value, *values = shard.means([clean_value, corrupted_value, *values])
     return _frame(items, values, clean_value, corrupted_value, metric, by, what)
 
 

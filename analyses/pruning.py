@@ -21,10 +21,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp import HookedModel
+from interp import HookedModel, distributed
 from interp.pruning import kept_heads, plan_layer, slice_heads
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
+from .engine import Shard
 from .metrics import _main_output, as_metric, batch_of
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -49,17 +50,43 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     scalar taken as their mean. Each sequence has its own gates, so one backward gives every example's
     gradient. ablated: heads zero-ablated throughout (their gate is 0); they get no row.
     Runs in eval mode (no dropout); parameters get no gradient; modes and requires_grad are restored.
+    Under torch.distributed (``torchrun``) each rank takes its share of the prompts and every example's gradients
+    are gathered, so every rank returns the one-process result; a loss that is not per-example (a plain callable)
+    runs whole on every rank.
     """
-    loss_fn = _loss_fn(loss)
+    _loss_fn(loss)  # a clear error without one
+    source = as_metric(loss)
     batch = batch_of(model, inputs)
     ablated = set(check_heads(model, ablated, allow_empty=True))
+    counts = model.cfg.heads_per_layer
+    with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
+        batch, loss_fn = shard.rows(batch), shard.metric(source).loss
+        grads = _gate_gradients(model, batch, loss_fn, ablated)
+        b = batch["input_ids"].shape[0]
+        per_example = torch.cat([torch.zeros(b, n) if g is None else g.detach().abs().float().cpu()
+                                 for g, n in zip(grads, counts)], dim=1)  # (b, heads of all layers): |dL(x)/dxi_h|
+        per_example = shard.gather(per_example)  # every rank's examples, in order
+    rows = []
+    for l, (g, n) in enumerate(zip(per_example.split(list(counts), dim=1), counts)):
+        raw = g.mean(0)  # (h,)
+        live = [h for h in range(n) if (l, h) not in ablated and l not in model.cfg.empty_layers]
+        norm = float(raw[live].norm()) if live else 0.0
+        for h in live:
+            rows.append({"layer": l, "head": h, "importance": float(raw[h]) / norm if norm > 0 else 0.0,
+                         "importance_raw": float(raw[h])})
+    return pd.DataFrame(rows, columns=["layer", "head", "importance", "importance_raw"])
+
+
+def _gate_gradients(model, batch, loss_fn, ablated) -> tuple:
+    """Per layer, d loss / d gate: (b, h) with one gate per example and head (None where a layer's gates are
+    unused)."""
     b, counts = batch["input_ids"].shape[0], model.cfg.heads_per_layer
     gates = [torch.ones(b, n, device=model.device, dtype=model.dtype, requires_grad=True) for n in counts]
     keep = [torch.tensor([(l, h) not in ablated for h in range(n)], device=model.device, dtype=model.dtype)
             for l, n in enumerate(counts)]
 
-    def gate(z, point):  # z: (b, p, h, d)
-        return z * (gates[point.layer] * keep[point.layer])[:, None, :, None]
+    def gate(z, point):  # z: (b, p, h, d), on its layer's device
+        return z * (gates[point.layer] * keep[point.layer]).to(z.device)[:, None, :, None]
 
     with model.studying(), torch.enable_grad():
         for p in model.hf.parameters():
@@ -70,24 +97,15 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
         total = value.sum() if value.ndim == 1 else value * b
-        grads = torch.autograd.grad(total, gates, allow_unused=True)
-
-    rows = []
-    for l, (g, n) in enumerate(zip(grads, counts)):
-        raw = torch.zeros(n) if g is None else g.detach().abs().float().mean(0).cpu()  # (h,)
-        live = [h for h in range(n) if (l, h) not in ablated and l not in model.cfg.empty_layers]
-        norm = float(raw[live].norm()) if live else 0.0
-        for h in live:
-            rows.append({"layer": l, "head": h, "importance": float(raw[h]) / norm if norm > 0 else 0.0,
-                         "importance_raw": float(raw[h])})
-    return pd.DataFrame(rows, columns=["layer", "head", "importance", "importance_raw"])
+        return torch.autograd.grad(total, gates, allow_unused=True)
 
 
 def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
-    with ExitStack() as stack, torch.no_grad():
+    with Shard(batch, metric) as shard, ExitStack() as stack, torch.no_grad():
+        batch, local = shard.rows(batch), shard.metric(metric)
         if pruned:
             stack.enter_context(ablate_heads(model, pruned))
-        return metric(model(batch["input_ids"], batch["attention_mask"]), batch)
+        return shard.means([local(model(batch["input_ids"], batch["attention_mask"]), batch)])[0]
 
 
 def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers: bool) -> list[Head]:
@@ -131,6 +149,8 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     its last layer) the raw ranking prunes better.
     Heads are zero-ablated, as ``prune_model`` removes them. The last head of a layer is never pruned unless
     ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
+    Under torch.distributed (``torchrun``) every evaluation, importance and ablation scan is split across ranks
+    by prompts (as in ``ablation_scan`` and ``head_importance``); every rank ranks and prunes the same heads.
     """
     if order not in ORDERS:
         raise ValueError(f"Unknown pruning order {order!r}; use one of {', '.join(ORDERS)}.")
@@ -213,6 +233,12 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     if model._registry.active():
         raise ValueError(f"Remove the hooks on {model._registry.active()[:3]} before pruning: prune_model copies "
                          "the model, and torch hooks would be copied with it.")
+    if distributed.dispatched(model.hf):
+        raise NotImplementedError(
+            "prune_model copies the model and slices its weights in memory; this one is placed by a device map "
+            f"(accelerate{', with weights offloaded to disk or CPU' if distributed.offloaded(model.hf) else ''}), "
+            "which a copy does not carry over. Load it without device_map to prune it, or study the pruned model "
+            "with ablate_heads / pruning_curve, which work on it as it is.")
     cfg = model.cfg
     original = kept_heads(model.hf.config)
     n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads

@@ -14,6 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from .attention import ATTN_KEYS
 from .bundled import BUNDLED, bundled_folder
+from .distributed import dispatch
 from .families import check_supported
 from .model import HookedModel
 from .pruning import CONFIG_KEY, from_pretrained_pruned
@@ -118,7 +119,8 @@ def _wrap(hf, tokenizer, attn: str):
     return HookedModel(hf, tokenizer=tokenizer, attn=attn)
 
 
-def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer=None) -> HookedModel:
+def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer=None, device_map=None,
+               max_memory=None, offload_folder=None) -> HookedModel:
     """Load a model with interp's attention and hook points.
 
     source: a local folder saved by ``save_pretrained``, a ``transformers.PreTrainedModel`` instance
@@ -129,6 +131,12 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     cannot be run and head scores use random token ids.
     attn: ``"flash"`` (fused kernel, no n x n matrix) or ``"eager"`` (materializes scores and patterns).
     device: ``"auto"`` picks CUDA when available. dtype: None keeps the checkpoint's dtype.
+    device_map, max_memory, offload_folder: transformers' names, to split a model that does not fit one device
+    (through accelerate): ``device_map="auto"`` or a dict ``{module name: device | "cpu" | "disk"}``, ``max_memory``
+    per device (``{0: "20GiB", "cpu": "60GiB"}``), ``offload_folder`` for weights mapped to ``"disk"``. A folder or
+    bundled name is loaded by ``from_pretrained`` with them; an instance is dispatched in place
+    (``interp.distributed.dispatch``). Give ``device`` or ``device_map``, not both. Inputs then go to the
+    embedding's device and every hook sees its layer's tensors where they are (``interp.distributed``).
 
     A folder is loaded as the class it was saved from and put in eval mode. An instance keeps its train/eval
     mode (``load_model`` changes only its attention implementation to ours): a forward of the returned model in
@@ -138,9 +146,17 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     if attn not in ATTN_KEYS:
         raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
     torch_dtype = resolve_dtype(dtype)
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        raise ValueError("max_memory and offload_folder go with device_map (e.g. device_map='auto').")
+    if device_map is not None and device not in ("auto", None):
+        raise ValueError(f"Give device or device_map, not both; got device={device!r} and a device_map. "
+                         "device_map places every module itself.")
     if isinstance(source, PreTrainedModel):
         hf = source
-        if device != "auto" or torch_dtype is not None:
+        if device_map is not None:
+            hf = dispatch(hf.to(dtype=torch_dtype) if torch_dtype is not None else hf, device_map, max_memory,
+                          offload_folder)
+        elif device != "auto" or torch_dtype is not None:
             hf = hf.to(device=resolve_device(device) if device != "auto" else None, dtype=torch_dtype)
         return _wrap(hf, tokenizer, attn)
     if not isinstance(source, (str, os.PathLike)):
@@ -154,12 +170,17 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
         if getattr(config, CONFIG_KEY, None):  # saved by a pruned model: build, slice to its heads, then load
             hf = from_pretrained_pruned(model_class, folder, config, ATTN_KEYS[attn], torch_dtype
                                         if torch_dtype is not None else resolve_dtype(getattr(config, "dtype", None)))
+            if device_map is not None:
+                hf = dispatch(hf, device_map, max_memory, offload_folder)
         else:
+            placement = {} if device_map is None else dict(device_map=device_map, max_memory=max_memory,
+                                                           offload_folder=offload_folder)
             hf, info = model_class.from_pretrained(folder, config=config, local_files_only=True,
                                                    attn_implementation=ATTN_KEYS[attn], output_loading_info=True,
-                                                   dtype=torch_dtype if torch_dtype is not None else "auto")
+                                                   dtype=torch_dtype if torch_dtype is not None else "auto",
+                                                   **placement)
             _refuse_invented_weights(folder, model_class, info)
-    hf = hf.to(resolve_device(device)).eval()
+    hf = (hf if device_map is not None else hf.to(resolve_device(device))).eval()
     if tokenizer is None and any((folder / f).exists() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return _wrap(hf, tokenizer, attn)

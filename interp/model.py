@@ -16,6 +16,7 @@ from transformers.pytorch_utils import Conv1D
 from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookRegistry, NameFilter, spec_for
 
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
+from .distributed import input_device, onloaded
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
 from .pruning import CONFIG_KEY, check_head_counts, save_pruned
@@ -272,7 +273,8 @@ class HookedModel:
         hooks on every point are as they were before.
         """
         modes = [(m, m.training) for m in self.hf.modules()]
-        requires = [(p, p.requires_grad) for p in self.hf.parameters()]
+        # by name: accelerate replaces an offloaded weight's Parameter object each time it loads it
+        requires = [(name, p.requires_grad) for name, p in self.hf.named_parameters()]
         hooks = {name: list(point.fns) for name, point in self._registry.points.items()}
         devices = sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
         try:
@@ -282,8 +284,8 @@ class HookedModel:
         finally:
             for m, training in modes:
                 m.training = training
-            for p, flag in requires:
-                p.requires_grad_(flag)
+            for name, flag in requires:
+                self.hf.get_parameter(name).requires_grad_(flag)
             if any(point.fns != hooks[name] for name, point in self._registry.points.items()):
                 for name, point in self._registry.points.items():
                     point.fns[:] = hooks[name]
@@ -363,23 +365,26 @@ class HookedModel:
 
         def hook(o_proj, args, out):
             z = rearrange(args[0], "b p (h e) -> b p h e", h=h, e=e)
-            if isinstance(o_proj, Conv1D):
-                w = rearrange(o_proj.weight, "(h e) m -> h e m", h=h)
-            else:
-                w = rearrange(o_proj.weight, "m (h e) -> h e m", h=h)
-            result = torch.einsum("bphe,hem->bphm", z, w)
+            with onloaded(o_proj):  # accelerate has put an offloaded weight back by the time this hook runs
+                if isinstance(o_proj, Conv1D):
+                    w = rearrange(o_proj.weight, "(h e) m -> h e m", h=h)
+                else:
+                    w = rearrange(o_proj.weight, "m (h e) -> h e m", h=h)
+                result = torch.einsum("bphe,hem->bphm", z, w)
+                bias = o_proj.bias  # the loaded tensor (accelerate puts a new meta Parameter in its place on exit)
             edited = point(result)
             if edited is result:  # observed only: keep the projection's own output, bit for bit
                 return out
             summed = edited.sum(dim=2)
-            return summed if o_proj.bias is None else summed + o_proj.bias
+            return summed if bias is None else summed + bias
 
         return hook
 
     # -- inputs ----------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
+        return input_device(self.hf)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -451,28 +456,33 @@ class HookedModel:
                 if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
 
     def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
-                       fwd_hooks: Iterable = (), **kwargs) -> tuple[object, ActivationCache]:
+                       fwd_hooks: Iterable = (), device=None, **kwargs) -> tuple[object, ActivationCache]:
         """Run once and capture activations (references, not copies) into an ActivationCache. ``fwd_hooks`` are
-        active during the run and fire before the capture, so the cache holds what they return."""
+        active during the run and fire before the capture, so the cache holds what they return. Each tensor stays
+        on its layer's device (a model split by ``device_map``), or with ``device`` is moved there as it is
+        captured (gathered on one device; ``cache.to(device)`` does it afterwards)."""
         ids, mask = self._inputs(inputs, attention_mask)
         selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
         store: dict[str, torch.Tensor] = {}
 
         def save(tensor, hook):
-            store[hook.name] = tensor.detach() if detach else tensor
+            tensor = tensor.detach() if detach else tensor
+            store[hook.name] = tensor if device is None else tensor.to(device)
 
         with self.hooks([*fwd_hooks, (selected, save)]):
             output = self(ids, mask, **kwargs)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
-        return output, ActivationCache(store, self.attention_meta(mask))
+        cache = ActivationCache(store, self.attention_meta(mask))
+        return output, cache if device is None else cache.to(device)
 
     def attention_meta(self, attention_mask: torch.Tensor | None = None) -> AttentionMeta:
         """What rebuilding this model's patterns from q and k needs: per layer the scale, the window of keys,
         the soft-cap and the sink logits (their values now), and the padding of the run."""
         layers = self.structure.layer_attn
-        sinks = {l: self._blocks[l].get_parameter(a.sinks).detach().float().clone()
-                 for l, a in enumerate(layers) if a.sinks is not None}
+        with onloaded(*(self._blocks[l] for l, a in enumerate(layers) if a.sinks is not None)):
+            sinks = {l: self._blocks[l].get_parameter(a.sinks).detach().float().clone()
+                     for l, a in enumerate(layers) if a.sinks is not None}
         return AttentionMeta(
             list(self.attn_scales), self.cfg.causal, self.cfg.n_heads, self.cfg.n_kv_heads,
             None if attention_mask is None or bool(attention_mask.all()) else attention_mask,

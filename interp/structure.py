@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import EAGER_KEY, Recording
+from .distributed import input_device
 
 __all__ = ["LayerAttention", "Projections", "Structure", "describe", "discover"]
 
@@ -125,7 +126,7 @@ def _probe_ids(hf, n_tokens: int) -> torch.Tensor:
     vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(min(4, vocab - 1), vocab, (1, n_tokens), generator=generator)
-    return ids.to(next(hf.parameters()).device)
+    return ids.to(input_device(hf))  # the embedding's device (its first weight may be offloaded by a device map)
 
 
 class _ModuleLog:
