@@ -30,9 +30,11 @@ __all__ += ["LowRank", "activation_patching", "attribution_patching", "compositi
             "direct_logit_attribution", "induction_task", "logit_lens", "next_token_loss", "ov_circuit",
             "path_patching", "qk_circuit"]
 
-# Plots and the HTML report (issue 5): loaded on first use, so `import analyses` does not import matplotlib
-_LAZY = {"attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
-         "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "write_report": "report"}
+# Views (issues 5 and 14: analyses/views/): plots, interactive views and the HTML report, loaded on first use so
+# that `import analyses` does not import matplotlib
+_LAZY = {"attention_heatmap": "views.plots", "head_score_grid": "views.plots", "ablation_heatmap": "views.plots",
+         "pruning_curve_plot": "views.plots", "patching_heatmap": "views.plots", "dla_bars": "views.plots",
+         "write_report": "views.report", "head_view": "views.attention", "attention_grid": "views.attention"}
 __all__ += list(_LAZY)
 
 

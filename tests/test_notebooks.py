@@ -37,6 +37,9 @@ assert (labels == "sink").sum() > len(labels) / 2, "the text says most heads are
 p16 = cache.pattern(16, heads=[0])[0, 0]
 assert p16.diagonal(-1).mean() > 0.5, "head 16.0 puts most of its weight on the previous token"
 assert change > 0.01, "zeroing a head's z must change the output"
+second = [i for i, t in enumerate(tokens) if t == "Ġlighthouse"][-1]
+assert cache.pattern(18, [6])[0, 0, second].argmax().item() == tokens.index("Ġkeeper"), "18.6's line goes to keeper"
+assert view.data["layers"] == [16, 18] and view.data["heads"] == [[0], [6]]
 """,
     "02_induction_heads": """
 assert all(l == 0 for l, _ in previous_token_heads) and previous_token_heads
@@ -55,6 +58,12 @@ for head in [(0, 3), (1, 1), (1, 3), (0, 1)]:
 for head in [(0, 0), (1, 0)]:
     assert delta[head] < 0.4, (head, delta[head])  # "matter little alone"
 assert label[(0, 1)] == "none" and heads.set_index(["layer", "head"]).loc[(0, 1), "positional_offset"] == -2
+second_copy = torch.arange(14, 25)  # the head view's claim: strongest lines one token back, or to the next token
+with torch.no_grad():
+    _, example_cache = model.run_with_cache(example)
+for heads_of, target in ((previous_token_heads, second_copy - 1), (induction_heads, second_copy - 11)):
+    for l, h in heads_of:
+        assert (example_cache.pattern(l, [h])[0, 0, second_copy].argmax(-1) == target).all(), (l, h)
 """,
     "03_head_pruning": """
 mean = curves.groupby(["order", "fraction_pruned"])["metric"].mean()

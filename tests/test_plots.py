@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 
 import matplotlib
+import matplotlib.text
 
 matplotlib.use("Agg")
 
@@ -19,7 +20,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 import interp  # noqa: E402
 from analyses import ablation_scan, detect_heads, pruning_curve, second_copy_loss  # noqa: E402
-from analyses.plots import ablation_heatmap, attention_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
+from analyses.views.plots import (ablation_heatmap, attention_heatmap, head_score_grid,  # noqa: E402
+                                  pruning_curve_plot, save_figure)
 from analyses.toy import repeated_sequences  # noqa: E402
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib 3.11 plans to deprecate; not ours to fix.
@@ -260,3 +262,52 @@ def test_plots_are_exported_from_analyses_without_importing_matplotlib_up_front(
             "assert write_report is analyses.report.write_report")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+# -- readable at 100% and vector files (issue 14) -------------------------------------------------------------
+def _texts(fig) -> list:
+    return [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text().strip()]
+
+
+def test_no_text_under_7_5_points_so_at_100_px_per_inch_none_is_under_10_px(plot_calls, heads_df):
+    wide = pd.DataFrame([{"layer": l, "head": h, "induction": (l * h % 7) / 7, "induction_lo": 0.0, "induction_hi": 1.0}
+                         for l in range(30) for h in range(9)])  # SmolLM2's 30 x 9
+    many = pd.DataFrame([{"layer": l, "head": h, "sink": 0.5} for l in range(4) for h in range(32)])  # 32 heads
+    extra = {"head_score_grid(30 x 9)": lambda ax: head_score_grid(wide, "induction", ax=ax),
+             "head_score_grid(32 heads)": lambda ax: head_score_grid(many, "sink", ax=ax)}
+    long = torch.eye(64)
+    for name, call in {**plot_calls, **extra,
+                       "attention_heatmap(64)": lambda ax: attention_heatmap(long, ax=ax)}.items():
+        plt.close("all")
+        ax = call(None)
+        sizes = [t.get_fontsize() for t in _texts(ax.figure)]
+        assert sizes and min(sizes) >= 7.5, (name, min(sizes))
+    ax = head_score_grid(many, "sink")
+    assert not ax.texts  # 32 heads a layer: cells too narrow for 7.5 pt values, so none are written
+    ax = attention_heatmap(long, ax=plt.subplots(figsize=(6, 5))[1])  # rows of about 4 pt: every k-th labelled
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    step = int(labels[1])
+    assert step > 1 and labels == [str(i) for i in range(0, 64, step)]
+    assert all(t.get_fontsize() >= 7.5 for t in ax.get_xticklabels())
+
+
+def test_head_score_grid_writes_each_interval_below_its_value(heads_df):
+    ax = head_score_grid(heads_df, "induction")
+    row = heads_df.set_index(["layer", "head"]).loc[(1, 3)]
+    expected = f"{row['induction']:.3f}\n{row['induction_lo']:.3f}–{row['induction_hi']:.3f}"
+    assert expected in [t.get_text() for t in ax.texts]
+    assert all(t.get_fontsize() >= 7.5 for t in ax.texts)
+    plt.close("all")
+    narrow = plt.subplots(figsize=(2.5, 2))[1]  # no room for intervals: values alone
+    head_score_grid(heads_df, "induction", ax=narrow)
+    assert all("–" not in t.get_text() for t in narrow.texts) and len(narrow.texts) == 8
+
+
+def test_save_figure_writes_png_svg_and_pdf(tmp_path, heads_df):
+    ax = head_score_grid(heads_df, "induction")
+    assert save_figure(ax, tmp_path / "grid.svg").read_text().lstrip().startswith("<?xml")
+    assert save_figure(ax.figure, tmp_path / "grid.pdf").read_bytes()[:5] == b"%PDF-"
+    png = plt.imread(save_figure(ax, tmp_path / "grid", fmt="png", dpi=100))
+    assert png.shape[0] > 100
+    with pytest.raises(ValueError, match="png, svg, pdf"):
+        save_figure(ax, tmp_path / "grid.jpg")

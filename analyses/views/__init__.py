@@ -1,0 +1,32 @@
+"""What a person looks at: interactive attention views, static plots and the HTML report.
+
+- ``head_view``, ``attention_grid`` (``attention.py``): one self-contained HTML page or notebook output each,
+  with inline JavaScript and CSS (``assets/``) and no network request.
+- ``attention_heatmap``, ``head_score_grid``, ... (``plots.py``): matplotlib figures, for papers and the report.
+- ``write_report`` (``report.py``): the page ``interp report`` writes.
+
+Names load on first use, so that importing this package imports neither matplotlib nor the report (which
+switches matplotlib to the Agg backend).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
+    "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
+    "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
+    "write_report": "report",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'analyses.views' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,378 @@
+"""Interactive attention views that work offline: a bertviz-style head view and a grid of every head.
+
+Each view is one piece of HTML: in a notebook its ``_repr_html_``, on disk one page written by ``.save(path)``.
+The JavaScript and CSS (``assets/view.js``, ``assets/view.css``: vanilla, no library) and the data (a JSON block)
+are inline, so the page makes no request of any kind. The interactive elements carry stable ``data-role``,
+``data-layer``, ``data-head`` and ``data-token`` attributes for tests and scripts.
+
+Patterns come from ``cache.pattern(layer, heads)``: on the flash path only the heads shown are rebuilt from the
+cached q and k, so long prompts never need the eager path. Weights are embedded rounded to 4 decimals (uint16
+0..10000, base64); where every weight above the diagonal rounds to 0 (causal models) only the lower triangle is
+kept. The weight shown on hover is the pattern's weight to those 4 decimals.
+
+>>> import torch
+>>> from hooks import ActivationCache
+>>> cache = ActivationCache({"blocks.0.attn.hook_pattern": torch.eye(3)[None, None]})
+>>> view = head_view(cache, ["a", "b", "c"])
+>>> view.data["layers"], view.data["heads"], view.data["packed"]
+([0], [[0]], True)
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+SCALE = 10_000  # weights are embedded as round(weight * SCALE): 4 decimals
+MAX_BYTES = 24_000_000  # refuse views whose weights alone would embed more than this
+LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines need a row per token)
+# Score columns of detect_heads a grid can be coloured by, in LABEL_ORDER; positional reads its fraction.
+GRID_SCORES = ("induction", "duplicate_token", "previous_token", "next_token", "positional_fraction", "self", "sink")
+
+
+def visible_token(token) -> str:
+    """A token string with BPE markers made visible: ``Ġ``/``▁`` (a leading space) as ``␣``, newlines as ``\\n``."""
+    return str(token).replace("Ġ", "␣").replace("▁", "␣").replace("Ċ", "\\n").replace("\n", "\\n")
+
+
+# -- the views -------------------------------------------------------------------------------------------
+class _View:
+    """One interactive view: ``data`` (what the page embeds), ``html`` (a fragment), ``save(path)`` (a page)."""
+
+    kind = ""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    @property
+    def html(self) -> str:
+        """A self-contained fragment: its data, style and script inline."""
+        payload = json.dumps(self.data, ensure_ascii=False, separators=(",", ":"))
+        payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        return (f'<div class="interp-view" data-view="{self.kind}">'
+                f'<style>{_asset("view.css")}</style>'
+                f'<script type="application/json" class="iv-data">{payload}</script>'
+                '<p class="iv-fallback">This view is drawn by JavaScript. In a notebook, run the cell again (or trust '
+                'the notebook); or save it with <code>view.save("view.html")</code> and open the file.</p>'
+                f'<script>{_asset("view.js")}</script></div>')
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def page(self) -> str:
+        """The view as a whole HTML page."""
+        title = html.escape(self.data.get("title", "attention"))
+        return ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+                '<meta name="viewport" content="width=device-width, initial-scale=1">'
+                f'<link rel="icon" href="data:,"><title>{title}</title></head>\n<body>{self.html}</body></html>\n')
+
+    def save(self, path: str | Path) -> Path:
+        """Write the view as one HTML page that opens offline; returns the path."""
+        path = Path(path)
+        if path.suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"A view is saved as an .html page; got {str(path)!r}.")
+        path.write_text(self.page(), encoding="utf-8")
+        return path
+
+    def __repr__(self) -> str:
+        d = self.data
+        return (f"{type(self).__name__}({len(d['tokens'])} tokens, {sum(len(h) for h in d['heads'])} heads in "
+                f"{len(d['layers'])} layer(s); .save(path) writes one offline page)")
+
+
+class HeadView(_View):
+    """Lines (or heatmaps) between query and key tokens, one layer at a time; see ``head_view``."""
+
+    kind = "head"
+
+
+class AttentionGrid(_View):
+    """Every head as a thumbnail of its pattern, coloured by a score; see ``attention_grid``."""
+
+    kind = "grid"
+
+
+def _asset(name: str) -> str:
+    return (ASSETS / name).read_text(encoding="utf-8")
+
+
+# -- public functions ------------------------------------------------------------------------------------
+def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: tuple[int, int] | None = None,
+              batch: int = 0, display: str | None = None, title: str | None = None) -> HeadView:
+    """bertviz's head view: query tokens on the left, key tokens on the right, a line per weight.
+
+    source: a ``HookedModel`` with ``text_or_tokens`` (a text, token ids ``(p,)`` or ``(b, p)``, or
+      ``model.to_tokens`` output), run once capturing q and k; or an ``ActivationCache`` from ``run_with_cache``
+      (either path) with ``text_or_tokens`` the token strings to label it with (default: positions).
+    layers: a layer or layers to offer in the selector (default all). heads: head indices shown in each of them
+      (default all), or ``(layer, head)`` pairs (then ``layers`` follows from them).
+    window: ``(start, stop)``: only positions ``start .. stop - 1`` (slice rules) of a longer prompt; hovering a
+      query also shows how much of its weight falls outside the window.
+    batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
+      heatmap per head); default lines up to 128 tokens.
+
+    In the page: a layer selector, a button per head (its colour; click to hide or show it), hover a query
+    token to see where it attends (squares beside each key: one per head, the exact weight on hover), hover a
+    key token to see what attends to it.
+    """
+    if display not in (None, "lines", "matrix"):
+        raise ValueError(f"display is 'lines' or 'matrix'; got {display!r}.")
+    run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads))
+    chosen = _choose(run, layers, heads)
+    data = _embed(run, chosen, window, "head view")
+    data["display"] = display or ("lines" if len(data["tokens"]) <= LINES_UP_TO else "matrix")
+    data["title"] = title or f"head view: {run.name}"
+    return HeadView(data)
+
+
+def attention_grid(source, text_or_tokens=None, score: str | None = None, *, scores=None,
+                   window: tuple[int, int] | None = None, batch: int = 0, title: str | None = None) -> AttentionGrid:
+    """Every layer x head as a thumbnail of its pattern, framed in the colour of a head score; click one to open
+    its pattern large (exact weights on hover) with all its scores, intervals and definitions.
+
+    source, text_or_tokens, window, batch: as in ``head_view``.
+    scores: a ``detect_heads`` table (``layer``, ``head``, score columns and their ``_lo``/``_hi`` intervals).
+      None: with a model, ``detect_heads(model)`` is run (about 16 s on SmolLM2-135M with 2 CPU threads; pass a
+      table to reuse one);
+      with a cache, thumbnails are not coloured. score: the column coloured first (default the first of
+      induction, duplicate_token, previous_token, ... in the table); the page can switch to any other.
+    """
+    run = _Run.of(source, text_or_tokens, batch, None)
+    if scores is None and run.model is not None:
+        from ..heads import detect_heads
+
+        scores = detect_heads(run.model)
+    data = _embed(run, _choose(run, None, None), window, "grid")
+    data["scores"] = None if scores is None else _score_table(scores)
+    columns = [] if scores is None else data["scores"]["columns"]
+    if score is not None:
+        score = "positional_fraction" if score == "positional" else score
+        if score not in columns:
+            raise ValueError(f"score {score!r} is not in the scores table; it has {columns or 'none'}. "
+                             "Pass scores=detect_heads(model) to colour by a detect_heads score.")
+    data["score"] = score or (columns[0] if columns else None)
+    data["title"] = title or f"attention grid: {run.name}"
+    return AttentionGrid(data)
+
+
+# -- reading patterns ------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """One sequence's cache: the patterns to show come from ``cache.pattern``; ``keep`` drops its padding."""
+
+    cache: object
+    batch: int
+    keep: torch.Tensor | None  # (p,) bool, or None when the sequence has no padding
+    tokens: list[str]
+    heads_per_layer: list[int]
+    available: list[int]  # layers whose patterns the cache can give
+    name: str
+    model: object = None
+
+    @classmethod
+    def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None) -> _Run:
+        from hooks import ActivationCache
+        from interp import HookedModel
+
+        if isinstance(source, HookedModel):
+            return cls._from_model(source, text_or_tokens, batch, layers)
+        if isinstance(source, ActivationCache):
+            return cls._from_cache(source, text_or_tokens, batch)
+        raise TypeError(f"A view reads a HookedModel with text or tokens, or an ActivationCache from "
+                        f"run_with_cache; got {type(source).__name__}.")
+
+    @classmethod
+    def _from_model(cls, model, inputs, batch: int, layers: list[int] | None) -> _Run:
+        if inputs is None:
+            raise ValueError("head_view(model, text_or_tokens): give the text (or token ids) to run.")
+        ids, mask = model._inputs(inputs)
+        if not 0 <= batch < ids.shape[0]:
+            raise IndexError(f"batch {batch} is out of range: the input holds {ids.shape[0]} sequence(s).")
+        row = ids[batch] if mask is None else ids[batch][mask[batch].bool()]  # padding dropped: run alone
+        n_layers = model.cfg.n_layers
+        layers = range(n_layers) if layers is None else layers
+        bad = [l for l in layers if not 0 <= l < n_layers]
+        if bad:
+            raise IndexError(f"layer {bad[0]} is out of range: this model has layers 0..{n_layers - 1}.")
+        names = [f"blocks.{l}.attn.hook_{kind}" for l in layers for kind in ("q", "k")]
+        with model.studying(), torch.no_grad():
+            _, cache = model.run_with_cache(row[None], names=names)
+        return cls(cache, 0, None, [visible_token(t) for t in model.to_str_tokens(row)],
+                   list(model.cfg.heads_per_layer), list(layers), f"{type(model.hf).__name__} ({model.attn} path)",
+                   model)
+
+    @classmethod
+    def _from_cache(cls, cache, tokens, batch: int) -> _Run:
+        meta = cache.meta
+        if meta is not None:
+            heads_per_layer = [meta.heads(l)[0] for l in range(len(meta.scaling))]
+        else:  # a cache of patterns made by hand
+            layers = sorted(int(k.split(".")[1]) for k in cache.keys() if k.endswith(".attn.hook_pattern"))
+            heads_per_layer = [cache["pattern", l].shape[1] if l in layers else 0
+                               for l in range(max(layers) + 1 if layers else 0)]
+        available = [l for l, n in enumerate(heads_per_layer) if n and (
+            ("pattern", l) in cache or meta is not None and ("q", l) in cache and ("k", l) in cache)]
+        if not available:
+            raise KeyError("This cache holds neither q and k nor patterns of any layer; run_with_cache captures q "
+                           "and k by default.")
+        ref = cache["pattern", available[0]] if ("pattern", available[0]) in cache else cache["q", available[0]]
+        n_batch, n_pos = ref.shape[0], ref.shape[-1] if ("pattern", available[0]) in cache else ref.shape[1]
+        if not 0 <= batch < n_batch:
+            raise IndexError(f"batch {batch} is out of range: the cache holds {n_batch} sequence(s).")
+        mask = None if meta is None else meta.attention_mask
+        keep = None if mask is None else mask[batch].bool().cpu()
+        n_real = n_pos if keep is None else int(keep.sum())
+        if isinstance(tokens, str):
+            raise TypeError("A cache cannot tokenize text: pass its token strings, e.g. model.to_str_tokens(ids), "
+                            "or give the model and the text instead of the cache.")
+        if tokens is None:
+            labels = [str(i) for i in range(n_pos)]
+        else:
+            if isinstance(tokens, torch.Tensor) and tokens.ndim == 2 or \
+                    isinstance(tokens, Sequence) and tokens and isinstance(tokens[0], (list, tuple, torch.Tensor)):
+                tokens = tokens[batch]
+            labels = [visible_token(t.item() if isinstance(t, torch.Tensor) else t) for t in tokens]
+        if keep is not None and len(labels) == n_pos:
+            labels = [t for t, k in zip(labels, keep.tolist()) if k]
+        if len(labels) != n_real:
+            raise ValueError(f"{len(labels)} token labels for a sequence of {n_real} real positions.")
+        return cls(cache, batch, keep, labels, heads_per_layer, available, "cached run")
+
+    def pattern(self, layer: int, heads: list[int]) -> torch.Tensor:
+        """(h, q, k) float32 on the CPU, padding dropped."""
+        p = self.cache.pattern(layer, heads)[self.batch].float().cpu()
+        return p if self.keep is None else p[:, self.keep][:, :, self.keep]
+
+
+def _needed_layers(layers, heads) -> list[int] | None:
+    """The layers whose q and k a model run must capture (None: all)."""
+    if heads is not None and len(heads) and isinstance(heads[0], (tuple, list)):
+        return sorted({int(l) for l, _ in heads})
+    if layers is None:
+        return None
+    return [layers] if isinstance(layers, int) else [int(l) for l in layers]
+
+
+def _choose(run: _Run, layers, heads) -> dict[int, list[int]]:
+    """{layer: heads} to embed, checked against the model's layers and heads."""
+    n_layers = len(run.heads_per_layer)
+    pairs = heads is not None and len(heads) and isinstance(heads[0], (tuple, list))
+    if pairs and layers is not None:
+        raise ValueError("Give heads as (layer, head) pairs, or layers= with head indices, not both.")
+    if pairs:
+        chosen: dict[int, list[int]] = {}
+        for l, h in heads:
+            chosen.setdefault(int(l), []).append(int(h))
+    else:
+        layers = run.available if layers is None else [layers] if isinstance(layers, int) else list(layers)
+        chosen = {int(l): None for l in layers}
+    if not chosen:
+        raise ValueError("No layer to show: give at least one layer.")
+    for l in list(chosen):
+        if not 0 <= l < n_layers or not run.heads_per_layer[l]:
+            raise IndexError(f"layer {l} is out of range: this model has layers 0..{n_layers - 1}.")
+        if l not in run.available:
+            raise KeyError(f"The cache has neither q and k nor the pattern of layer {l}; capture them "
+                           f"(run_with_cache captures every layer's q and k by default).")
+        wanted = chosen[l] if pairs else (list(range(run.heads_per_layer[l])) if heads is None else list(heads))
+        bad = [h for h in wanted if not 0 <= int(h) < run.heads_per_layer[l]]
+        if bad or not wanted:
+            raise IndexError(f"head(s) {bad or wanted} out of range: layer {l} has heads "
+                             f"0..{run.heads_per_layer[l] - 1}.")
+        chosen[l] = sorted({int(h) for h in wanted})
+    return dict(sorted(chosen.items()))
+
+
+def _window(window, n: int) -> tuple[int, int]:
+    if window is None:
+        return 0, n
+    try:
+        lo, hi, _ = slice(*window).indices(n)
+    except TypeError:
+        raise ValueError(f"window is (start, stop) in positions; got {window!r}.") from None
+    if hi - lo < 1:
+        raise ValueError(f"window {tuple(window)} selects no position of a sequence of {n}; use start < stop <= {n}.")
+    return lo, hi
+
+
+def _embed(run: _Run, chosen: dict[int, list[int]], window, what: str) -> dict:
+    """The data every view embeds: tokens, the chosen heads' weights (and, windowed, the weight outside)."""
+    n_total = len(run.tokens)
+    lo, hi = _window(window, n_total)
+    n = hi - lo
+    n_heads = sum(len(h) for h in chosen.values())
+    size = 2 * n_heads * n * n * 4 / 3  # base64 bytes of the full matrices, before the triangle is dropped
+    if size > MAX_BYTES:
+        raise ValueError(f"This {what} would embed about {size / 1e6:.0f} MB of weights ({n_heads} heads x {n}^2 "
+                         f"positions); show fewer with layers=, heads= or window=(start, stop).")
+    shown, outside = [], []
+    for layer, heads in chosen.items():
+        pattern = run.pattern(layer, heads)  # (h, q, k)
+        part = pattern[:, lo:hi, lo:hi]
+        shown.append(_quantise(part))
+        if (lo, hi) != (0, n_total):  # the weight of each shown query on keys outside the window
+            outside.append(_quantise((pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0)))
+    weights = np.stack([m for block in shown for m in block])  # (heads, q, k) uint16
+    packed = not np.triu(weights, 1).any()
+    rows, cols = np.tril_indices(n)
+    flat = weights[:, rows, cols] if packed else weights.reshape(len(weights), -1)
+    return {
+        "tokens": run.tokens[lo:hi], "positions": list(range(lo, hi)), "length": n_total,
+        "window": None if (lo, hi) == (0, n_total) else [lo, hi],
+        "layers": list(chosen), "heads": list(chosen.values()), "packed": bool(packed), "scale": SCALE,
+        "weights": _b64(flat),
+        "outside": _b64(np.concatenate([o.reshape(-1) for o in outside])) if outside else None,
+    }
+
+
+def _quantise(weights: torch.Tensor) -> np.ndarray:
+    """Weights in 0..1 as uint16 ``round(w * 10000)``."""
+    return torch.round(weights.double() * SCALE).clamp(0, SCALE).to(torch.int32).numpy().astype("<u2")
+
+
+def _b64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype="<u2").tobytes()).decode("ascii")
+
+
+def _score_table(df) -> dict:
+    """Scores, intervals and labels of every head in a detect_heads table, with each score's one-line
+    definition and threshold."""
+    from ..scores import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
+
+    missing = [c for c in ("layer", "head") if c not in df]
+    columns = [c for c in GRID_SCORES if c in df]
+    if missing or not columns:
+        raise ValueError(f"scores must be a detect_heads table with layer, head and score columns {GRID_SCORES}; "
+                         f"got columns {list(df.columns)}.")
+    thresholds = {**DEFAULT_THRESHOLDS, **df.attrs.get("thresholds", {})}
+    kind = {c: "positional" if c == "positional_fraction" else c for c in columns}
+    values = {}
+    for r in df.to_dict(orient="records"):
+        entry = {c: [_num(r[c]), _num(r.get(f"{c}_lo")), _num(r.get(f"{c}_hi"))] for c in columns}
+        if "positional_offset" in r:
+            entry["positional_offset"] = int(r["positional_offset"])
+        labels = r.get("labels", r.get("label"))
+        entry["labels"] = labels if isinstance(labels, str) else ""  # a CSV reads an empty label as NaN
+        values[f"{int(r['layer'])}.{int(r['head'])}"] = entry
+    inputs = df.attrs.get("inputs") or {}
+    return {"columns": columns, "values": values,
+            "definitions": {c: SCORE_DEFINITIONS.get(kind[c], "") for c in columns},
+            "thresholds": {c: thresholds.get(kind[c]) for c in columns},
+            "inputs": {c: inputs.get(kind[c], "") for c in columns}}
+
+
+def _num(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if value != value else round(value, 4)

@@ -1,0 +1,358 @@
+"""Plots of attention heads: one head's pattern, a score per head, an ablation scan, a pruning curve.
+
+Every function draws on ``ax`` (a new figure when None), returns the Axes, and never calls ``plt.show()``:
+they work with the Agg backend, in notebooks and in the report alike. No text is smaller than 7.5 pt, which is
+10.4 px where a figure is shown at 100 px per inch (the report shows 2x PNGs at that size); grids too dense for
+that leave their cells unannotated. ``save_figure`` writes PNG, SVG or PDF (vector, for papers).
+
+>>> import matplotlib; matplotlib.use("Agg")
+>>> import pandas as pd
+>>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction": [0.1, 0.0, 0.9, 0.2],
+...                    "label": ["none", "none", "induction", "none"]})
+>>> head_score_grid(df, "induction").get_title()
+'induction (framed: labelled induction)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+import torch
+from matplotlib.figure import FigureBase
+from matplotlib.patches import Rectangle
+
+from .attention import visible_token
+
+__all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
+           "clean_token", "save_figure"]
+
+MIN_FONT = 7.5  # points: 10.4 px at 100 px per inch
+FORMATS = ("png", "svg", "pdf")
+
+_FRACTION_SCORES = {"previous_token", "next_token", "self", "sink", "duplicate_token", "induction",
+                    "positional_fraction"}
+_LABEL_OF = {"positional_fraction": "positional"}  # score column -> the label it supports
+
+
+# -- attention pattern -----------------------------------------------------------------------------------
+def clean_token(token: str) -> str:
+    """A token string fit for a tick label: BPE space/newline markers made visible (``visible_token``), ``$``
+    escaped (matplotlib would read it as mathtext)."""
+    return visible_token(token).replace("$", r"\$")
+
+
+def attention_heatmap(source, layer: int | None = None, head: int | None = None, text=None, *,
+                      tokens: Sequence[str] | None = None, batch: int = 0, window: tuple[int, int] | None = None,
+                      ax=None, cmap: str = "viridis", title: str | None = None):
+    """One head's attention pattern as a heatmap, queries down, keys across, labelled with their tokens.
+
+    source: what to read the pattern from:
+      - an ``ActivationCache`` from ``model.run_with_cache`` (either attention path: on flash the head's
+        pattern is rebuilt from the cached q and k); ``batch`` picks the sequence, padding is dropped;
+      - a ``HookedModel`` together with ``text`` (a string, or token ids ``(p,)``): it runs the text once;
+      - a pattern tensor ``(q, k)`` (``layer``/``head`` then only name the title).
+    tokens: tick labels (default: the model's token strings; position numbers for a cache or tensor).
+    window: ``(start, stop)``: show only queries and keys in positions ``start .. stop - 1`` (Python slice
+      rules, negatives allowed) of a longer sequence. Token labels stay readable up to about 64 tokens.
+    Returns the Axes. Attention from a query row to keys outside the window is not shown, so rows of a
+    window need not sum to 1.
+    """
+    pattern, tokens, name = _pattern_of(source, layer, head, text, tokens, batch)
+    n = pattern.shape[0]
+    lo, hi = (0, n) if window is None else _window(window, n)
+    pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
+    positions = range(lo, hi)
+    labels = [clean_token(t) for t in tokens]
+    m = len(labels)
+    if ax is None:
+        side = min(max(4.0, 0.17 * m + 1.8), 16.0)
+        _, ax = plt.subplots(figsize=(side + 1.0, side), layout="constrained")
+    size = 9 if m <= 24 else MIN_FONT
+    sns.heatmap(pattern.numpy(), ax=ax, cmap=cmap, vmin=0.0, vmax=float(max(pattern.max(), 1e-6)), square=True,
+                cbar_kws={"label": "attention weight", "shrink": 0.6})
+    every = _label_step(ax, m, size)  # label every k-th token where rows are too thin for their labels
+    ticks = np.arange(0, m, every)
+    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size)
+    ax.set_yticks(ticks + 0.5, [f"{labels[i]} {positions[i]}" if window is not None else labels[i] for i in ticks],
+                  rotation=0, fontsize=size)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    span = "" if window is None else f", positions {lo}..{hi - 1}"
+    ax.set_title(title if title is not None else f"{name}{span}")
+    return ax
+
+
+def _label_step(ax, m: int, size: float) -> int:
+    """Label every k-th of ``m`` rows so that labels of ``size`` points do not overlap on ``ax`` (square cells)."""
+    box = ax.get_position()
+    width, height = ax.figure.get_size_inches()
+    cell = min(box.width * width, box.height * height) * 72 / m  # points per row, before labels take room
+    return max(1, int(np.ceil(1.3 * size / cell)))
+
+
+def _pattern_of(source, layer, head, text, tokens, batch) -> tuple[torch.Tensor, list[str], str]:
+    """(pattern (q, k) as float32 on CPU, token labels, title)."""
+    from hooks import ActivationCache
+    from interp import HookedModel
+
+    if isinstance(source, torch.Tensor):
+        if source.ndim != 2:
+            raise ValueError(f"A pattern tensor must be one head's (q, k); got shape {tuple(source.shape)}. Index it "
+                             "first, e.g. cache.pattern(layer, head)[0, 0].")
+        pattern = source.detach().float().cpu()
+        name = "attention" if layer is None or head is None else f"head {layer}.{head}"
+        return pattern, _labels(tokens, pattern.shape[0]), name
+    if layer is None or head is None:
+        raise ValueError("attention_heatmap needs layer and head, e.g. attention_heatmap(cache, 1, 2).")
+    if isinstance(source, HookedModel):
+        if text is None:
+            raise ValueError("attention_heatmap(model, layer, head, text): give the text (or token ids) to run.")
+        _check_head(source.cfg.heads_per_layer, layer, head)
+        ids = source._inputs(text)[0][:1]  # one sequence: (1, p)
+        names = [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]
+        with torch.no_grad():
+            _, cache = source.run_with_cache(ids, names=names)
+        pattern = cache.pattern(layer, head)[0, 0].float().cpu()
+        if tokens is None:
+            tokens = source.to_str_tokens(ids[0])
+        return pattern, _labels(tokens, pattern.shape[0]), f"head {layer}.{head}"
+    if isinstance(source, ActivationCache):
+        if text is not None:
+            raise ValueError("text goes with a model; a cache already holds its run. Pass tokens= for labels.")
+        if source.meta is not None:
+            _check_head([source.meta.heads(l)[0] for l in range(len(source.meta.scaling))], layer, head)
+        full = source.pattern(layer, head)  # (b, 1, q, k)
+        if not 0 <= batch < full.shape[0]:
+            raise IndexError(f"batch {batch} is out of range: the cache holds {full.shape[0]} sequence(s).")
+        pattern = full[batch, 0].float().cpu()
+        mask = None if source.meta is None else source.meta.attention_mask
+        if mask is not None:  # drop padded positions of this sequence
+            keep = mask[batch].bool().cpu()
+            pattern = pattern[keep][:, keep]
+            if tokens is not None and len(tokens) == len(keep):
+                tokens = [t for t, k in zip(tokens, keep.tolist()) if k]
+        return pattern, _labels(tokens, pattern.shape[0]), f"head {layer}.{head}"
+    raise TypeError(f"attention_heatmap reads an ActivationCache, a HookedModel with text, or a (q, k) tensor; "
+                    f"got {type(source).__name__}.")
+
+
+def _check_head(heads_per_layer: Sequence[int], layer: int, head: int) -> None:
+    n_layers = len(heads_per_layer)
+    if not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise IndexError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}.")
+    if not isinstance(head, int) or not 0 <= head < heads_per_layer[layer]:
+        raise IndexError(f"head {head} is out of range: layer {layer} has heads 0..{heads_per_layer[layer] - 1}.")
+
+
+def _labels(tokens, n: int) -> list[str]:
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    tokens = list(tokens)
+    if len(tokens) != n:
+        raise ValueError(f"tokens has {len(tokens)} labels but the pattern has {n} positions.")
+    return [str(t) for t in tokens]
+
+
+def _window(window, n: int) -> tuple[int, int]:
+    try:
+        lo, hi, _ = slice(*window).indices(n)
+    except TypeError:
+        raise ValueError(f"window is (start, stop) in positions; got {window!r}.") from None
+    if hi - lo < 1:
+        raise ValueError(f"window {tuple(window)} selects no position of a sequence of {n}; use start < stop <= {n}.")
+    return lo, hi
+
+
+# -- per-head grids --------------------------------------------------------------------------------------
+def _grid(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    """layers x heads table of ``column`` (NaN where a pruned layer has fewer heads)."""
+    missing = [c for c in ("layer", "head", column) if c not in df]
+    if missing:
+        raise ValueError(f"The table needs columns layer, head and {column!r}; it lacks {missing}. "
+                         f"Columns: {list(df.columns)}.")
+    grid = df.pivot_table(index="layer", columns="head", values=column, aggfunc="first", dropna=False)
+    return grid.astype(float)
+
+
+def _annotation_size(grid: pd.DataFrame) -> float:
+    return 9 if grid.shape[1] <= 8 else MIN_FONT
+
+
+def _cell_points(ax, grid: pd.DataFrame) -> float:
+    """Width of one cell in points, leaving a fifth of the axes to the colour bar that seaborn adds."""
+    return ax.get_position().width * ax.figure.get_size_inches()[0] * 72 * 0.8 / grid.shape[1]
+
+
+def _annotates(grid: pd.DataFrame, annotate: bool) -> bool:
+    """Cells carry their values up to 16 heads a layer; beyond, text that fits a cell would be under 7.5 pt."""
+    return annotate and grid.shape[1] <= 16
+
+
+def _new_axes(grid: pd.DataFrame):
+    layers, heads = grid.shape
+    _, ax = plt.subplots(figsize=(min(0.75 * heads + 2.5, 16), min(0.55 * layers + 1.6, 12)), layout="constrained")
+    return ax
+
+
+def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True, fmt: str = ".2f",
+                    cmap: str = "viridis", mark: bool = True, intervals: bool = True, interval_fmt: str = ".3f"):
+    """A layers x heads heatmap of one score of ``detect_heads``, each cell annotated with its value.
+
+    score: a score column (``induction``, ``previous_token``, ...; ``"positional"`` means
+    ``positional_fraction``). Heads whose ``label`` is this score's class are framed in red.
+    Fraction scores share the colour scale 0..1 so grids of different models compare.
+    intervals: below each value, its 95% bootstrap interval (``<score>_lo`` to ``<score>_hi``), both written with
+    ``interval_fmt``, when the table has them and the cells are wide enough (about 0.7 inch); else values only.
+    """
+    column = "positional_fraction" if score == "positional" else score
+    grid = _grid(df, column)
+    if ax is None:
+        ax = _new_axes(grid)
+    fraction = column in _FRACTION_SCORES
+    annot, size = _annotates(grid, annotate), _annotation_size(grid)
+    if annot and intervals and f"{column}_lo" in df and f"{column}_hi" in df and \
+            _cell_points(ax, grid) >= 0.6 * MIN_FONT * len(f"{0:{interval_fmt}}–{0:{interval_fmt}}"):
+        lo, hi, f = _grid(df, f"{column}_lo"), _grid(df, f"{column}_hi"), interval_fmt
+        annot = np.vectorize(lambda v, a, b: "" if v != v else f"{v:{f}}" if a != a else f"{v:{f}}\n{a:{f}}–{b:{f}}",
+                             otypes=[object])(grid.to_numpy(), lo.to_numpy(), hi.to_numpy())
+        size = MIN_FONT
+    sns.heatmap(grid, ax=ax, cmap=cmap, vmin=0.0 if fraction else None, vmax=1.0 if fraction else None,
+                annot=annot, fmt=fmt if isinstance(annot, bool) else "", annot_kws={"fontsize": size},
+                linewidths=0.5, linecolor="white", cbar_kws={"label": column})
+    kind = _LABEL_OF.get(column, column)
+    framed = 0
+    if mark and "label" in df:
+        rows, cols = list(grid.index), list(grid.columns)
+        for r in df[df["label"] == kind].itertuples():
+            # inset, so that neighbouring frames never make an unlabelled cell between them look framed
+            ax.add_patch(Rectangle((cols.index(r.head) + 0.08, rows.index(r.layer) + 0.08), 0.84, 0.84, fill=False,
+                                   edgecolor="red", linewidth=2.0, clip_on=False))
+            framed += 1
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", rotation=0)
+    ax.set_title(f"{column} (framed: labelled {kind})" if mark and "label" in df else column)
+    return ax
+
+
+def ablation_heatmap(df: pd.DataFrame, value: str = "delta", ax=None, annotate: bool = True, fmt: str = ".2f",
+                     cmap: str = "RdBu_r", metric_name: str | None = None):
+    """A layers x heads heatmap of an ``ablation_scan``: by default ``delta`` (the metric with the head ablated
+    minus the baseline), on a diverging scale centred at 0 (red: the metric went up, blue: down)."""
+    grid = _grid(df, value)
+    if ax is None:
+        ax = _new_axes(grid)
+    limit = float(np.nanmax(np.abs(grid.to_numpy()))) if grid.notna().any().any() else 1.0
+    center = 0.0 if value == "delta" else None
+    sns.heatmap(grid, ax=ax, cmap=cmap, center=center, vmin=-limit if center is not None else None,
+                vmax=limit if center is not None else None, annot=_annotates(grid, annotate), fmt=fmt,
+                annot_kws={"fontsize": _annotation_size(grid)}, linewidths=0.5, linecolor="white",
+                cbar_kws={"label": value})
+    name = metric_name or df.attrs.get("metric", "metric")
+    title = f"ablation: {value} of {name}"
+    if "baseline" in df and len(df):
+        title += f" (baseline {float(df['baseline'].iloc[0]):.3g})"
+    ax.set_title(title)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", rotation=0)
+    return ax
+
+
+# -- pruning curve ---------------------------------------------------------------------------------------
+_ORDER_STYLE = {"importance": ("C0", "-", "o"), "ablation": ("C2", "-", "s"), "random": ("0.35", "--", None)}
+
+
+def pruning_curve_plot(df: pd.DataFrame, ax=None, metric_name: str | None = None, threshold: float | None = None):
+    """The metric against the fraction of heads pruned, one line per order (``pruning_curve`` rows).
+
+    An order with several seeds (random) is drawn as its mean, with the range over seeds shaded.
+    threshold: draw a horizontal reference line (e.g. 0.95 similarity).
+    """
+    missing = [c for c in ("fraction_pruned", "metric", "order") if c not in df]
+    if missing:
+        raise ValueError(f"pruning_curve_plot needs pruning_curve's columns; the table lacks {missing}.")
+    if not len(df):
+        raise ValueError("pruning_curve_plot got an empty table.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    for i, (order, part) in enumerate(df.groupby("order", sort=False)):
+        color, style, marker = _ORDER_STYLE.get(order, (f"C{i + 3}", "-", "o"))
+        stats = part.groupby("fraction_pruned")["metric"].agg(["mean", "min", "max", "count"]).sort_index()
+        n_seeds = int(part["seed"].nunique()) if "seed" in part else 1
+        label = order if n_seeds <= 1 else f"{order} (mean of {n_seeds} seeds, range shaded)"
+        ax.plot(stats.index, stats["mean"], color=color, linestyle=style, marker=marker, markersize=4, label=label)
+        if n_seeds > 1:
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=color, alpha=0.2, linewidth=0)
+    if threshold is not None:
+        ax.axhline(threshold, color="0.6", linewidth=0.8, linestyle=":")
+    name = metric_name or df.attrs.get("metric", "metric")
+    ax.set_xlabel("fraction of heads pruned")
+    ax.set_ylabel(name)
+    ax.set_xlim(0, max(float(df["fraction_pruned"].max()), 1e-6))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    ax.set_title(f"pruning curve: {name}")
+    return ax
+
+
+# -- circuits --------------------------------------------------------------------------------------------
+def patching_heatmap(df: pd.DataFrame, value: str = "effect", ax=None, annotate: bool = True, fmt: str = ".2f",
+                     cmap: str = "RdBu_r", title: str | None = None):
+    """A layers x heads heatmap of ``activation_patching``, ``attribution_patching`` or ``path_patching``
+    (``by="head"``): by default the normalised ``effect`` (0: the corrupted run, 1: the clean run), diverging at
+    0 so that heads that push the other way show blue."""
+    if "pos" in df:
+        raise ValueError("patching_heatmap draws by='head' results; sum or select positions first, e.g. "
+                         "df.groupby(['layer', 'head'], as_index=False)['effect'].sum().")
+    grid = _grid(df, value)
+    if ax is None:
+        ax = _new_axes(grid)
+    limit = float(np.nanmax(np.abs(grid.to_numpy()))) if grid.notna().any().any() else 1.0
+    limit = limit or 1.0
+    sns.heatmap(grid, ax=ax, cmap=cmap, center=0.0, vmin=-limit, vmax=limit, annot=_annotates(grid, annotate),
+                fmt=fmt, annot_kws={"fontsize": _annotation_size(grid)}, linewidths=0.5, linecolor="white",
+                cbar_kws={"label": value})
+    what = df.attrs.get("what", "z")
+    ax.set_title(title or f"patching {what}: {value} on {df.attrs.get('metric', 'metric')}")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.tick_params(axis="y", rotation=0)
+    return ax
+
+
+def dla_bars(df: pd.DataFrame, top: int = 20, ax=None, title: str | None = None):
+    """The ``top`` components of a ``direct_logit_attribution`` by size, as horizontal bars (red: towards the
+    answer, blue: against it)."""
+    names = [("embed" if c == "embed" else f"head {l}.{h}" if c == "head" else f"mlp {l}" if c == "mlp" else c)
+             for c, l, h in zip(df["component"], df["layer"], df["head"])]
+    values = df["attribution"].to_numpy(dtype=float)
+    order = np.argsort(-np.abs(values))[:top][::-1]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.0, 0.3 * len(order) + 1.2), layout="constrained")
+    ax.barh([names[i] for i in order], values[order], color=["#b2182b" if values[i] > 0 else "#2166ac" for i in order])
+    ax.axvline(0.0, color="0.3", lw=0.8)
+    target = "logit difference" if df.attrs.get("wrong") is not None else "logit"
+    ax.set_xlabel(f"direct contribution to the {target}")
+    ax.set_title(title or f"direct logit attribution ({target} {df.attrs.get('logit', float('nan')):.2f})")
+    return ax
+
+
+# -- files -----------------------------------------------------------------------------------------------
+def save_figure(figure, path, fmt: str | None = None, dpi: int = 200) -> Path:
+    """Write a figure (or the figure of an Axes) as PNG (``dpi`` pixels per inch), SVG or PDF (vector, for papers).
+
+    fmt: ``"png"``, ``"svg"`` or ``"pdf"``; default the file's suffix. Returns the path written.
+    """
+    path = Path(path)
+    fig = figure if isinstance(figure, FigureBase) else figure.figure  # a figure, or an Axes on one
+    fmt = (fmt or path.suffix.lstrip(".")).lower()
+    if fmt not in FORMATS:
+        raise ValueError(f"Figures are saved as {', '.join(FORMATS)}; got {fmt or 'no suffix'!r} for {str(path)!r}.")
+    fig.savefig(path, format=fmt, dpi=dpi, bbox_inches="tight")
+    return path

@@ -1,0 +1,331 @@
+"""``interp report``: one self-contained HTML page (and CSV/JSON/figure files) about a model's heads.
+
+The page embeds its figures as 2x PNG data URIs (shown at 100 px per inch: no text under 10 px), the interactive
+attention grid and head views (``attention.py``) and its style inline, so it reads offline with no network
+request; the figures are also written to ``figures/`` as PNG, SVG or PDF (``fmt``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import platform
+import struct
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # noqa: E402  (a report never opens a window)
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
+from interp.inputs import pad_ids  # noqa: E402
+from interp.structure import describe  # noqa: E402
+
+from ..ablation import ablation_scan  # noqa: E402
+from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
+from ..heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
+from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
+from ..patching import activation_patching  # noqa: E402
+from ..pruning import curve_summary, pruning_curve  # noqa: E402
+from ..scores import strongest_heads  # noqa: E402
+from ..tasks import induction_task  # noqa: E402
+from ..toy import repeated_sequences  # noqa: E402
+from .attention import attention_grid, head_view  # noqa: E402
+from .plots import (FORMATS, ablation_heatmap, attention_heatmap, dla_bars, head_score_grid,  # noqa: E402
+                    patching_heatmap, pruning_curve_plot)
+from .report_page import page  # noqa: E402
+
+__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
+
+REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
+_SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
+
+
+def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
+    """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
+
+    prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
+    the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
+    with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
+    and for encoders the embedding similarity to the unablated model.
+    """
+    if prompts is None and model.tokenizer is None:
+        generator = torch.Generator().manual_seed(seed)
+        bos = model.hf.config.bos_token_id
+        ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
+        return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    if prompts is None:
+        prompts = list(corpus_sentences()[:n])
+        what = f"the first {len(prompts)} of the project's sentences"
+    else:
+        what = f"{len(prompts)} given prompts"
+    inputs = prompt_batch(model, prompts)
+    if model.cfg.causal:
+        return inputs, lm_loss, what
+    return inputs, embedding_similarity(model, inputs), what
+
+
+def prompt_batch(model, prompts: list) -> dict:
+    """Texts or token-id sequences as one padded batch ``{"input_ids", "attention_mask"}``."""
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return model.to_tokens(prompts)
+    if not prompts or any(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of texts or of token-id sequences, not a mix.")
+    ids, mask = pad_ids(prompts, left=model.cfg.causal, pad_id=model.pad_token_id)
+    return {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
+
+
+def example_prompt(model, prompts: list | None = None, seed: int = 0):
+    """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence."""
+    if prompts:
+        return prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
+    if model.tokenizer is not None:
+        return "The quick brown fox jumps over the lazy dog, and the quick brown fox runs away."
+    generator = torch.Generator().manual_seed(seed)
+    return repeated_sequences(1, 12, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)[0]
+
+
+_DPI = 200  # the page shows PNGs at half their pixel size: 100 px per inch, sharp on high-density screens
+
+
+def _png(fig) -> bytes:
+    """A 2x PNG reduced to 256 colours: a third of the bytes (a 30 x 9 score grid: 1.1 MB to 0.3 MB), and the same
+    picture, since a figure has few colours (maximum coverage keeps white white and viridis' yellow yellow)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight")
+    image = Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    image.save(out, format="png")
+    return out.getvalue()
+
+
+class _Figures:
+    """Writes each figure to ``figures/NAME.{fmt}`` in every format asked for, and keeps a 2x PNG for the page."""
+
+    def __init__(self, folder: Path, formats: Sequence[str] = ("png",)):
+        self.folder = folder
+        self.formats = tuple(formats)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.items: dict[str, bytes] = {}
+
+    def add(self, name: str, fig) -> str:
+        data = _png(fig)
+        for fmt in self.formats:
+            path = self.folder / f"{name}.{fmt}"
+            path.write_bytes(data) if fmt == "png" else fig.savefig(path, format=fmt, bbox_inches="tight")
+        plt.close(fig)
+        self.items[name] = data
+        return name
+
+    def img(self, name: str, alt: str) -> str:
+        data = self.items[name]
+        width, height = struct.unpack(">II", data[16:24])  # the PNG header's IHDR
+        return (f'<img src="data:image/png;base64,{base64.b64encode(data).decode()}" width="{width * 100 // _DPI}" '
+                f'height="{height * 100 // _DPI}" alt="{html.escape(alt)}">')
+
+
+def _formats(fmt: str | Sequence[str]) -> tuple[str, ...]:
+    formats = (fmt,) if isinstance(fmt, str) else tuple(fmt)
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        got = ", ".join(map(str, bad)) or "none"
+        raise ValueError(f"Figure formats are {', '.join(FORMATS)} (one or several); got {got}.")
+    return formats
+
+
+# Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
+# is 270 forwards (README: CLI gives the measured times).
+_MANY_HEADS = 100
+
+
+def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
+                 progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
+                 fmt: str | Sequence[str] = "png") -> dict:
+    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``.
+
+    Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
+    ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
+    study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
+    more than 100 heads).
+    fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
+    (``("png", "pdf")``). The page itself always embeds 2x PNGs.
+    """
+    formats = _formats(fmt)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _Figures(out / "figures", formats)
+    step = progress or (lambda stage: None)
+    stages: list[tuple[str, float]] = []  # (stage, start time)
+    t_start = time.perf_counter()
+    n_heads = len(model.cfg.heads())
+    if study_prompts is None:
+        study_prompts = 32 if n_heads <= _MANY_HEADS else 4
+
+    def timed(stage: str):
+        step(stage)
+        stages.append((stage, time.perf_counter()))
+
+    timed("heads")
+    heads = detect_heads(model, prompts=prompts, n_prompts=n_prompts, seed=seed)
+    heads.to_csv(out / "heads.csv", index=False)
+    scores = [s for s in _SCORES if s in heads]
+    grid_size = (1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers)
+    # score grids carry each value's interval below it: wider, taller cells
+    score_size = (2.0 + 1.05 * max(model.cfg.heads_per_layer), 1.2 + 0.46 * model.cfg.n_layers)
+    with_intervals = []
+    for score in scores:
+        fig, ax = plt.subplots(figsize=score_size)
+        head_score_grid(heads, score, ax=ax)
+        if any("–" in t.get_text() for t in ax.texts):
+            with_intervals.append(score)
+        figures.add(f"grid_{score}", fig)
+    strongest = strongest_heads(heads)
+
+    timed("attention maps")
+    maps, shown = _attention_maps(model, strongest, prompts, seed, figures)
+    views = _views(heads, strongest, shown)
+
+    timed("ablation")
+    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
+    scan = ablation_scan(model, inputs, metric)
+    scan.to_csv(out / "ablation.csv", index=False)
+    fig, ax = plt.subplots(figsize=grid_size)
+    ablation_heatmap(scan, ax=ax)
+    figures.add("ablation", fig)
+
+    circuits = None
+    if model.tokenizer is not None and model.cfg.causal and model.structure.final_norm is not None:
+        timed("circuits")
+        circuits = _circuits(model, figures, out, seed)
+
+    timed("pruning")
+    step_size = max(0.1, 1.0 / n_heads)
+    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
+                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
+    curves.to_csv(out / "pruning.csv", index=False)
+    threshold = 0.95 if metric.name == "embedding_similarity" else None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
+    figures.add("pruning", fig)
+    summary_curves = curve_summary(curves, threshold)
+    ends = [start for _, start in stages[1:]] + [time.perf_counter()]
+    timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
+
+    summary = {
+        "model": model.summary(),
+        "structure": describe(model.structure),
+        "label_counts": {k: int(v) for k, v in heads["label"].value_counts().items()},
+        "strongest_heads": strongest.to_dict(orient="records"),
+        "attention_maps": [{"class": c, "layer": l, "head": h, "prompt": what} for c, l, h, what, _ in maps],
+        "views": {"grid": views["grid_prompt"], "head_views": views["head_views"]},
+        "grids_with_intervals": with_intervals,
+        "figure_formats": list(formats),
+        "thresholds": heads.attrs.get("thresholds"),
+        "head_inputs": heads.attrs.get("inputs"),
+        "study_inputs": inputs_what,
+        "metric": metric.name,
+        "baseline": float(scan["baseline"].iloc[0]),
+        "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
+        "pruning": summary_curves.to_dict(orient="records"),
+        "circuits": circuits,
+        "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
+        "threads": torch.get_num_threads(),
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                     "python": platform.python_version()},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
+                                         views))
+    return summary
+
+
+def _circuits(model, figures, out: Path, seed: int) -> dict:
+    """The induction task: attribution patching of every head (one backward), exact activation patching of the
+    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
+    clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
+    estimate = attribution_patching(model, clean, corrupted, metric)
+    top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
+    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
+    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
+    estimate.to_csv(out / "attribution.csv", index=False)
+    dla.to_csv(out / "dla.csv", index=False)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
+    patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
+    figures.add("attribution", fig)
+    fig, ax = plt.subplots(figsize=(6.5, 6.0))
+    dla_bars(dla, top=16, ax=ax)
+    figures.add("dla", fig)
+    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
+    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
+            "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
+            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
+                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
+            "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}
+
+
+_REPEATED = "repeated random tokens"
+
+
+def _prompt_of(kind: str) -> str:
+    """Induction and duplicate-token heads need an earlier occurrence: repeated random tokens; others the text."""
+    return _REPEATED if kind in ("induction", "duplicate_token") else "the example text"
+
+
+def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict]:
+    """The strongest head of each class on a prompt that exercises it (``_prompt_of``). Returns the maps and
+    ``{prompt: (cache, tokens)}``, the repeated random tokens always among them (the interactive grid's)."""
+    text = example_prompt(model, prompts, seed)
+    length = min(40, model.cfg.max_positions or 40)
+    repeated = repeated_random_tokens(model, 1, length, torch.Generator().manual_seed(seed))[0]
+    shown: dict[str, tuple] = {}
+
+    def run(what: str):
+        if what not in shown:
+            prompt = repeated if what == _REPEATED else text
+            cache = model.run_with_cache(prompt, names=lambda n: n.endswith(("hook_q", "hook_k")))[1]
+            shown[what] = cache, model.to_str_tokens(_ids_of(model, prompt))
+        return shown[what]
+
+    run(_REPEATED)
+    maps = []
+    for kind, group in strongest.groupby("class", sort=False):
+        top = group.iloc[0]
+        layer, head, what = int(top["layer"]), int(top["head"]), _prompt_of(kind)
+        cache, tokens = run(what)
+        fig, ax = plt.subplots(figsize=(8.6, 7.6))  # 40 tokens: rows tall enough to label every one
+        attention_heatmap(cache, layer, head, tokens=tokens, ax=ax,
+                          title=f"{kind}: head {layer}.{head} (score {top['score']:.2f}) on {what}")
+        maps.append((kind, layer, head, what, figures.add(f"attention_{kind}_L{layer}H{head}", fig)))
+    return maps, shown
+
+
+def _views(heads, strongest, shown) -> dict:
+    """The interactive attention grid (every head on the repeated random tokens, framed by its scores) and one
+    head view per prompt of the strongest heads of the classes that prompt exercises."""
+    cache, tokens = shown[_REPEATED]
+    grid = attention_grid(cache, tokens, scores=heads, title=f"every head on {_REPEATED}")
+    head_views, html_parts = [], []
+    for what, (cache, tokens) in shown.items():
+        pairs = sorted({(int(l), int(h)) for kind, l, h in zip(strongest["class"], strongest["layer"], strongest["head"])
+                        if _prompt_of(kind) == what})
+        if pairs:
+            html_parts.append(head_view(cache, tokens, heads=pairs, title=f"strongest heads on {what}").html)
+            head_views.append({"prompt": what, "heads": [f"{l}.{h}" for l, h in pairs]})
+    return {"grid": grid.html, "grid_prompt": _REPEATED, "head_views": head_views, "head_views_html": html_parts}
+
+
+def _ids_of(model, text):
+    if isinstance(text, str):
+        return model.to_tokens(text)["input_ids"][0]
+    return torch.as_tensor(text)
+
+
+def _top_ablation(scan: pd.DataFrame, higher_is_better: bool | None) -> list[dict]:
+    worst = scan.sort_values("delta", ascending=bool(higher_is_better)).head(5)
+    return [{"layer": int(r.layer), "head": int(r.head), "delta": round(float(r.delta), 4)} for r in worst.itertuples()]

@@ -1,0 +1,193 @@
+"""The HTML of ``interp report``'s page (``report.py`` computes what it shows): the strongest head of each class with
+its score, interval and definition, the interactive grid and head views, the static figures, the studies' tables.
+Style inline, figures as data URIs: no request of any kind.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+
+import pandas as pd
+
+from ..scores import SCORE_DEFINITIONS
+
+__all__ = ["page"]
+
+_CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 2rem auto; max-width: 1200px;
+       color: #222; line-height: 1.45; padding: 0 1rem; font-size: 15px; }
+h1 { margin-bottom: 0.2rem; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2.2rem; }
+table { border-collapse: collapse; font-size: 0.88rem; margin: 0.6rem 0; }
+th, td { border: 1px solid #ddd; padding: 0.25rem 0.55rem; text-align: right; }
+th { background: #f4f4f4; } td.text, th.text { text-align: left; } td { white-space: nowrap; }
+td.definition { max-width: 34rem; white-space: normal; }
+img { max-width: 100%; height: auto; margin: 0.4rem 0.6rem 0.4rem 0; vertical-align: top; }
+figure { display: inline-block; margin: 0.4rem 1rem 0.8rem 0; vertical-align: top; }
+figcaption { font-size: 0.85rem; color: #444; max-width: 52rem; }
+details { margin: 0.6rem 0; } summary { cursor: pointer; color: #1a4f8b; }
+.muted { color: #666; font-size: 0.9rem; }
+.side { display: flex; gap: 2rem; align-items: flex-start; } .found { margin: 0.6rem 0; font-size: 0.9rem; }
+"""
+
+
+def _table(df: pd.DataFrame, floatfmt: str = "{:.3f}", classes: dict[str, str] | None = None) -> str:
+    classes = classes or {}
+
+    def cell(column, v):
+        if isinstance(v, float):
+            return f"<td>{floatfmt.format(v)}</td>"
+        return f'<td class="text {classes.get(column, "")}">{html.escape(str(v))}</td>'
+
+    head = "".join(f'<th class="text">{html.escape(str(c))}</th>' for c in df.columns)
+    rows = "".join("<tr>" + "".join(cell(c, v) for c, v in zip(df.columns, row)) + "</tr>"
+                   for row in df.itertuples(index=False))
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def _inputs_text(inputs: dict | None) -> str:
+    """{kind: inputs} as "inputs (kind, kind); ..." """
+    groups: dict[str, list[str]] = {}
+    for kind, what in (inputs or {}).items():
+        groups.setdefault(what, []).append(kind)
+    return "; ".join(f"{what} ({', '.join(kinds)})" for what, kinds in groups.items())
+
+
+def _column(kind: str) -> str:
+    return "positional_fraction" if kind == "positional" else kind
+
+
+def _interval(lo, hi) -> str:
+    return f"{lo:.3f} to {hi:.3f}" if lo == lo and hi == hi else ""
+
+
+def _strongest_table(strongest: pd.DataFrame, thresholds: dict) -> str:
+    """The strongest head of each class, its score with the 95% interval, and what the score measures."""
+    top = strongest.groupby("class", sort=False).head(1)
+    table = pd.DataFrame({
+        "class": top["class"], "head": [f"{l}.{h}" for l, h in zip(top["layer"], top["head"])],
+        "score": top["score"].astype(float), "95% interval": [_interval(a, b) for a, b in zip(top["lo"], top["hi"])],
+        "threshold": [f"{thresholds.get(k, 0):g}" for k in top["class"]], "labels": top["labels"],
+        "what the score measures": [SCORE_DEFINITIONS.get(k, "") for k in top["class"]]})
+    return _table(table, classes={"what the score measures": "definition"})
+
+
+def _labelled_table(heads: pd.DataFrame) -> str:
+    """Every labelled head with the score of its label and that score's interval, strongest first per class."""
+    rows = []
+    for r in heads[heads["label"] != "none"].to_dict(orient="records"):
+        column = _column(r["label"])
+        rows.append({"label": r["label"], "head": f"{r['layer']}.{r['head']}", "score": float(r[column]),
+                     "95% interval": _interval(r.get(f"{column}_lo", float("nan")), r.get(f"{column}_hi", float("nan"))),
+                     "labels": r["labels"]})
+    if not rows:
+        return "<p>No head passes a threshold.</p>"
+    table = pd.DataFrame(rows).sort_values(["label", "score"], ascending=[True, False])
+    return _table(table)
+
+
+def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) -> str:
+    """The report's index.html from what ``write_report`` computed; ``figures.img(name, alt)`` embeds a figure."""
+    m = summary["model"]
+    esc = html.escape
+    shown = ("class", "family", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "block", "attn", "dtype",
+             "n_params", "tokenizer")
+    model_rows = pd.DataFrame([(k, str(m[k])) for k in shown if k in m], columns=["property", "value"])
+    found = "".join(f"<li>{esc(line)}</li>" for line in summary["structure"])
+    thresholds = summary["thresholds"] or {}
+    counts = ", ".join(f"{k} {v}" for k, v in summary["label_counts"].items())
+    n_labelled = int((heads["label"] != "none").sum())
+    kind_of = {"positional_fraction": "positional"}
+    intervals = "each cell: the score and, below it, its 95% bootstrap interval over prompts"
+    grids = "".join(
+        f"<figure>{figures.img(f'grid_{s}', f'{s} score per head')}<figcaption><b>{esc(s)}</b>: "
+        f"{esc(SCORE_DEFINITIONS.get(kind_of.get(s, s), ''))}; threshold {thresholds.get(kind_of.get(s, s), 0):g}; "
+        f"{intervals if s in summary['grids_with_intervals'] else 'each cell: the score'}.</figcaption></figure>"
+        for s in scores)
+    maps_html = "".join(
+        f"<figure>{figures.img(name, f'attention map of {kind} head {l}.{h} on {what}')}<figcaption>{esc(kind)}: "
+        f"{esc(SCORE_DEFINITIONS.get(kind, ''))}.</figcaption></figure>" for kind, l, h, what, name in maps)
+    files = ["heads.csv", "ablation.csv", "pruning.csv", "summary.json"] + \
+        (["attribution.csv", "dla.csv"] if summary.get("circuits") else [])
+    top = pd.DataFrame(summary["most_important_by_ablation"])
+    seconds = summary["seconds"]
+    formats = ", ".join(summary.get("figure_formats", ["png"]))
+    head_views = "".join(views["head_views_html"]) or "<p>No labelled heads to show.</p>"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,"><title>interp report: {esc(m['class'])}</title>
+<style>{_CSS}</style></head><body>
+<h1>Attention heads of {esc(m['class'])}</h1>
+<p class="muted">interp report, {esc(time.strftime('%Y-%m-%d %H:%M'))}; attention path {esc(m['attn'])};
+torch {esc(summary['versions']['torch'])}, transformers {esc(summary['versions']['transformers'])};
+{seconds['total']:.1f} s on {summary['threads']} CPU thread(s). Files:
+{', '.join(f'<a href="{f}"><code>{f}</code></a>' for f in files)}; figures in <code>figures/</code> ({esc(formats)}).</p>
+
+<h2>Model</h2>
+<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div>
+
+<h2>Strongest head of each class</h2>
+<p>Each class's highest-scoring head, its score with the 95% bootstrap interval over prompts, and what the score
+measures; <b>labels</b> lists every class a head clears, most specific first (the first is its primary label).
+Label counts: {esc(counts)}. Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
+{_strongest_table(strongest, thresholds) if len(strongest) else '<p>No head passes a threshold.</p>'}
+<details><summary>All {n_labelled} labelled heads</summary>{_labelled_table(heads)}</details>
+<p class="muted">Every head with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
+
+<h2>Explore every head</h2>
+<p>Each head's pattern on {esc(views['grid_prompt'])} (queries down, keys across; colour: square root of the
+weight), framed in the colour of the score chosen above the grid. Click a head to open its pattern large, with
+the exact weight under the pointer, its scores, their intervals and definitions.</p>
+{views['grid']}
+
+<h2>The strongest heads, token by token</h2>
+<p>A head view per prompt: pick a layer, hover a token on the left to see where it attends, on the right to see
+what attends to it; the squares beside the tokens give each head's exact weight on hover.</p>
+{head_views}
+
+<h2>Static figures</h2>
+<p>The same scores and patterns as figures for papers (<code>interp report --fmt svg,pdf</code> writes them as
+vector files).</p>
+<details><summary>Scores per head: {len(scores)} grids (framed cells: heads whose primary label is that
+class)</summary>{grids}</details>
+<details><summary>Attention maps: the strongest head of each class on a prompt that exercises it (repeated random
+tokens for induction and duplicate-token heads, the example text for the others)</summary>
+{maps_html or '<p>No labelled heads to show.</p>'}</details>
+
+<h2>Ablation scan</h2>
+<p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
+baseline {summary['baseline']:.4f}. Cells show the change in the metric
+(<a href="ablation.csv"><code>ablation.csv</code></a>).</p>
+{figures.img('ablation', 'ablation scan heatmap')}
+<p>Heads whose ablation hurts most:</p>
+{_table(top, '{:.4f}')}
+
+{_circuits_html(summary.get("circuits"), figures)}
+
+<h2>Pruning curve</h2>
+<p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
+random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
+{figures.img('pruning', 'pruning curve')}
+{_table(curves, '{:.3f}')}
+<p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
+</body></html>
+"""
+
+
+def _circuits_html(c, figures) -> str:
+    if not c:
+        return ""
+    esc = html.escape
+    table = pd.DataFrame(c["top_heads"]).assign(head=lambda d: [f"{l}.{h}" for l, h in zip(d["layer"], d["head"])])
+    return f"""<h2>Circuits: which heads carry the induction task</h2>
+<p>{esc(c['task'])}; metric <code>{esc(c['metric'])}</code> (the loss of the clean second copy), clean
+{c['clean']:.3f}, corrupted {c['corrupted']:.3f}. <b>Attribution patching</b> estimates, from one backward pass,
+how much of the way from corrupted to clean each head's clean output alone would take the model (effect 0:
+corrupted, 1: clean; <a href="attribution.csv"><code>attribution.csv</code></a>); the eight heads it ranks highest
+were then patched exactly (<b>activation patching</b>):</p>
+{figures.img('attribution', 'attribution patching heatmap')}
+{_table(table[['head', 'effect', 'estimate']], '{:.3f}')}
+<p><b>Direct logit attribution</b> of the last token of the clean second copy: each component's direct
+contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
+{c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
+{figures.img('dla', 'direct logit attribution bars')}"""
