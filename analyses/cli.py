@@ -6,19 +6,27 @@
     interp prune      [--model M] [--save DIR]  pruning curves, importance vs random; save a pruned model
     interp plot       --layer L --head H --out PNG [--text T]   one head's attention map
     interp plot       heads|ablation|pruning [--csv FILE] --out PNG   a score grid, scan or curve
+    interp view       [head|grid] --out HTML [--text T]   an interactive view, one offline page
     interp patch      [--model M]               activation, attribution or path patching of every head
     interp attribute  [--model M]               direct logit attribution (or --lens: the logit lens)
     interp train-toy  --out DIR                 train the toy induction model
     interp report     --out DIR                 everything above as one HTML page
 
 User mistakes print one line to stderr and exit 2, with no traceback.
+
+Under ``torchrun --nproc_per_node N -m analyses.cli ...`` (or ``accelerate launch``) every command runs unchanged:
+the studies split their prompts across the ranks, and only rank 0 prints and writes files.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,8 +145,10 @@ class _Progress:
     """Stage names on a tqdm bar on stderr when it is a terminal; silent otherwise."""
 
     def __init__(self, stages: list[str]):
+        from interp import distributed
+
         self.bar = None
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() and distributed.rank_zero():
             from tqdm import tqdm
 
             self.bar = tqdm(total=len(stages), file=sys.stderr, unit="stage", leave=False)
@@ -234,7 +244,7 @@ def cmd_heads(args) -> int:
 
 def cmd_ablate(args) -> int:
     from .ablation import ablation_scan
-    from .report import study_inputs
+    from .views.report import study_inputs
 
     with _Progress(["load", "ablation scan"]) as progress:
         progress("load")
@@ -252,8 +262,10 @@ def cmd_ablate(args) -> int:
 
 
 def cmd_prune(args) -> int:
+    from interp import distributed
+
     from .pruning import curve_summary, head_importance, prune_model
-    from .report import study_inputs
+    from .views.report import study_inputs
 
     if args.save is not None:  # check before any work
         if args.fraction is None:
@@ -285,9 +297,10 @@ def cmd_prune(args) -> int:
                 heads.append((int(r.layer), int(r.head)))
                 left[r.layer] -= 1
         pruned = prune_model(model, heads)
-        pruned.save_pretrained(args.save)
-        print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
-              f"{args.save}", file=sys.stderr)
+        pruned.save_pretrained(_rank_zero_path(args.save))
+        if distributed.rank_zero():
+            print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
+                  f"{args.save}", file=sys.stderr)
     return 0
 
 
@@ -317,10 +330,12 @@ def cmd_plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from . import plots
+    from .views import plots
 
     if args.out.is_dir():
-        raise UserError(f"--out {str(args.out)!r} is a folder; give a .png file path")
+        raise UserError(f"--out {str(args.out)!r} is a folder; give a .png, .svg or .pdf file path")
+    if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UserError(f"--out {str(args.out)!r}: figures are written as .png, .svg or .pdf (vector, for papers)")
     if args.out.exists() and not args.force:
         raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
     if not args.out.parent.is_dir():
@@ -331,7 +346,7 @@ def cmd_plot(args) -> int:
             raise UserError("`interp plot attention` needs --layer and --head, e.g. --layer 1 --head 3")
         if args.csv is not None:
             raise UserError("--csv goes with `interp plot heads|ablation|pruning`; an attention map runs the model")
-        from .report import example_prompt
+        from .views.report import example_prompt
 
         model = _load(args)
         text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
@@ -352,7 +367,7 @@ def cmd_plot(args) -> int:
             df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
             from .ablation import ablation_scan
-            from .report import study_inputs
+            from .views.report import study_inputs
 
             model = _load(args)
             inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
@@ -365,8 +380,39 @@ def cmd_plot(args) -> int:
             ax = plots.ablation_heatmap(df, metric_name=metric_name)
         else:
             ax = plots.pruning_curve_plot(df, metric_name=metric_name)
-    ax.figure.savefig(args.out, dpi=110, bbox_inches="tight")
+    ax.figure.savefig(_rank_zero_path(args.out), dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
+    print(args.out)
+    return 0
+
+
+def cmd_view(args) -> int:
+    from .views import attention_grid, head_view
+    from .views.report import example_prompt
+
+    if args.out.suffix.lower() not in (".html", ".htm"):
+        raise UserError(f"--out {str(args.out)!r}: a view is one .html page")
+    if args.out.exists() and not args.force:
+        raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
+    if not args.out.parent.is_dir():
+        raise UserError(f"the folder of --out, {str(args.out.parent)!r}, does not exist; create it first "
+                        f"(mkdir -p {args.out.parent})")
+    if args.kind == "grid" and (args.layers or args.heads):
+        raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
+    model = _load(args)
+    text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
+    if isinstance(text, str) and model.tokenizer is None:
+        import torch
+
+        text = torch.tensor(_id_line(text, "--text"))
+    window = tuple(args.window) if args.window else None
+    if args.kind == "grid":
+        scores = _read_csv(args.csv) if args.csv is not None else None
+        view = attention_grid(model, text, score=args.score, scores=scores, window=window)
+    else:
+        layers = None if args.layers is None else _id_line(args.layers.replace(",", " "), "--layers")
+        view = head_view(model, text, layers=layers, heads=_parse_heads(args.heads, model), window=window)
+    view.save(_rank_zero_path(args.out))
     print(args.out)
     return 0
 
@@ -468,6 +514,10 @@ def cmd_train_toy(args) -> int:
     from .toy import train_toy_model
 
     _check_out(args.out, args.force)
+    from interp import distributed
+
+    if distributed.world_size() > 1:
+        raise UserError("train-toy trains in one process; run it without torchrun")
     steps = args.steps if args.steps is not None else inspect.signature(train_toy_model).parameters["steps"].default
     if steps < 1:
         raise UserError(f"--steps must be at least 1; got {steps}")
@@ -494,7 +544,7 @@ def cmd_train_toy(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
+    from .views.report import write_report
 
     _check_out(args.out, args.force)
     t0 = time.perf_counter()
@@ -502,8 +552,9 @@ def cmd_report(args) -> int:
     try:
         progress("load")
         model = _load(args)
-        summary = write_report(model, args.out, prompts=_prompts(args, model), seed=args.seed, n_prompts=args.n_prompts,
-                               progress=progress)
+        summary = write_report(model, _rank_zero_path(args.out), prompts=_prompts(args, model), seed=args.seed,
+                               n_prompts=args.n_prompts, progress=progress,
+                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()])
     finally:
         progress.close()
     labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
@@ -576,6 +627,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(func=cmd_plot)
 
+    p = sub.add_parser("view", help="an interactive view as one offline HTML page: a head view or the grid of heads")
+    p.add_argument("kind", nargs="?", choices=["head", "grid"], default="head",
+                   help="head (default): lines between query and key tokens; grid: every head as a thumbnail")
+    _model_options(p)
+    p.add_argument("--text", default=None, help="text (or token ids) to run; default an example prompt")
+    p.add_argument("--layers", default=None, help="head: layers to offer, e.g. 17,18 (default all)")
+    p.add_argument("--heads", default=None, help="head: LAYER.HEAD list, e.g. 17.4,18.6 (instead of --layers)")
+    p.add_argument("--window", type=int, nargs=2, metavar=("START", "STOP"), default=None,
+                   help="show positions START..STOP-1 of a longer text")
+    p.add_argument("--score", default=None, help="grid: the score that frames the thumbnails first")
+    p.add_argument("--csv", type=Path, default=None, help="grid: scores from this table (a report's heads.csv) "
+                   "instead of running detect_heads")
+    p.add_argument("--out", type=Path, required=True, help="the .html page to write")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_view)
+
     p = sub.add_parser("patch", help="activation, attribution or path patching of every head")
     _model_options(p)
     _format_option(p)
@@ -611,6 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_options(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--n-prompts", type=int, default=64)
+    p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
+                   "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
     p.set_defaults(func=cmd_report)
     return parser
@@ -630,17 +699,47 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from interp import distributed
+
+    with distributed.launched(getattr(args, "device", None)):  # under torchrun: join its process group
+        return _run(args, distributed.rank_zero())
+
+
+def _run(args, main_rank: bool) -> int:
     try:
-        if getattr(args, "threads", None) is not None:
-            _set_threads(args.threads)
-        return args.func(args)
+        with contextlib.ExitStack() as stack:
+            if not main_rank:  # every rank computes; rank 0 alone prints
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            if getattr(args, "threads", None) is not None:
+                _set_threads(args.threads)
+            return args.func(args)
     except (UserError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError, NotImplementedError,
             ValueError, IndexError, KeyError) as err:
         message = err.args[0] if err.args else str(err)
-        print(f"interp {args.command}: error: {message}", file=sys.stderr)
+        if main_rank:
+            print(f"interp {args.command}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `interp heads | head`
         return 0
+    finally:
+        for folder in _SCRATCH:
+            shutil.rmtree(folder, ignore_errors=True)
+        _SCRATCH.clear()
+
+
+_SCRATCH: list[str] = []  # temporary folders of the ranks other than 0
+
+
+def _rank_zero_path(path: Path) -> Path:
+    """Where this process writes ``path``: the path itself on rank 0 (and without torchrun); on the other ranks a
+    temporary path, removed when the command ends, so that every rank runs the same studies and only rank 0's
+    files are written."""
+    from interp import distributed
+
+    if distributed.rank_zero():
+        return path
+    _SCRATCH.append(tempfile.mkdtemp(prefix="interp-rank"))
+    return Path(_SCRATCH[-1]) / path.name
 
 
 if __name__ == "__main__":
