@@ -50,12 +50,16 @@ def fused_attention(query, key, value, mask, scale: float, dropout: float = 0.0,
         out = F.scaled_dot_product_attention(query, repeat_kv(key, n_rep), repeat_kv(value, n_rep),
                                              attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scale)
         return out, None
-    q, k, v = query, key, value
+    # The CPU flash op reads the head dimension as if its stride were 1 (F.scaled_dot_product_attention would copy
+    # first; we call the op itself): Inkling's keys and values come as (b, g, k, d) with stride 14 along d.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()
     d, e = query.shape[-1], value.shape[-1]
     if e < d:  # the fused kernels want one head size: zero columns of v add zero columns to the output
-        v = F.pad(value, (0, d - e))
+        v = F.pad(v, (0, d - e))
     elif e > d:  # zero columns of q and k leave every score as it was
-        q, k = F.pad(query, (0, e - d)), F.pad(key, (0, e - d))
+        q, k = F.pad(q, (0, e - d)), F.pad(k, (0, e - d))
     if query.device.type == "cuda":
         out, lse = _fused_cuda(q, k, v, mask, scale, causal)
     else:

@@ -154,6 +154,22 @@ def test_gradients_through_the_flash_logsumexp_equal_eager(family):
 
 
 # -- 3. torch.compile ----------------------------------------------------------------------------------------
+def test_the_fused_kernel_reads_keys_strided_along_the_head_dimension():
+    """Inkling hands its attention keys and values of stride 14 along the head dimension; the CPU flash op read
+    them as if the stride were 1 (output off by 9 on a tiny model; found by the family sweep)."""
+    from interp.kernels import fused_attention, tiled_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 14, 16, generator=g)
+    k, v = (torch.randn(2, 16, 2, 14, generator=g).permute(0, 2, 3, 1) for _ in range(2))  # (b, g, k, d), d-stride 14
+    mask = torch.randn(2, 8, 14, 14, generator=g)
+    assert k.stride(-1) != 1
+    for m in (None, mask, mask.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        out, lse = fused_attention(q, k, v, m, 0.25)
+        want, want_lse = tiled_attention(q, k.contiguous(), v.contiguous(), m, 0.25)
+        assert (out - want).abs().max() < 1e-5 and (lse - want_lse).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_compiled_model_runs_equals_and_honours_later_hooks(backend):
     """Dynamo guarded a global weak table of hooks and crashed once another HookedModel was freed."""
