@@ -1,5 +1,5 @@
-"""Every causal-LM and masked-LM model type of the installed transformers, built tiny (interp.testing), loaded with
-interp on both attention paths and compared with HF.
+"""Every causal-LM and masked-LM model type of the installed transformers (with ``--seq2seq``: every
+encoder-decoder type), built tiny (interp.testing), loaded with interp on both attention paths and compared with HF.
 
 Each type ends in one of:
 
@@ -8,9 +8,15 @@ Each type ends in one of:
 - ``refused``: interp refuses it with a reason (grouped below);
 - ``no tiny model``: transformers itself cannot build or run the tiny config (not interp's doing);
 - ``mismatch``: it loads but an output differs beyond tolerance;
-- ``crash``: anything else raised by interp (must be 0).
+- ``crash``: anything else raised by interp (must be 0);
+- ``not tried`` (``--seq2seq``): a composite config (speech, audio, multimodal), not built by this sweep.
+
+An encoder-decoder type runs a batch padded in both the source and the target, with its query and key
+projections scaled by 3 so that attention (and T5's position bias) is far from uniform. Composite (multimodal)
+configs are skipped there.
 
     python benchmarks/sweep_families.py [--types llama gpt2 ...] [--json out.json]
+    python benchmarks/sweep_families.py --seq2seq
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import warnings
 
 import torch
 import transformers
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
 import interp
 from interp.inputs import padded_positions
-from interp.testing import tiny_model
+from interp.testing import model_class, tiny_model
 
 N_POS = 14
 
@@ -75,7 +83,11 @@ def check(model_type: str) -> tuple[str, str]:
         with torch.no_grad():
             probe(input_ids=torch.ones(1, 4, dtype=torch.long), **no_cache)
     except Exception as err:  # noqa: BLE001  transformers cannot build or run this tiny config
+        if getattr(getattr(hf, "config", None), "is_encoder_decoder", False):
+            return check_seq2seq(model_type)  # BART's masked-LM class is its conditional-generation model
         return "no tiny model", f"{type(err).__name__}: {err}"
+    if hf.config.is_encoder_decoder:
+        return check_seq2seq(model_type)
     try:
         ours = interp.load_model(copy.deepcopy(hf), attn="eager")
     except NotImplementedError as err:
@@ -122,6 +134,61 @@ def check(model_type: str) -> tuple[str, str]:
     return ("parity" if ok else "mismatch"), detail
 
 
+def check_seq2seq(model_type: str) -> tuple[str, str]:
+    """(outcome, detail) for one encoder-decoder model type."""
+    if getattr(CONFIG_MAPPING[model_type], "sub_configs", None):
+        return "not tried", "a composite config (speech/audio/multimodal, or EncoderDecoderModel's pair of configs)"
+    g = torch.Generator().manual_seed(0)
+    try:
+        hf = tiny_model(model_type, cls=model_class(model_type, seq2seq=True))
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if re.search(r"\.(q_proj|k_proj|q|k)\.weight$", name):
+                    p.mul_(3)
+        vocab = hf.config.vocab_size
+        src = torch.randint(min(4, vocab - 1), vocab, (2, N_POS), generator=g)
+        tgt = torch.randint(min(4, vocab - 1), vocab, (2, N_POS // 2), generator=g)
+        src_mask, tgt_mask = torch.ones_like(src), torch.ones_like(tgt)
+        src_mask[1, N_POS - 5:] = 0
+        tgt_mask[1, -2:] = 0
+        batch = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
+                     use_cache=False)
+        probe = copy.deepcopy(hf)
+        probe.set_attn_implementation("eager")
+        with torch.no_grad():
+            probe(**batch)
+    except Exception as err:  # noqa: BLE001  transformers cannot build or run this tiny config
+        return "no tiny model", f"{type(err).__name__}: {err}"
+    try:
+        ours = interp.load_model(copy.deepcopy(hf), attn="eager")
+    except NotImplementedError as err:
+        return "refused", str(err)
+    except Exception as err:  # noqa: BLE001
+        return "crash", f"{type(err).__name__}: {err}"
+    worst = {}
+    try:
+        for attn, ref_impl in (("eager", "eager"), ("flash", "sdpa")):
+            ref = copy.deepcopy(hf)
+            try:
+                ref.set_attn_implementation(ref_impl)
+            except Exception:  # noqa: BLE001  no sdpa for this type
+                ref.set_attn_implementation("eager")
+            ours.set_attn(attn)
+            with torch.no_grad():
+                expected = _out(ref(**batch))
+                got = _out(ours(src, src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask))
+            valid = tgt_mask.bool()
+            err = float((expected - got)[valid].abs().max() / expected[valid].abs().max().clamp(min=1e-12))
+            worst[attn] = (err, ref.config._attn_implementation)
+    except NotImplementedError as err:
+        return "refused", str(err)
+    except Exception as err:  # noqa: BLE001
+        return "crash", f"{type(err).__name__}: {err}"
+    detail = ", ".join(f"{a} {e:.1e} vs HF {r}" for a, (e, r) in worst.items())
+    ok = worst["eager"][0] <= 1e-6 and worst["flash"][0] <= 1e-5
+    return ("parity" if ok else "mismatch"), detail
+
+
 def reason(detail: str) -> str:
     """A short group name for a refusal."""
     for pattern, name in ((r"did not call interp's attention|does not dispatch", "does not call the attention interface"),
@@ -138,7 +205,7 @@ def reason(detail: str) -> str:
     return detail.split(".")[0][:90]
 
 
-def _isolated(model_type: str, timeout: int) -> tuple[str, str]:
+def _isolated(model_type: str, timeout: int, check=check) -> tuple[str, str]:
     """check() in a forked child: a type whose tiny config is still huge cannot take the sweep down with it."""
     import os
     import pickle
@@ -174,20 +241,24 @@ def main(argv=None) -> int:
     parser.add_argument("--types", nargs="*", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeout", type=int, default=120, help="seconds per model type")
+    parser.add_argument("--seq2seq", action="store_true", help="the encoder-decoder types instead")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     transformers.utils.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    types = args.types or sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+    if args.seq2seq:
+        types = args.types or sorted(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    else:
+        types = args.types or sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MASKED_LM_MAPPING_NAMES))
     results = {}
     start = time.perf_counter()
     for model_type in types:
-        results[model_type] = _isolated(model_type, args.timeout)
+        results[model_type] = _isolated(model_type, args.timeout, check_seq2seq if args.seq2seq else check)
         print(f"{model_type:32s} {results[model_type][0]:14s} {results[model_type][1][:150]}", flush=True)
     counts = collections.Counter(outcome for outcome, _ in results.values())
     print(f"\n# transformers {transformers.__version__}, torch {torch.__version__}, {len(types)} model types, "
           f"{time.perf_counter() - start:.0f} s")
-    for outcome in ("parity", "refused", "mismatch", "crash", "no tiny model"):
+    for outcome in ("parity", "refused", "mismatch", "crash", "no tiny model", "not tried"):
         print(f"{outcome:14s} {counts.get(outcome, 0)}")
     groups = collections.Counter(reason(d) for o, d in results.values() if o == "refused")
     print("\nrefused, by reason:")

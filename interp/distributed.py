@@ -44,7 +44,7 @@ def input_device(hf: torch.nn.Module) -> torch.device:
         embedding = hf.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         embedding = None
-    if embedding is not None:
+    if isinstance(embedding, torch.nn.Module):  # Perceiver's is a bare Parameter
         execution = getattr(getattr(embedding, "_hf_hook", None), "execution_device", None)
         if execution is not None:
             return torch.device(execution if not isinstance(execution, int) else f"cuda:{execution}")

@@ -354,8 +354,24 @@ class Seq2SeqHookedModel:
         return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
 
     def decoder_inputs(self, labels: torch.Tensor) -> torch.Tensor:
-        """Target ids shifted right with the decoder start token, as the model was trained (teacher forcing)."""
-        return self.hf.prepare_decoder_input_ids_from_labels(labels=torch.as_tensor(labels, device=self.device))
+        """Target ids shifted right with the decoder start token, as the model was trained (teacher forcing).
+
+        The model's own ``prepare_decoder_input_ids_from_labels`` when its config names the start token (mBART's
+        moves the language code to the front); else the start token from the generation config, or the bos token,
+        as ``generate`` finds it."""
+        labels = torch.as_tensor(labels, device=self.device)
+        if getattr(self.hf.config, "decoder_start_token_id", None) is not None:
+            return self.hf.prepare_decoder_input_ids_from_labels(labels=labels)
+        start = next((v for v in (getattr(getattr(self.hf, "generation_config", None), "decoder_start_token_id", None),
+                                  getattr(self.hf.config, "bos_token_id", None)) if isinstance(v, int)), None)
+        if start is None:
+            raise ValueError(f"{type(self.hf).__name__}'s config and generation config name no decoder start token "
+                             "(decoder_start_token_id), so targets cannot be shifted right; set "
+                             "model.hf.config.decoder_start_token_id (T5 uses its pad token, 0) or pass "
+                             "decoder_input_ids yourself.")
+        shifted = labels.new_full(labels.shape, start)
+        shifted[..., 1:] = labels[..., :-1]
+        return shifted.masked_fill(shifted == -100, self.pad_token_id)
 
     def _ids(self, inputs, mask, what: str):
         return check_inputs(inputs, mask, self.cfg.vocab_size, None, self.device,

@@ -20,7 +20,8 @@ import torch
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES)
+                                                    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES)
 
 __all__ = ["FAMILIES", "tiny_config", "tiny_model", "model_class"]
 
@@ -55,6 +56,15 @@ _SIZES = {
     ("v_head_dim",): 12, ("first_k_dense_replace",): 1, ("n_group",): 1, ("topk_group",): 1,
     ("initializer_range", "init_std"): 0.2,
 }
+# Encoder-decoder configs name their sizes per stack (BART's encoder_layers, T5's num_decoder_layers and d_kv); only
+# for those types, so that no decoder-only family's tiny config changes.
+_SEQ2SEQ_SIZES = {
+    ("encoder_layers", "decoder_layers", "num_decoder_layers"): 2,
+    ("encoder_attention_heads", "decoder_attention_heads"): 4,
+    ("encoder_ffn_dim", "decoder_ffn_dim", "d_ff"): 96,
+    ("d_kv",): 16,
+    ("decoder_vocab_size",): VOCAB,
+}
 _SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
                    "mask_token_id", "decoder_start_token_id")
 
@@ -64,7 +74,8 @@ def tiny_config(model_type: str, **overrides):
     its sub-configs (the text and vision configs of a multimodal model)."""
     cls = CONFIG_MAPPING[model_type]
     params = inspect.signature(cls.__init__).parameters
-    kwargs = {name: value for names, value in _SIZES.items() for name in names if name in params}
+    sizes = {**_SIZES, **_SEQ2SEQ_SIZES} if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES else _SIZES
+    kwargs = {name: value for names, value in sizes.items() for name in names if name in params}
     sub_configs = getattr(cls, "sub_configs", None) or {}
     if sub_configs:
         default = cls()
@@ -73,6 +84,8 @@ def tiny_config(model_type: str, **overrides):
             if name in params and sub_type in CONFIG_MAPPING and sub_type != model_type:
                 kwargs[name] = tiny_config(sub_type)
     kwargs.update({name: 0 for name in _SPECIAL_TOKENS if name in params})
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:  # a config field in real checkpoints (T5's too)
+        kwargs["decoder_start_token_id"] = 0
     if "kv_lora_rank" in params:  # multi-head latent attention: keys and values come one per query head
         kwargs.update({name: 4 for name in ("num_key_value_heads",) if name in params})
     kwargs.update(FAMILIES.get(model_type, {}))
@@ -80,9 +93,11 @@ def tiny_config(model_type: str, **overrides):
     return cls(**kwargs)
 
 
-def model_class(model_type: str):
-    """The masked-LM class of an encoder type, else the causal-LM class, else the base model class."""
-    for names in (MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES):
+def model_class(model_type: str, seq2seq: bool = False):
+    """The masked-LM class of an encoder type, else the causal-LM class, else the base model class (for an
+    encoder-decoder type pass ``seq2seq=True``: its conditional-generation class)."""
+    for names in ((MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,) if seq2seq else
+                  (MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES)):
         name = names.get(model_type)
         if isinstance(name, (list, tuple)):
             name = name[0]
