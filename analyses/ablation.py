@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from .engine import Shard, copies_per_forward, scan
-from .metrics import Batch, as_metric, batch_of
+from .metrics import as_metric, batch_of
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
 
@@ -190,7 +190,17 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     reference; a mean reference is averaged whole on every rank) and the per-example values are combined, so every
     rank returns the one-process result. A metric that is not a mean over examples (a plain callable) cannot be
     split: the scan then runs whole on every rank (with a warning).
+
+    An encoder-decoder model (``interp.seq2seq``) is scanned per attention site, heads as ``(site, head)`` pairs:
+    see ``analyses.seq2seq.seq2seq_ablation_scan``.
     """
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        from .seq2seq import seq2seq_ablation_scan
+
+        return seq2seq_ablation_scan(model, inputs, metric, method=method, heads=heads, reference=reference,
+                                     memory_budget=memory_budget, heads_per_forward=heads_per_forward, ablated=ablated)
     metric = as_metric(metric)
     batch = batch_of(model, inputs)
     heads = all_heads(model) if heads is None else check_heads(model, heads)

@@ -19,7 +19,7 @@ import pandas as pd
 from interp.distributed import onloaded
 
 from .ablation import check_heads
-from .engine import Shard
+from .engine import Shard, _arguments, _run
 from .metrics import _main_output, batch_of
 from .patching import paired_batches, scalar_metric
 
@@ -39,7 +39,16 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     Under torch.distributed (``torchrun``) each rank differentiates the batch mean over its share of the prompts
     and the per-example terms are gathered, so every rank returns the one-process result; a metric that is not a
     mean over examples (a plain callable) runs whole on every rank.
+
+    An encoder-decoder model (``interp.seq2seq``) gets one row per (site, head): see
+    ``analyses.seq2seq.seq2seq_attribution_patching``.
     """
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        from .seq2seq import seq2seq_attribution_patching
+
+        return seq2seq_attribution_patching(model, clean, corrupted, metric, by=by, heads=heads)
     if by not in ("head", "head_pos"):
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
     metric = scalar_metric(metric)
@@ -49,15 +58,11 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     names = [f"blocks.{l}.attn.hook_z" for l in layers]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
-        *values, cache, z_corrupted, grads = _first_order(model, clean, corrupted, local, layers, names,
-                                                          None if shard.index is None else shard.n)
+        *values, estimates = _first_order(model, clean, corrupted, local, names,
+                                          None if shard.index is None else shard.n)
         clean_value, corrupted_value = shard.means(values)
-        per_layer = {}  # layer -> (p, h): the estimate of each head at each position, summed over the batch
-        for layer in layers:
-            grad = grads[layer]
-            diff = cache["z", layer].float() - z_corrupted[layer].float()  # (b, p, h, e)
-            per_row = (diff * grad.float()).sum(3) if grad is not None else torch.zeros(diff.shape[:3])  # (b, p, h)
-            per_layer[layer] = shard.gather(per_row.cpu()).sum(0)
+        # layer -> (p, h): the estimate of each head at each position, summed over the batch
+        per_layer = {layer: shard.gather(estimates[name].cpu()).sum(0) for layer, name in zip(layers, names)}
     span = clean_value - corrupted_value
     rows = []
     for layer, head in heads:
@@ -72,35 +77,42 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     return df
 
 
-def _first_order(model, clean, corrupted, metric, layers, names, n: int | None):
-    """The metric on the clean and the corrupted run, the clean run's z, and at the corrupted run z and d (batch
-    metric) / dz of each layer. ``n``: None for the whole batch; else these are one rank's rows of ``n`` prompts,
-    the metric returns per-example values and the gradient is of their sum / n (the whole batch's mean)."""
+def _first_order(model, clean, corrupted, metric, names, n: int | None):
+    """The metric on the clean and the corrupted run, and per z hook in ``names`` the first-order estimate
+    ``(z_clean - z_corrupted) . d (batch metric) / dz`` at the corrupted run, per row, position and head ``(b, p,
+    h)``. ``n``: None for the whole batch; else these are one rank's rows of ``n`` prompts, the metric returns
+    per-example values and the gradient is of their sum / n (the whole batch's mean). Batches with
+    ``decoder_input_ids`` run as encoder-decoder batches."""
     with model.studying():
         with torch.no_grad():
-            out, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
+            args, kwargs = _arguments(clean)
+            out, cache = model.run_with_cache(*args, names=names, **kwargs)
             clean_value = metric(out, clean)
         deltas, z_corrupted = {}, {}
 
         def opening(z, point):  # z + delta: the gradient w.r.t. delta is the total derivative w.r.t. z
-            deltas[point.layer] = torch.zeros_like(z, requires_grad=True)
-            z_corrupted[point.layer] = z.detach()
-            return z + deltas[point.layer]
+            deltas[point.name] = torch.zeros_like(z, requires_grad=True)
+            z_corrupted[point.name] = z.detach()
+            return z + deltas[point.name]
 
         with torch.enable_grad():
             for p in model.hf.parameters():
                 p.requires_grad_(False)
             with model.hooks([(names, opening)]):
-                out = model(corrupted["input_ids"], corrupted["attention_mask"])
+                out = _run(model, corrupted)
             per_example = metric.per_example(out, corrupted).float()
             value = per_example.mean() if n is None else per_example.sum() / n
             if not value.requires_grad:
                 raise TypeError(f"attribution_patching differentiates the metric; {metric.name} returned a value "
                                 "without a gradient. Use a metric from analyses.metrics or one returning a tensor.")
-            grads = dict(zip(layers, torch.autograd.grad(value, [deltas[l] for l in layers], allow_unused=True)))
+            grads = torch.autograd.grad(value, [deltas[name] for name in names], allow_unused=True)
         with torch.no_grad():
             corrupted_value = metric(out, corrupted)
-    return clean_value, corrupted_value, cache, z_corrupted, grads
+            estimates = {}
+            for name, grad in zip(names, grads):
+                diff = cache[name].float() - z_corrupted[name].float()  # (b, p, h, e)
+                estimates[name] = (diff * grad.float()).sum(3) if grad is not None else torch.zeros(diff.shape[:3])
+    return clean_value, corrupted_value, estimates
 
 
 # -- the final norm, frozen --------------------------------------------------------------------------------------
@@ -165,6 +177,12 @@ def token_ids(model, value, n: int, what: str) -> torch.Tensor:
 
 
 def _unembedding(model):
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise TypeError("Logit attribution and the logit lens read one residual stream; an encoder-decoder model "
+                        "has two. They do not handle encoder-decoder models yet: use attribution_patching or "
+                        "activation_patching, which work per (site, head).")
     head = model.hf.get_output_embeddings()
     if head is None or model.structure.final_norm is None or not model.cfg.causal:
         raise NotImplementedError(

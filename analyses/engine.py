@@ -74,12 +74,23 @@ def slice_output(output, start: int, stop: int, total: int):
     return type(output)(**{k: cut(v) for k, v in output.items()})
 
 
+def _arguments(batch: Batch, copies: int = 1) -> tuple[tuple, dict]:
+    """``model(*args, **kwargs)`` for ``copies`` copies of a batch: the input ids and mask, and for an
+    encoder-decoder batch (one with ``decoder_input_ids``) the decoder's ids and mask as keywords."""
+
+    def repeat(x):
+        return x if x is None or copies == 1 else x.repeat(copies, 1)
+
+    kwargs = {}
+    if batch.get("decoder_input_ids") is not None:
+        kwargs = {"decoder_input_ids": repeat(batch["decoder_input_ids"]),
+                  "decoder_attention_mask": repeat(batch.get("decoder_attention_mask"))}
+    return (repeat(batch["input_ids"]), repeat(batch.get("attention_mask"))), kwargs
+
+
 def _run(model, batch: Batch, copies: int = 1):
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    if copies > 1:
-        ids = ids.repeat(copies, 1)
-        mask = None if mask is None else mask.repeat(copies, 1)
-    return model(ids, mask)
+    args, kwargs = _arguments(batch, copies)
+    return model(*args, **kwargs)
 
 
 class Prefix:
@@ -89,7 +100,9 @@ class Prefix:
 
     def __init__(self, model):
         self.model, self.outputs = model, {}
-        self.enabled = True
+        # an encoder-decoder model's blocks are two stacks (a dict): nothing is replayed there
+        self.blocks = [] if isinstance(model._blocks, dict) else list(model._blocks)
+        self.enabled = bool(self.blocks)
 
     @contextmanager
     def recording(self):
@@ -98,7 +111,7 @@ class Prefix:
                 self.outputs[layer] = output
             return hook
 
-        handles = [block.register_forward_hook(keep(l)) for l, block in enumerate(self.model._blocks)]
+        handles = [block.register_forward_hook(keep(l)) for l, block in enumerate(self.blocks)]
         try:
             yield
         finally:
@@ -108,7 +121,7 @@ class Prefix:
     @contextmanager
     def replaying(self, first_layer: int, copies: int):
         """Blocks 0..first_layer-1 return block first_layer-1's recorded output (only the last one is read)."""
-        skipped = list(self.model._blocks[:first_layer]) if self.enabled else []
+        skipped = self.blocks[:first_layer] if self.enabled else []
         # a block dispatched by accelerate (device_map) has its own forward on the instance: put it back after
         own = [block.__dict__.get("forward") for block in skipped]
         if skipped:
@@ -232,8 +245,9 @@ class Shard:
         if self.index is None or batch is None:
             return batch
         index = self.index.to(batch["input_ids"].device)
-        mask = batch["attention_mask"]
-        return {"input_ids": batch["input_ids"][index], "attention_mask": None if mask is None else mask[index]}
+        # every per-row tensor (input ids and mask; an encoder-decoder batch's decoder ids, mask and labels too)
+        return {key: value[index] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == self.n
+                else value for key, value in batch.items()}
 
     def metric(self, metric: Metric) -> Metric:
         """The metric on this rank's rows (``Metric.rows``), giving per-example values when sharded."""

@@ -96,8 +96,10 @@ def _items(model, what: str, by: str, heads, n_pos: int) -> list[tuple]:
     return [(l, h, p) for l, h in units for p in range(n_pos)]
 
 
-def _patch_hooks(what: str, group: list[tuple], clean: dict[int, torch.Tensor], copies: int) -> list:
-    """Hooks that put ``clean[layer]`` into copy i's slice for ``group[i]`` (a (layer, head[, pos]) item)."""
+def _patch_hooks(what: str, group: list[tuple], clean: dict, copies: int,
+                 name=lambda layer, what: f"blocks.{layer}.attn.hook_{what}") -> list:
+    """Hooks that put ``clean[layer]`` into copy i's slice for ``group[i]`` (a (layer, head[, pos]) item; an
+    encoder-decoder model's items are (site, head[, pos]), ``name`` giving the hook of a layer or site)."""
     head_axis, pos_axis = _AXES[what]
     by_layer: dict[int, list[tuple[int, tuple]]] = {}
     for i, item in enumerate(group):
@@ -118,7 +120,7 @@ def _patch_hooks(what: str, group: list[tuple], clean: dict[int, torch.Tensor], 
 
         return hook
 
-    return [(f"blocks.{layer}.attn.hook_{what}", hook_for(layer, entries)) for layer, entries in by_layer.items()]
+    return [(name(layer, what), hook_for(layer, entries)) for layer, entries in by_layer.items()]
 
 
 def activation_patching(model, clean, corrupted, metric, by: str = "head", what: str = "z", heads=None,
@@ -139,7 +141,17 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     values are combined, so every rank returns the one-process result; this needs a metric that is a mean over
     examples (``analyses.metrics``). Any other metric is a function of the whole batch, which cannot be split: the
     study then runs whole on every rank (with a warning).
+
+    An encoder-decoder model (``interp.seq2seq``) is patched per attention site: see
+    ``analyses.seq2seq.seq2seq_activation_patching`` (batches with ``decoder_input_ids``, rows per (site, head)).
     """
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        from .seq2seq import seq2seq_activation_patching
+
+        return seq2seq_activation_patching(model, clean, corrupted, metric, by=by, what=what, heads=heads,
+                                           memory_budget=memory_budget, heads_per_forward=heads_per_forward)
     if what not in WHAT:
         raise ValueError(f"what must be one of {', '.join(WHAT)}; got {what!r}.")
     if what == "pattern" and model.attn != "eager":
@@ -187,6 +199,12 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
 
     Returns one row per sender: ``layer``, ``head``, ``metric``, ``effect`` (0 corrupted, 1 clean).
     """
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise TypeError("path_patching follows paths through one stack of blocks (a decoder-only or encoder model); "
+                        "it does not handle encoder-decoder models yet. Use activation_patching or "
+                        "attribution_patching, which work per (site, head).")
     if via not in ("q", "k", "v"):
         raise ValueError(f"via must be 'q', 'k' or 'v'; got {via!r}.")
     metric = scalar_metric(metric)

@@ -25,7 +25,7 @@ from interp import HookedModel, distributed
 from interp.pruning import kept_heads, plan_layer, slice_heads
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
-from .engine import Shard
+from .engine import Shard, _arguments
 from .metrics import _main_output, as_metric, batch_of
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -53,15 +53,25 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     Under torch.distributed (``torchrun``) each rank takes its share of the prompts and every example's gradients
     are gathered, so every rank returns the one-process result; a loss that is not per-example (a plain callable)
     runs whole on every rank.
+
+    An encoder-decoder model (``interp.seq2seq``) gets one row per (site, head), normalised within each site:
+    see ``analyses.seq2seq.seq2seq_head_importance``.
     """
     _loss_fn(loss)  # a clear error without one
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        from .seq2seq import seq2seq_head_importance
+
+        return seq2seq_head_importance(model, inputs, loss=loss, ablated=ablated)
     source = as_metric(loss)
     batch = batch_of(model, inputs)
     ablated = set(check_heads(model, ablated, allow_empty=True))
     counts = model.cfg.heads_per_layer
     with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
         batch, loss_fn = shard.rows(batch), shard.metric(source).loss
-        grads = _gate_gradients(model, batch, loss_fn, ablated)
+        units = [(f"blocks.{l}.attn.hook_z", [(l, h) not in ablated for h in range(n)]) for l, n in enumerate(counts)]
+        grads = _gate_gradients(model, batch, loss_fn, units)
         b = batch["input_ids"].shape[0]
         per_example = torch.cat([torch.zeros(b, n) if g is None else g.detach().abs().float().cpu()
                                  for g, n in zip(grads, counts)], dim=1)  # (b, heads of all layers): |dL(x)/dxi_h|
@@ -77,27 +87,28 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["layer", "head", "importance", "importance_raw"])
 
 
-def _gate_gradients(model, batch, loss_fn, ablated) -> tuple:
-    """Per layer, d loss / d gate: (b, h) with one gate per example and head (None where a layer's gates are
-    unused)."""
-    b, counts = batch["input_ids"].shape[0], model.cfg.heads_per_layer
-    gates = [torch.ones(b, n, device=model.device, dtype=model.dtype, requires_grad=True) for n in counts]
-    keep = [torch.tensor([(l, h) not in ablated for h in range(n)], device=model.device, dtype=model.dtype)
-            for l, n in enumerate(counts)]
+def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]]]) -> tuple:
+    """Per unit ``(z hook name, kept: one flag per head)``, d loss / d gate: (b, h) with one gate per example and
+    head (None where a unit's gates are unused); a head not kept has its gate at 0."""
+    b = batch["input_ids"].shape[0]
+    gates = {name: torch.ones(b, len(kept), device=model.device, dtype=model.dtype, requires_grad=True)
+             for name, kept in units}
+    keep = {name: torch.tensor(kept, device=model.device, dtype=model.dtype) for name, kept in units}
 
     def gate(z, point):  # z: (b, p, h, d), on its layer's device
-        return z * (gates[point.layer] * keep[point.layer]).to(z.device)[:, None, :, None]
+        return z * (gates[point.name] * keep[point.name]).to(z.device)[:, None, :, None]
 
     with model.studying(), torch.enable_grad():
         for p in model.hf.parameters():
             p.requires_grad_(False)  # gradients for the gates only; studying() restores the flags
-        with model.hooks([(lambda n: n.endswith("attn.hook_z"), gate)]):
-            value = loss_fn(model(batch["input_ids"], batch["attention_mask"]), batch)
+        with model.hooks([([name for name, _ in units], gate)]):
+            args, kwargs = _arguments(batch)
+            value = loss_fn(model(*args, **kwargs), batch)
         if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
         total = value.sum() if value.ndim == 1 else value * b
-        return torch.autograd.grad(total, gates, allow_unused=True)
+        return torch.autograd.grad(total, list(gates.values()), allow_unused=True)
 
 
 def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
@@ -105,7 +116,8 @@ def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
         batch, local = shard.rows(batch), shard.metric(metric)
         if pruned:
             stack.enter_context(ablate_heads(model, pruned))
-        return shard.means([local(model(batch["input_ids"], batch["attention_mask"]), batch)])[0]
+        args, kwargs = _arguments(batch)
+        return shard.means([local(model(*args, **kwargs), batch)])[0]
 
 
 def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers: bool) -> list[Head]:
@@ -120,6 +132,11 @@ def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers
     return chosen
 
 
+def _unit(row) -> tuple:
+    """A study row's head: ``(layer, head)``, or ``(site, head)`` for an encoder-decoder model."""
+    return (row.site, row.head) if hasattr(row, "site") else (row.layer, row.head)
+
+
 def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize) -> list[Head]:
     """``candidates`` from least to most important."""
     if order == "random":
@@ -127,11 +144,11 @@ def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher
     if order == "importance":
         df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned)
         column = "importance" if normalize else "importance_raw"
-        score = {(r.layer, r.head): getattr(r, column) for r in df.itertuples()}
+        score = {_unit(r): getattr(r, column) for r in df.itertuples()}
     else:
         df = ablation_scan(model, inputs, metric, heads=candidates, ablated=pruned)
         sign = 1.0 if higher_is_better else -1.0  # damage: how much worse the metric gets
-        score = {(r.layer, r.head): -sign * r.delta for r in df.itertuples()}
+        score = {_unit(r): -sign * r.delta for r in df.itertuples()}
     return sorted(candidates, key=lambda head: (score[head], head))
 
 
@@ -151,6 +168,11 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
     Under torch.distributed (``torchrun``) every evaluation, importance and ablation scan is split across ranks
     by prompts (as in ``ablation_scan`` and ``head_importance``); every rank ranks and prunes the same heads.
+
+    An encoder-decoder model (``interp.seq2seq``) takes a batch with ``decoder_input_ids`` (as
+    ``analyses.seq2seq.copy_task`` returns) and a metric of that batch (``analyses.seq2seq.target_loss``); its
+    heads are ``(site, head)`` pairs, and "layer" above means an attention site (importance is normalised within
+    each site; a site keeps its last head unless ``allow_empty_layers``).
     """
     if order not in ORDERS:
         raise ValueError(f"Unknown pruning order {order!r}; use one of {', '.join(ORDERS)}.")
@@ -163,7 +185,9 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
         raise ValueError("order='ablation' needs to know which way the metric is good: pass higher_is_better.")
     if order == "random" and not len(seeds):
         raise ValueError("order='random' needs at least one seed.")
-    batch = batch_of(model, inputs)
+    from .seq2seq import is_seq2seq, seq2seq_batch
+
+    batch = seq2seq_batch(model, inputs) if is_seq2seq(model) else batch_of(model, inputs)
     with model.studying():
         df = _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction,
                      higher_is_better, normalize)
@@ -229,6 +253,12 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     Save with ``pruned.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the kept heads in ``interp_pruned_heads``).
     """
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise TypeError("prune_model slices the heads of decoder-only and encoder models; it does not handle "
+                        "encoder-decoder models yet. Use ablate_heads(model, [(site, head), ...]) to remove heads, "
+                        "and pruning_curve to study how many can go.")
     heads = check_heads(model, heads)
     if model._registry.active():
         raise ValueError(f"Remove the hooks on {model._registry.active()[:3]} before pruning: prune_model copies "

@@ -12,14 +12,13 @@
     largest weight falls on one fixed offset from the aligned position (``source_positional_offset``), and
     the mean of that largest weight as the score.
 
-Every score has a 95% bootstrap interval over prompts. ``ablate_seq2seq_heads`` zero- or mean-ablates heads
-named ``(site, head)``, e.g. ``("decoder.blocks.0.cross_attn", 2)``, through their ``hook_z``.
+Every score has a 95% bootstrap interval over prompts.
+
+The circuit studies per attention site (ablation, patching, attribution, importance) are in
+``analyses.seq2seq_studies``; their names are importable from here too.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
-from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -27,8 +26,9 @@ import torch
 
 from .scores import pattern_scores
 
-__all__ = ["CROSS_KINDS", "ablate_seq2seq_heads", "copy_accuracy", "copy_task", "is_seq2seq", "seq2seq_heads",
-           "train_copy_model"]
+__all__ = ["CROSS_KINDS", "copy_accuracy", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
+
+_FRONT = ["stack", "kind", "site", "layer", "head"]  # the columns that name a head
 
 CROSS_KINDS = ("alignment", "source_sink", "source_positional")
 CROSS_THRESHOLDS = {"alignment": 0.4, "source_sink": 0.3, "source_positional": 0.9}
@@ -156,47 +156,6 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
     return df
 
 
-@contextmanager
-def ablate_seq2seq_heads(model, heads: Iterable[tuple[str, int]], method: str = "zero", reference: dict | None = None):
-    """Ablate ``(site, head)`` pairs through ``hook_z`` inside a ``with`` block: ``"zero"``, or ``"mean"`` over
-    the real target (or source) positions of ``reference`` (a batch as ``copy_task`` returns)."""
-    pairs = list(heads)
-    sites = model.sites
-    for pair in pairs:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and pair[0] in sites and isinstance(pair[1], int)
-                and 0 <= pair[1] < sites[pair[0]].n_heads):
-            raise ValueError(f"heads are (site, head) pairs such as ('decoder.blocks.0.cross_attn', 1) with a site "
-                             f"from model.sites ({', '.join(sites)}); got {pair!r}.")
-    if method not in ("zero", "mean"):
-        raise ValueError(f"method must be 'zero' or 'mean'; got {method!r}.")
-    if method == "mean" and reference is None:
-        raise ValueError("mean ablation needs reference=... (a batch with decoder_input_ids).")
-    by_site: dict[str, list[int]] = {}
-    for site, head in pairs:
-        by_site.setdefault(site, []).append(head)
-    means = {}
-    if method == "mean":
-        names = [f"{s}.hook_z" for s in by_site]
-        with model.studying(), torch.no_grad():
-            _, cache = model.run_with_cache(reference["input_ids"], reference.get("attention_mask"), names=names,
-                                            decoder_input_ids=reference["decoder_input_ids"],
-                                            decoder_attention_mask=reference.get("decoder_attention_mask"))
-        for s in by_site:
-            means[s] = cache[f"{s}.hook_z"].mean((0, 1))  # (h, e)
-
-    def make(site):
-        heads_here = by_site[site]
-
-        def hook(z, hook):
-            z = z.clone()
-            z[:, :, heads_here] = 0.0 if method == "zero" else means[site][heads_here].to(z.dtype)
-            return z
-        return hook
-
-    with model.hooks([(f"{s}.hook_z", make(s)) for s in by_site]):
-        yield model
-
-
 def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: int = 24, d_model: int = 64,
                      n_heads: int = 4, batch_size: int = 64, lr: float = 3e-3, attn: str = "flash"):
     """A 1 + 1-layer BART-style encoder-decoder trained here to copy random sequences (learned positions, no
@@ -225,3 +184,17 @@ def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: i
             optimizer.step()
         hf.eval()
     return model
+
+
+_STUDIES = {"ablate_seq2seq_heads", "check_site_heads", "seq2seq_ablation_scan", "seq2seq_activation_patching",
+            "seq2seq_attribution_patching", "seq2seq_batch", "seq2seq_head_importance", "target_accuracy",
+            "target_loss"}
+
+
+def __getattr__(name: str):
+    """The studies' names, from ``analyses.seq2seq_studies`` (imported on first use: it imports this module)."""
+    if name in _STUDIES:
+        from . import seq2seq_studies
+
+        return getattr(seq2seq_studies, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,6 @@ length is the source's and query length the target's is cross-attention.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
