@@ -5,6 +5,12 @@ The JavaScript and CSS (``assets/view.js``, ``assets/view.css``: vanilla, no lib
 are inline, so the page makes no request of any kind. The interactive elements carry stable ``data-role``,
 ``data-layer``, ``data-head`` and ``data-token`` attributes for tests and scripts.
 
+Encoder-decoder models (``Seq2SeqHookedModel``) have three kinds of attention, each a *site*
+(``model.cfg.sites``): what a decoder-only view calls a layer is a site there, named in the page by stack, block
+and kind ("encoder 0 self", "decoder 0 self", "decoder 0 cross"); ``data-layer`` is the site's index in
+``model.cfg.sites`` and ``data-site`` its name. Encoder self-attention shows source tokens on both sides,
+decoder self-attention target tokens, cross-attention target tokens (queries) against source tokens (keys).
+
 Patterns come from ``cache.pattern(layer, heads)``: on the flash path only the heads shown are rebuilt from the
 cached q and k, so long prompts never need the eager path. Weights are embedded rounded to 4 decimals (uint16
 0..10000, base64); where every weight above the diagonal rounds to 0 (causal models) only the lower triangle is
@@ -38,6 +44,7 @@ MAX_BYTES = 24_000_000  # refuse views whose weights alone would embed more than
 LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines need a row per token)
 # Score columns of detect_heads a grid can be coloured by, in LABEL_ORDER; positional reads its fraction.
 GRID_SCORES = ("induction", "duplicate_token", "previous_token", "next_token", "positional_fraction", "self", "sink")
+_SCORE_KIND = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
 
 
 def visible_token(token) -> str:
@@ -86,7 +93,11 @@ class _View:
 
     def __repr__(self) -> str:
         d = self.data
-        return (f"{type(self).__name__}({len(d['tokens'])} tokens, {sum(len(h) for h in d['heads'])} heads in "
+        n_heads = sum(len(h) for h in d["heads"])
+        if "sites" in d:
+            return (f"{type(self).__name__}({len(d['source']['tokens'])} source + {len(d['target']['tokens'])} target "
+                    f"tokens, {n_heads} heads in {len(d['layers'])} site(s); .save(path) writes one offline page)")
+        return (f"{type(self).__name__}({len(d['tokens'])} tokens, {n_heads} heads in "
                 f"{len(d['layers'])} layer(s); .save(path) writes one offline page)")
 
 
@@ -121,16 +132,35 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
       heatmap per head); default lines up to 128 tokens.
 
-    In the page: a layer selector, a button per head (its colour; click to hide or show it), hover a query
-    token to see where it attends (squares beside each key: one per head, the exact weight on hover), hover a
-    key token to see what attends to it.
+    Encoder-decoder models (T5, BART, ...: a ``Seq2SeqHookedModel``) show one attention *site* at a time:
+      source: the model with ``text_or_tokens`` one of
+        - a ``(source, target)`` pair, each a text, a list of texts, token ids ``(p,)`` or ``(b, p)``: the target
+          is what the decoder should produce, fed shifted right as in training (``model.decoder_inputs``), so
+          the decoder's tokens are its start token and the target but its last token;
+        - a batch dict with ``input_ids`` and ``decoder_input_ids`` (``attention_mask``,
+          ``decoder_attention_mask`` optional; ``labels`` instead of ``decoder_input_ids`` are shifted), e.g.
+          ``analyses.seq2seq.copy_task(model)``: the decoder's tokens are ``decoder_input_ids`` as given;
+      or a ``Seq2SeqCache`` with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
+      ``(p,)`` or ``(b, p)``), or the batch dict it was run on, or None (positions).
+      layers: sites, as names (``"decoder.blocks.0.cross_attn"``) or indices into ``model.cfg.sites``; heads:
+      head indices, or ``(site, head)`` pairs. window is not offered (the source and target are shown whole).
+      batch picks the pair; the padding of either side is dropped. Cross-attention shows target tokens
+      (queries) on the left and source tokens (keys) on the right.
+
+    In the page: a layer (site) selector, a button per head (its colour; click to hide or show it), hover a
+    query token to see where it attends (squares beside each key: one per head, the exact weight on hover),
+    hover a key token to see what attends to it.
     """
     if display not in (None, "lines", "matrix"):
         raise ValueError(f"display is 'lines' or 'matrix'; got {display!r}.")
+    from .seq2seq import _site_indices
+
+    layers, heads = _site_indices(source, layers, heads)
     run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads))
     chosen = _choose(run, layers, heads)
     data = _embed(run, chosen, window, "head view")
-    data["display"] = display or ("lines" if len(data["tokens"]) <= LINES_UP_TO else "matrix")
+    sequences = [data["source"], data["target"]] if "sites" in data else [data]
+    data["display"] = display or ("lines" if max(len(s["tokens"]) for s in sequences) <= LINES_UP_TO else "matrix")
     data["title"] = title or f"head view: {run.name}"
     return HeadView(data)
 
@@ -140,12 +170,16 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
     """Every layer x head as a thumbnail of its pattern, framed in the colour of a head score; click one to open
     its pattern large (exact weights on hover) with all its scores, intervals and definitions.
 
-    source, text_or_tokens, window, batch: as in ``head_view``.
-    scores: a ``detect_heads`` table (``layer``, ``head``, score columns and their ``_lo``/``_hi`` intervals).
+    source, text_or_tokens, window, batch: as in ``head_view`` (an encoder-decoder model or cache too: one row
+      per site, labelled with its stack, block and kind; a cross-attention thumbnail is target x source).
+    scores: a ``detect_heads`` table (``layer``, ``head``, score columns and their ``_lo``/``_hi`` intervals; for
+      an encoder-decoder model the ``seq2seq_heads`` table, whose ``site`` column places each row).
       None: with a model, ``detect_heads(model)`` is run (about 16 s on SmolLM2-135M with 2 CPU threads; pass a
       table to reuse one);
       with a cache, thumbnails are not coloured. score: the column coloured first (default the first of
-      induction, duplicate_token, previous_token, ... in the table); the page can switch to any other.
+      induction, duplicate_token, previous_token, ... in the table; for an encoder-decoder model alignment,
+      source_positional_fraction, source_sink, then those); the page can switch to any other. A score a head
+      has not (a self-attention score of a cross-attention head) leaves its frame grey.
     """
     run = _Run.of(source, text_or_tokens, batch, None)
     if scores is None and run.model is not None:
@@ -153,7 +187,7 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
 
         scores = detect_heads(run.model)
     data = _embed(run, _choose(run, None, None), window, "grid")
-    data["scores"] = None if scores is None else _score_table(scores)
+    data["scores"] = None if scores is None else _score_table(scores, getattr(run, "sites", None))
     columns = [] if scores is None else data["scores"]["columns"]
     if score is not None:
         score = "positional_fraction" if score == "positional" else score
@@ -179,17 +213,26 @@ class _Run:
     name: str
     model: object = None
 
+    unit = "layer"  # what the selector picks: a layer here, a site in an encoder-decoder model
+
     @classmethod
     def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None) -> _Run:
         from hooks import ActivationCache
-        from interp import HookedModel
+        from interp import HookedModel, Seq2SeqHookedModel
+        from interp.seq2seq import Seq2SeqCache
 
+        from .seq2seq import _Seq2SeqRun
+
+        if isinstance(source, Seq2SeqHookedModel):
+            return _Seq2SeqRun.from_model(source, text_or_tokens, batch, layers)
+        if isinstance(source, Seq2SeqCache):
+            return _Seq2SeqRun.from_cache(source, text_or_tokens, batch)
         if isinstance(source, HookedModel):
             return cls._from_model(source, text_or_tokens, batch, layers)
         if isinstance(source, ActivationCache):
             return cls._from_cache(source, text_or_tokens, batch)
-        raise TypeError(f"A view reads a HookedModel with text or tokens, or an ActivationCache from "
-                        f"run_with_cache; got {type(source).__name__}.")
+        raise TypeError(f"A view reads a HookedModel (or Seq2SeqHookedModel) with text or tokens, or an "
+                        f"ActivationCache from run_with_cache; got {type(source).__name__}.")
 
     @classmethod
     def _from_model(cls, model, inputs, batch: int, layers: list[int] | None) -> _Run:
@@ -276,18 +319,19 @@ def _choose(run: _Run, layers, heads) -> dict[int, list[int]]:
     else:
         layers = run.available if layers is None else [layers] if isinstance(layers, int) else list(layers)
         chosen = {int(l): None for l in layers}
+    unit = run.unit
     if not chosen:
-        raise ValueError("No layer to show: give at least one layer.")
+        raise ValueError(f"No {unit} to show: give at least one {unit}.")
     for l in list(chosen):
         if not 0 <= l < n_layers or not run.heads_per_layer[l]:
-            raise IndexError(f"layer {l} is out of range: this model has layers 0..{n_layers - 1}.")
+            raise IndexError(f"{unit} {l} is out of range: this model has {unit}s 0..{n_layers - 1}.")
         if l not in run.available:
-            raise KeyError(f"The cache has neither q and k nor the pattern of layer {l}; capture them "
-                           f"(run_with_cache captures every layer's q and k by default).")
+            raise KeyError(f"The cache has neither q and k nor the pattern of {unit} {l}; capture them "
+                           f"(run_with_cache captures every {unit}'s q and k by default).")
         wanted = chosen[l] if pairs else (list(range(run.heads_per_layer[l])) if heads is None else list(heads))
         bad = [h for h in wanted if not 0 <= int(h) < run.heads_per_layer[l]]
         if bad or not wanted:
-            raise IndexError(f"head(s) {bad or wanted} out of range: layer {l} has heads "
+            raise IndexError(f"head(s) {bad or wanted} out of range: {unit} {l} has heads "
                              f"0..{run.heads_per_layer[l] - 1}.")
         chosen[l] = sorted({int(h) for h in wanted})
     return dict(sorted(chosen.items()))
@@ -305,8 +349,12 @@ def _window(window, n: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _embed(run: _Run, chosen: dict[int, list[int]], window, what: str) -> dict:
+def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
     """The data every view embeds: tokens, the chosen heads' weights (and, windowed, the weight outside)."""
+    if hasattr(run, "sites"):  # an encoder-decoder model's run (views/seq2seq.py)
+        from .seq2seq import _embed_sites
+
+        return _embed_sites(run, chosen, window, what)
     n_total = len(run.tokens)
     lo, hi = _window(window, n_total)
     n = hi - lo
@@ -344,29 +392,43 @@ def _b64(array: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype="<u2").tobytes()).decode("ascii")
 
 
-def _score_table(df) -> dict:
+def _score_table(df, sites=None) -> dict:
     """Scores, intervals and labels of every head in a detect_heads table, with each score's one-line
-    definition and threshold."""
+    definition and threshold. sites: an encoder-decoder model's sites; its table's ``site`` column places a row
+    at that site's index."""
     from ..scores import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
+    from .seq2seq import CROSS_DEFINITIONS, CROSS_SCORES
 
-    missing = [c for c in ("layer", "head") if c not in df]
-    columns = [c for c in GRID_SCORES if c in df]
+    where = "site" if sites is not None else "layer"
+    missing = [c for c in (where, "head") if c not in df]
+    columns = [c for c in (CROSS_SCORES + GRID_SCORES if sites is not None else GRID_SCORES) if c in df]
     if missing or not columns:
-        raise ValueError(f"scores must be a detect_heads table with layer, head and score columns {GRID_SCORES}; "
-                         f"got columns {list(df.columns)}.")
+        table = "seq2seq_heads (detect_heads of this encoder-decoder model)" if sites is not None else "detect_heads"
+        raise ValueError(f"scores must be a {table} table with {where}, head and score columns "
+                         f"{columns or GRID_SCORES}; got columns {list(df.columns)}.")
+    if sites is None and "site" in df:
+        raise ValueError("These scores are an encoder-decoder model's (they have a site column); this view is of a "
+                         "decoder-only or encoder model.")
+    index = None if sites is None else {s.name: i for i, s in enumerate(sites)}
     thresholds = {**DEFAULT_THRESHOLDS, **df.attrs.get("thresholds", {})}
-    kind = {c: "positional" if c == "positional_fraction" else c for c in columns}
+    kind = {c: _SCORE_KIND.get(c, c) for c in columns}
+    definitions = {**SCORE_DEFINITIONS, **CROSS_DEFINITIONS}
     values = {}
     for r in df.to_dict(orient="records"):
         entry = {c: [_num(r[c]), _num(r.get(f"{c}_lo")), _num(r.get(f"{c}_hi"))] for c in columns}
-        if "positional_offset" in r:
-            entry["positional_offset"] = int(r["positional_offset"])
+        for offset in ("positional_offset", "source_positional_offset"):
+            if offset in r and _num(r[offset]) is not None:  # NaN on heads of the other kind
+                entry[offset] = int(r[offset])
         labels = r.get("labels", r.get("label"))
+        if not isinstance(labels, str) and isinstance(r.get("label"), str) and r["label"] != "none":
+            labels = r["label"]  # cross-attention rows of seq2seq_heads have a label and no labels
         entry["labels"] = labels if isinstance(labels, str) else ""  # a CSV reads an empty label as NaN
-        values[f"{int(r['layer'])}.{int(r['head'])}"] = entry
+        if index is not None and r["site"] not in index:
+            raise ValueError(f"scores name site {r['site']!r}, which this model has not; its sites: {list(index)}.")
+        values[f"{index[r['site']] if index is not None else int(r['layer'])}.{int(r['head'])}"] = entry
     inputs = df.attrs.get("inputs") or {}
     return {"columns": columns, "values": values,
-            "definitions": {c: SCORE_DEFINITIONS.get(kind[c], "") for c in columns},
+            "definitions": {c: definitions.get(kind[c], "") for c in columns},
             "thresholds": {c: thresholds.get(kind[c]) for c in columns},
             "inputs": {c: inputs.get(kind[c], "") for c in columns}}
 

@@ -11,12 +11,19 @@ that leave their cells unannotated. ``save_figure`` writes PNG, SVG or PDF (vect
 ...                    "label": ["none", "none", "induction", "none"]})
 >>> head_score_grid(df, "induction").get_title()
 'induction (framed: labelled induction)'
+
+The per-head grids take an encoder-decoder model's tables too (``seq2seq_heads``, or any table with a ``site``
+column): one row per attention site, in the table's order, labelled with its stack, block and kind
+("encoder 0 self", "decoder 0 cross"); a score a head has not (a self-attention score of a cross-attention head,
+NaN in the table) leaves its cell blank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -35,8 +42,10 @@ MIN_FONT = 7.5  # points: 10.4 px at 100 px per inch
 FORMATS = ("png", "svg", "pdf")
 
 _FRACTION_SCORES = {"previous_token", "next_token", "self", "sink", "duplicate_token", "induction",
-                    "positional_fraction"}
-_LABEL_OF = {"positional_fraction": "positional"}  # score column -> the label it supports
+                    "positional_fraction", "alignment", "source_sink", "source_positional", "source_positional_fraction"}
+_LABEL_OF = {"positional_fraction": "positional",  # score column -> the label it supports
+             "source_positional_fraction": "source_positional"}
+_SITE = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.(attn|cross_attn)")
 
 
 # -- attention pattern -----------------------------------------------------------------------------------
@@ -169,14 +178,34 @@ def _window(window, n: int) -> tuple[int, int]:
 
 
 # -- per-head grids --------------------------------------------------------------------------------------
+def _site_label(site: str) -> str:
+    """An encoder-decoder attention site in a few words: ``"decoder.blocks.0.cross_attn"`` -> ``"decoder 0 cross"``."""
+    found = _SITE.fullmatch(str(site))
+    if found is None:
+        return str(site)
+    stack, block, attn = found.groups()
+    return f"{stack} {block} {'cross' if attn == 'cross_attn' else 'self'}"
+
+
 def _grid(df: pd.DataFrame, column: str) -> pd.DataFrame:
-    """layers x heads table of ``column`` (NaN where a pruned layer has fewer heads)."""
-    missing = [c for c in ("layer", "head", column) if c not in df]
+    """layers x heads table of ``column`` (NaN where a pruned layer has fewer heads); for a table with a ``site``
+    column, sites x heads in the table's order, indexed by ``_site_label``."""
+    where = "site" if "site" in df else "layer"
+    missing = [c for c in (where, "head", column) if c not in df]
     if missing:
-        raise ValueError(f"The table needs columns layer, head and {column!r}; it lacks {missing}. "
+        raise ValueError(f"The table needs columns {where}, head and {column!r}; it lacks {missing}. "
                          f"Columns: {list(df.columns)}.")
-    grid = df.pivot_table(index="layer", columns="head", values=column, aggfunc="first", dropna=False)
+    grid = df.pivot_table(index=where, columns="head", values=column, aggfunc="first", dropna=False)
+    if where == "site":  # a row per site even where every value is NaN, in the order the model runs them
+        order = list(pd.unique(df["site"]))
+        grid = grid.reindex(order)
+        grid.index = pd.Index([_site_label(s) for s in order], name="site")
     return grid.astype(float)
+
+
+def _row_of(grid: pd.DataFrame, r) -> int:
+    """The grid row of a table row ``r`` (a namedtuple of the table)."""
+    return list(grid.index).index(_site_label(r.site) if grid.index.name == "site" else r.layer)
 
 
 def _annotation_size(grid: pd.DataFrame) -> float:
@@ -201,7 +230,8 @@ def _new_axes(grid: pd.DataFrame):
 
 def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True, fmt: str = ".2f",
                     cmap: str = "viridis", mark: bool = True, intervals: bool = True, interval_fmt: str = ".3f"):
-    """A layers x heads heatmap of one score of ``detect_heads``, each cell annotated with its value.
+    """A layers x heads heatmap of one score of ``detect_heads``, each cell annotated with its value (for an
+    encoder-decoder model, sites x heads; see the module docstring).
 
     score: a score column (``induction``, ``previous_token``, ...; ``"positional"`` means
     ``positional_fraction``). Heads whose ``label`` is this score's class are framed in red.
@@ -218,23 +248,25 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
     if annot and intervals and f"{column}_lo" in df and f"{column}_hi" in df and \
             _cell_points(ax, grid) >= 0.6 * MIN_FONT * len(f"{0:{interval_fmt}}–{0:{interval_fmt}}"):
         lo, hi, f = _grid(df, f"{column}_lo"), _grid(df, f"{column}_hi"), interval_fmt
-        annot = np.vectorize(lambda v, a, b: "" if v != v else f"{v:{f}}" if a != a else f"{v:{f}}\n{a:{f}}–{b:{f}}",
-                             otypes=[object])(grid.to_numpy(), lo.to_numpy(), hi.to_numpy())
+        cell = lambda v, a, b: "" if v != v else f"{v:{f}}" if a != a else f"{v:{f}}\n{a:{f}}–{b:{f}}"  # noqa: E731
+        # by hand, not np.vectorize: its object loop reports a floating-point "invalid" flag that NaN cells raise
+        cells = zip(grid.to_numpy(), lo.to_numpy(), hi.to_numpy())
+        annot = np.array([[cell(*x) for x in zip(*rows)] for rows in cells], dtype=object)
         size = MIN_FONT
     sns.heatmap(grid, ax=ax, cmap=cmap, vmin=0.0 if fraction else None, vmax=1.0 if fraction else None,
                 annot=annot, fmt=fmt if isinstance(annot, bool) else "", annot_kws={"fontsize": size},
                 linewidths=0.5, linecolor="white", cbar_kws={"label": column})
     kind = _LABEL_OF.get(column, column)
-    framed = 0
     if mark and "label" in df:
-        rows, cols = list(grid.index), list(grid.columns)
-        for r in df[df["label"] == kind].itertuples():
+        cols = list(grid.columns)
+        # a cross-attention head of seq2seq_heads names every class it clears in label ("alignment+source_sink")
+        labelled = df["label"].map(lambda text: isinstance(text, str) and kind in text.split("+"))
+        for r in df[labelled].itertuples():
             # inset, so that neighbouring frames never make an unlabelled cell between them look framed
-            ax.add_patch(Rectangle((cols.index(r.head) + 0.08, rows.index(r.layer) + 0.08), 0.84, 0.84, fill=False,
+            ax.add_patch(Rectangle((cols.index(r.head) + 0.08, _row_of(grid, r) + 0.08), 0.84, 0.84, fill=False,
                                    edgecolor="red", linewidth=2.0, clip_on=False))
-            framed += 1
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set_ylabel(grid.index.name)
     ax.tick_params(axis="y", rotation=0)
     ax.set_title(f"{column} (framed: labelled {kind})" if mark and "label" in df else column)
     return ax
@@ -243,7 +275,8 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
 def ablation_heatmap(df: pd.DataFrame, value: str = "delta", ax=None, annotate: bool = True, fmt: str = ".2f",
                      cmap: str = "RdBu_r", metric_name: str | None = None):
     """A layers x heads heatmap of an ``ablation_scan``: by default ``delta`` (the metric with the head ablated
-    minus the baseline), on a diverging scale centred at 0 (red: the metric went up, blue: down)."""
+    minus the baseline), on a diverging scale centred at 0 (red: the metric went up, blue: down). A table with a
+    ``site`` column (an encoder-decoder model's) has a row per site."""
     grid = _grid(df, value)
     if ax is None:
         ax = _new_axes(grid)
@@ -259,7 +292,7 @@ def ablation_heatmap(df: pd.DataFrame, value: str = "delta", ax=None, annotate: 
         title += f" (baseline {float(df['baseline'].iloc[0]):.3g})"
     ax.set_title(title)
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set_ylabel(grid.index.name)
     ax.tick_params(axis="y", rotation=0)
     return ax
 

@@ -3,7 +3,10 @@
  * Vanilla JavaScript, no library and no request: the data sits in the view's <script class="iv-data"> block.
  * Weights are integers 0..10000 (4 decimals), base64 uint16 little-endian; "packed" keeps the lower triangle.
  * Stable attributes for tests and scripts: data-role (layer, head, display, query, key, matrix, info, thumb,
- * score, detail, scores), data-layer, data-head, data-token (the token's position), data-weight (4 decimals).
+ * score, detail, scores, row, sides), data-layer, data-head, data-token (the token's position), data-weight (4
+ * decimals). An encoder-decoder model's view ("sites" in the data) has a site where others have a layer:
+ * data-layer is its index in model.cfg.sites, data-site its name; its queries and keys come from the source or
+ * the target (a cross-attention site: target queries, source keys, so its pattern need not be square).
  */
 (function () {
   "use strict";
@@ -41,60 +44,91 @@
     return out;
   }
 
+  // The tokens down each side of a layer, sides(l) = {q, k}, each {tokens, positions}: one sequence for both in a
+  // decoder-only or encoder model; in an encoder-decoder model the layer is a site, d.sites[l], whose queries and
+  // keys come from d.source or d.target.
+  function Sides(d) {
+    const one = { tokens: d.tokens, positions: d.positions };
+    return d.sites ? (l) => ({ q: d[d.sites[l].query], k: d[d.sites[l].key] }) : () => ({ q: one, k: one });
+  }
+  // A head in text: "head 1.3"; in an encoder-decoder model "decoder 0 cross head 3".
+  const headName = (d, l, h) => (d.sites ? `${d.sites[l].label} head ${h}` : `head ${l}.${h}`);
+  // The data-* attributes that name layer l (and its site).
+  const where = (d, l) => (d.sites ? { layer: l, site: d.sites[l].name } : { layer: l });
+
   // Every embedded head's weights: get(layer, head, query, key) -> 0..10000 (indices within the shown tokens).
+  // Heads are stored one after another, each (q, k) row-major, or its lower triangle where "packed" (one flag for
+  // the view, or one per layer).
   function Weights(d) {
-    const n = d.tokens.length, size = d.packed ? n * (n + 1) / 2 : n * n;
-    const w = decode(d.weights), out = decode(d.outside), at = new Map();
-    let i = 0;
-    d.layers.forEach((l, li) => d.heads[li].forEach((h) => at.set(l + "." + h, i++)));
+    const sides = Sides(d), w = decode(d.weights), out = decode(d.outside), at = new Map();
+    let offset = 0, index = 0;
+    d.layers.forEach((l, li) => {
+      const nq = sides(l).q.tokens.length, nk = sides(l).k.tokens.length;
+      const packed = Array.isArray(d.packed) ? d.packed[li] : d.packed, size = packed ? nq * (nq + 1) / 2 : nq * nk;
+      d.heads[li].forEach((h) => { at.set(l + "." + h, { o: offset, i: index++, nk, packed }); offset += size; });
+    });
     return {
-      n,
+      sides,
+      size: (l) => [sides(l).q.tokens.length, sides(l).k.tokens.length],  // [queries, keys]
       heads: (layer) => d.heads[d.layers.indexOf(layer)],
       get(l, h, q, k) {
-        const o = at.get(l + "." + h) * size;
-        return d.packed ? (k > q ? 0 : w[o + q * (q + 1) / 2 + k]) : w[o + q * n + k];
+        const a = at.get(l + "." + h);
+        return a.packed ? (k > q ? 0 : w[a.o + q * (q + 1) / 2 + k]) : w[a.o + q * a.nk + k];
       },
-      outside: (l, h, q) => (out ? out[at.get(l + "." + h) * n + q] : 0),
+      outside: (l, h, q) => (out ? out[at.get(l + "." + h).i * sides(l).q.tokens.length + q] : 0),
     };
   }
 
-  const label = (d, i) => `'${d.tokens[i]}' (${d.positions[i]})`;
+  const label = (seq, i) => `'${seq.tokens[i]}' (${seq.positions[i]})`;
   // The info line of one weight: its text and the data-* attributes tests read.
-  const pair = (d, l, h, q, k, weight) => [`head ${l}.${h}: query ${label(d, q)} \u2192 key ${label(d, k)}: ${weight}`,
-    { query: d.positions[q], key: d.positions[k], weight, layer: l, head: h }];
+  function pair(d, W, l, h, q, k, weight) {
+    const s = W.sides(l);
+    return [`${headName(d, l, h)}: query ${label(s.q, q)} \u2192 key ${label(s.k, k)}: ${weight}`,
+      { query: s.q.positions[q], key: s.k.positions[k], weight, ...where(d, l), head: h }];
+  }
 
-  // One head as an n x n image: queries down, keys across.
+  // One head as a queries x keys image: queries down, keys across.
   function paint(canvas, W, l, h) {
-    const n = W.n, ctx = canvas.getContext("2d"), img = ctx.createImageData(n, n);
-    canvas.width = canvas.height = n;
-    for (let q = 0; q < n; q++) {
-      for (let k = 0; k < n; k++) {
-        const p = 4 * (q * n + k), c = 3 * W.get(l, h, q, k);
+    const [nq, nk] = W.size(l), ctx = canvas.getContext("2d");
+    canvas.width = nk; canvas.height = nq;
+    const img = ctx.createImageData(nk, nq);
+    for (let q = 0; q < nq; q++) {
+      for (let k = 0; k < nk; k++) {
+        const p = 4 * (q * nk + k), c = 3 * W.get(l, h, q, k);
         img.data[p] = LUT[c]; img.data[p + 1] = LUT[c + 1]; img.data[p + 2] = LUT[c + 2]; img.data[p + 3] = 255;
       }
     }
     ctx.putImageData(img, 0, 0);
   }
 
-  // A large heatmap of head (l, h); hovering a cell reports its query, key and exact weight to `info`.
+  // The side in px of a large heatmap whose longer side has n rows.
+  const matrixPx = (n, most) => Math.max(n, Math.min(most, 8 * n));
+
+  // A large heatmap of head (l, h), px along its longer side; hovering a cell reports its query, key and exact
+  // weight to `info`.
   function matrix(d, W, l, h, px, info) {
     const wrap = el("figure", { class: "iv-matrix" });
     const canvas = el("canvas", { "data-role": "matrix", "data-layer": l, "data-head": h });
+    if (d.sites) canvas.dataset.site = d.sites[l].name;
     const row = el("div", { class: "iv-band" }), col = el("div", { class: "iv-band" });
     paint(canvas, W, l, h);
-    canvas.style.width = canvas.style.height = px + "px";
-    const cell = px / W.n;
+    const [nq, nk] = W.size(l), n = Math.max(nq, nk), cell = px / n, width = (px * nk) / n, height = (px * nq) / n;
+    canvas.style.width = width + "px"; canvas.style.height = height + "px";
     canvas.addEventListener("mousemove", (e) => {
       const r = canvas.getBoundingClientRect();
-      const q = Math.min(W.n - 1, Math.floor(((e.clientY - r.top) / r.height) * W.n));
-      const k = Math.min(W.n - 1, Math.floor(((e.clientX - r.left) / r.width) * W.n));
-      Object.assign(row.style, { display: "block", left: 0, top: q * cell + "px", width: px + "px", height: cell + "px" });
-      Object.assign(col.style, { display: "block", top: 0, left: k * cell + "px", width: cell + "px", height: px + "px" });
+      const q = Math.min(nq - 1, Math.floor(((e.clientY - r.top) / r.height) * nq));
+      const k = Math.min(nk - 1, Math.floor(((e.clientX - r.left) / r.width) * nk));
+      Object.assign(row.style, { display: "block", left: 0, top: q * cell + "px", width: width + "px",
+        height: cell + "px" });
+      Object.assign(col.style, { display: "block", top: 0, left: k * cell + "px", width: cell + "px",
+        height: height + "px" });
       const v = W.get(l, h, q, k);
-      info(...pair(d, l, h, q, k, fmt(v)));
+      info(...pair(d, W, l, h, q, k, fmt(v)));
     });
     canvas.addEventListener("mouseleave", () => { row.style.display = col.style.display = "none"; });
-    wrap.append(canvas, row, col, el("figcaption", {}, `head ${l}.${h}: queries down, keys across`));
+    const axes = d.sites ? `queries (${d.sites[l].query}) down, keys (${d.sites[l].key}) across`
+      : "queries down, keys across";
+    wrap.append(canvas, row, col, el("figcaption", {}, `${headName(d, l, h)}: ${axes}`));
     return wrap;
   }
 
@@ -102,7 +136,7 @@
     const node = el("div", { class: "iv-info", "data-role": "info" });
     const set = (text, attrs) => {
       node.textContent = text;
-      for (const k of ["query", "key", "weight", "layer", "head"]) delete node.dataset[k];
+      for (const k of ["query", "key", "weight", "layer", "site", "head"]) delete node.dataset[k];
       Object.assign(node.dataset, attrs || {});
     };
     return { node, set };
@@ -117,30 +151,36 @@
 
   // -- head view ----------------------------------------------------------------------------------------
   function headView(root, d) {
-    const W = Weights(d), n = W.n, ROW = 20;
+    const W = Weights(d), ROW = 20;
     const on = new Set(d.heads.flat());
     let layer = d.layers[0], hover = null, display = d.display;
+    let S = W.sides(layer), nq = S.q.tokens.length, nk = S.k.tokens.length;  // the shown layer's two sides
 
     const layerSel = el("select", { "data-role": "layer" });
-    d.layers.forEach((l) => layerSel.append(el("option", { value: l }, "layer " + l)));
+    d.layers.forEach((l) => layerSel.append(d.sites ? el("option", { value: l, "data-site": d.sites[l].name },
+      d.sites[l].label) : el("option", { value: l }, "layer " + l)));
     const displaySel = el("select", { "data-role": "display" });
     displaySel.append(el("option", { value: "lines" }, "lines"), el("option", { value: "matrix" }, "heatmaps"));
     displaySel.value = display;
     const headsBox = el("span", { class: "iv-heads" });
     const bar = el("div", { class: "iv-bar" });
     const lab = (text, node) => { const l = el("label", {}, text + " "); l.append(node); return l; };
-    bar.append(lab("layer", layerSel), headsBox, lab("display", displaySel));
+    bar.append(lab(d.sites ? "site" : "layer", layerSel), headsBox, lab("display", displaySel));
     const info = infoLine();
     const note = el("div", { class: "iv-note" });
+    const sides = el("div", { class: "iv-sides", "data-role": "sides" });  // encoder-decoder: where q and k come from
     const lines = el("div", { class: "iv-lines" }), qCol = el("div", { class: "iv-col", "data-side": "query" });
     const kCol = el("div", { class: "iv-col", "data-side": "key" }), canvas = el("canvas", { class: "iv-canvas" });
     lines.append(qCol, canvas, kCol);
     const matrices = el("div", { class: "iv-matrices" });
-    root.append(el("div", { class: "iv-title" }, d.title), bar, note, info.node, lines, matrices);
+    root.append(el("div", { class: "iv-title" }, d.title), bar, note, info.node, ...(d.sites ? [sides] : []), lines,
+      matrices);
+
+    const seq = (side) => (side === "query" ? S.q : S.k);
 
     function token(side, i) {
-      const node = el("div", { class: "iv-tok", "data-role": side, "data-token": d.positions[i] });
-      node.append(el("span", { class: "iv-text" }, d.tokens[i]));
+      const node = el("div", { class: "iv-tok", "data-role": side, "data-token": seq(side).positions[i] });
+      node.append(el("span", { class: "iv-text" }, seq(side).tokens[i]));
       const squares = el("span", { class: "iv-squares" });
       W.heads(layer).forEach((h) => squares.append(el("span", { class: "iv-sq", "data-head": h })));
       side === "query" ? node.append(squares) : node.prepend(squares);  // squares line up beside the lines
@@ -148,7 +188,14 @@
     }
 
     function build() {  // what depends on the layer: head buttons, token columns, heatmaps
+      S = W.sides(layer); nq = S.q.tokens.length; nk = S.k.tokens.length;
       root.dataset.layer = layer;
+      if (d.sites) {
+        const site = d.sites[layer];
+        root.dataset.site = site.name;
+        sides.textContent = `${site.label} (${site.title}): queries from the ${site.query} (left), keys from the ` +
+          `${site.key} (right)`;
+      }
       headsBox.replaceChildren(...W.heads(layer).map((h) => {
         const b = el("button", { type: "button", "data-role": "head", "data-head": h, style: `--c:${colour(h)}`,
           "aria-pressed": on.has(h), title: "show or hide head " + h }, "head " + h);
@@ -158,13 +205,13 @@
       lines.hidden = display !== "lines";
       matrices.hidden = display !== "matrix";
       if (display === "lines") {
-        qCol.replaceChildren(...d.tokens.map((_, i) => token("query", i)));
-        kCol.replaceChildren(...d.tokens.map((_, i) => token("key", i)));
-        const dpr = window.devicePixelRatio || 1;
-        canvas.width = 160 * dpr; canvas.height = n * ROW * dpr;
-        canvas.style.width = "160px"; canvas.style.height = n * ROW + "px";
+        qCol.replaceChildren(...S.q.tokens.map((_, i) => token("query", i)));
+        kCol.replaceChildren(...S.k.tokens.map((_, i) => token("key", i)));
+        const dpr = window.devicePixelRatio || 1, rows = Math.max(nq, nk);
+        canvas.width = 160 * dpr; canvas.height = rows * ROW * dpr;
+        canvas.style.width = "160px"; canvas.style.height = rows * ROW + "px";
       } else {
-        const px = Math.max(W.n, Math.min(480, 8 * W.n));
+        const px = matrixPx(Math.max(nq, nk), 480);
         matrices.replaceChildren(...active().map((h) => matrix(d, W, layer, h, px, info.set)));
       }
       render();
@@ -179,9 +226,9 @@
       ctx.lineWidth = 2 * dpr;
       for (const h of active()) {
         ctx.strokeStyle = colour(h);
-        for (let q = 0; q < n; q++) {
+        for (let q = 0; q < nq; q++) {
           if (hover && hover.side === "query" && hover.i !== q) continue;
-          for (let k = 0; k < n; k++) {
+          for (let k = 0; k < nk; k++) {
             if (hover && hover.side === "key" && hover.i !== k) continue;
             const v = W.get(layer, h, q, k);
             if (v < 50) continue;  // under 0.005: invisible
@@ -194,7 +241,7 @@
       // squares beside the other side's tokens: one per head, opacity and data-weight = the weight
       for (const [side, col] of [["query", qCol], ["key", kCol]]) {
         for (const tok of col.children) {
-          const i = d.positions.indexOf(+tok.dataset.token);
+          const i = seq(side).positions.indexOf(+tok.dataset.token);
           tok.classList.toggle("iv-hot", !!hover && hover.side === side && hover.i === i);
           for (const sq of tok.querySelectorAll(".iv-sq")) {
             const h = +sq.dataset.head, shown = hover && hover.side !== side && on.has(h);
@@ -203,7 +250,7 @@
             const v = side === "key" ? W.get(layer, h, hover.i, i) : W.get(layer, h, i, hover.i);
             sq.style.background = rgba(colour(h), v / 10000);
             sq.dataset.weight = fmt(v);
-            sq.title = `head ${layer}.${h}: ${fmt(v)}`;
+            sq.title = `${headName(d, layer, h)}: ${fmt(v)}`;
           }
         }
       }
@@ -211,27 +258,27 @@
 
     function describe() {
       if (!hover) return info.set("Hover a token: on the left, where it attends; on the right, what attends to it.");
-      const i = hover.i, parts = active().map((h) => {
+      const i = hover.i, other = seq(hover.side === "query" ? "key" : "query"), parts = active().map((h) => {
         let best = 0, at = 0;
-        for (let j = 0; j < n; j++) {
+        for (let j = 0; j < other.tokens.length; j++) {
           const v = hover.side === "query" ? W.get(layer, h, i, j) : W.get(layer, h, j, i);
           if (v > best) { best = v; at = j; }
         }
         const out = d.window && hover.side === "query" ? `, outside the window ${fmt(W.outside(layer, h, i))}` : "";
-        return `head ${h}: ${label(d, at)} ${fmt(best)}${out}`;
+        return `head ${h}: ${label(other, at)} ${fmt(best)}${out}`;
       });
       const what = hover.side === "query" ? "attends most to" : "is attended most by";
-      info.set(`${hover.side} ${label(d, i)} ${what}: ${parts.join("; ")}`);
+      info.set(`${hover.side} ${label(seq(hover.side), i)} ${what}: ${parts.join("; ")}`);
     }
 
     for (const [side, col] of [["query", qCol], ["key", kCol]]) {
       col.addEventListener("mouseover", (e) => {
         const sq = e.target.closest(".iv-sq"), tok = e.target.closest(".iv-tok");
         if (!tok) return;
-        const i = d.positions.indexOf(+tok.dataset.token);
+        const i = seq(side).positions.indexOf(+tok.dataset.token);
         if (sq && sq.dataset.weight !== undefined) {  // a square: that one weight, exactly
           const [q, k] = side === "key" ? [hover.i, i] : [i, hover.i];
-          return info.set(...pair(d, layer, +sq.dataset.head, q, k, sq.dataset.weight));
+          return info.set(...pair(d, W, layer, +sq.dataset.head, q, k, sq.dataset.weight));
         }
         if (hover && hover.side === side && hover.i === i) return;
         hover = { side, i };
@@ -271,11 +318,19 @@
     for (let h = 0; h < maxHeads; h++) table.append(el("span", { class: "iv-axis" }, "head " + h));
     const thumbs = [];
     d.layers.forEach((l, li) => {
-      table.append(el("span", { class: "iv-axis" }, "layer " + l));
+      const row = el("span", { class: "iv-axis", "data-role": "row", "data-layer": l },
+        d.sites ? d.sites[l].label : "layer " + l);
+      if (d.sites) { row.dataset.site = d.sites[l].name; row.title = `${d.sites[l].name}: ${d.sites[l].title}`; }
+      table.append(row);
+      const [nq, nk] = W.size(l), long = Math.max(nq, nk);
       for (let j = 0; j < maxHeads; j++) {
         const h = d.heads[li][j];
         if (h === undefined) { table.append(el("span", {})); continue; }
         const c = el("canvas", { class: "iv-thumb", "data-role": "thumb", "data-layer": l, "data-head": h, tabindex: 0 });
+        if (d.sites) c.dataset.site = d.sites[l].name;
+        if (nq !== nk) {  // drawn with its aspect: 44 px along the longer side, as square thumbnails are
+          c.style.width = (44 * nk) / long + "px"; c.style.height = (44 * nq) / long + "px";
+        }
         paint(c, W, l, h);
         c.addEventListener("click", () => open(l, h));
         c.addEventListener("keydown", (e) => {
@@ -297,14 +352,15 @@
         const v = values(c.dataset.layer, c.dataset.head), x = s && v ? v[s] : null;
         c.style.borderColor = x && x[0] !== null ? `rgb(${ramp(REDS, x[0]).join(",")})` : "#ddd";
         const score = x && x[0] !== null ? `: ${s} ${x[0].toFixed(3)}` + (x[1] === null ? "" : ` (95% ${interval(x)})`) : "";
-        c.title = `head ${c.dataset.layer}.${c.dataset.head}${score}` + (v && v.labels ? `; labels ${v.labels}` : "");
+        c.title = headName(d, +c.dataset.layer, c.dataset.head) + score + (v && v.labels ? `; labels ${v.labels}` : "");
       }
     }
 
     function open(l, h) {
       detail.dataset.layer = l; detail.dataset.head = h;
+      if (d.sites) detail.dataset.site = d.sites[l].name;
       thumbs.forEach((c) => c.classList.toggle("iv-open", +c.dataset.layer === l && +c.dataset.head === h));
-      const v = values(l, h), px = Math.max(W.n, Math.min(420, 8 * W.n));
+      const v = values(l, h), px = matrixPx(Math.max(...W.size(l)), 420);
       const rows = el("table", { class: "iv-scores", "data-role": "scores" });
       if (v) {
         const head = el("tr", {});
@@ -312,13 +368,15 @@
         rows.append(head);
         for (const c of S.columns) {
           const x = v[c], tr = el("tr", { "data-score": c });
-          const offset = c === "positional_fraction" && v.positional_offset !== undefined ? ` (offset ${v.positional_offset})` : "";
+          const at = { positional_fraction: v.positional_offset,
+            source_positional_fraction: v.source_positional_offset }[c];
+          const offset = at !== undefined ? ` (offset ${at})` : "";
           tr.append(el("td", {}, c), el("td", {}, x[0] === null ? "n/a" : x[0].toFixed(3)), el("td", {}, interval(x)),
             el("td", { class: "iv-deftext" }, S.definitions[c] + offset));
           rows.append(tr);
         }
       }
-      detail.replaceChildren(el("h4", {}, `head ${l}.${h}` + (v && v.labels ? `: ${v.labels}` : "")),
+      detail.replaceChildren(el("h4", {}, headName(d, l, h) + (v && v.labels ? `: ${v.labels}` : "")),
         matrix(d, W, l, h, px, info.set), info.node,
         v ? rows : el("p", {}, "No scores given (attention_grid(..., scores=detect_heads(model)))."));
       info.set("Hover the heatmap for a query, a key and the exact weight.");
