@@ -185,13 +185,21 @@ def _parse_heads(text: str | None, model) -> list[tuple[int, int]] | None:
     if text is None:
         return None
     heads = []
-    for item in text.split(","):
+    for item in text.split(","):  # LAYER.HEAD, or SITE.HEAD for an encoder-decoder model's attention sites
         try:
-            layer, head = (int(x) for x in item.strip().split("."))
+            where, head = item.strip().rsplit(".", 1)
+            heads.append((int(where) if where.isdigit() else where, int(head)))
         except ValueError:
-            raise UserError(f"heads are given as LAYER.HEAD separated by commas, e.g. 1.0,1.3; got {item!r}") from None
-        heads.append((layer, head))
+            raise UserError(f"heads are given as LAYER.HEAD separated by commas, e.g. 1.0,1.3 (an encoder-decoder "
+                            f"model's as SITE.HEAD, e.g. decoder.blocks.0.cross_attn.1); got {item!r}") from None
     return heads
+
+
+def _refuse_seq2seq(model, what: str, instead: str) -> None:
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise UserError(f"{what} does not handle encoder-decoder models yet; {instead}")
 
 
 # -- subcommands -------------------------------------------------------------------------------------------
@@ -278,6 +286,8 @@ def cmd_prune(args) -> int:
     with _Progress(["load", "pruning curves"]) as progress:
         progress("load")
         model = _load(args)
+        if args.save is not None:
+            _refuse_seq2seq(model, "--save (a structurally pruned copy)", "drop --save to get the pruning curves.")
         inputs, metric, what = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
         progress("pruning curves")
         curves = _pruning_curves(model, inputs, metric, args.step, args.seed)
@@ -349,6 +359,7 @@ def cmd_plot(args) -> int:
         from .views.report import example_prompt
 
         model = _load(args)
+        _refuse_seq2seq(model, "interp plot attention", "use interp view (every attention site, with a selector).")
         text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
         if isinstance(text, str) and model.tokenizer is None:
             import torch
@@ -399,18 +410,23 @@ def cmd_view(args) -> int:
                         f"(mkdir -p {args.out.parent})")
     if args.kind == "grid" and (args.layers or args.heads):
         raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
+    from .seq2seq import is_seq2seq
+
     model = _load(args)
     text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
     if isinstance(text, str) and model.tokenizer is None:
         import torch
 
         text = torch.tensor(_id_line(text, "--text"))
+    if is_seq2seq(model) and args.text is not None:
+        text = (text, text)  # the decoder copies the source (what a denoising model such as BART does)
     window = tuple(args.window) if args.window else None
     if args.kind == "grid":
         scores = _read_csv(args.csv) if args.csv is not None else None
         view = attention_grid(model, text, score=args.score, scores=scores, window=window)
     else:
-        layers = None if args.layers is None else _id_line(args.layers.replace(",", " "), "--layers")
+        layers = None if args.layers is None else [int(x) if x.isdigit() else x  # an index, or a seq2seq site
+                                                   for x in args.layers.replace(",", " ").split()]
         view = head_view(model, text, layers=layers, heads=_parse_heads(args.heads, model), window=window)
     view.save(_rank_zero_path(args.out))
     print(args.out)
@@ -424,6 +440,15 @@ def _circuit_inputs(args, model):
     from .metrics import logit_difference
     from .tasks import induction_task
 
+    from .seq2seq import copy_patching_task, is_seq2seq
+
+    if is_seq2seq(model):
+        if args.clean is not None or args.corrupted is not None:
+            raise UserError("--clean/--corrupted are for decoder-only models; an encoder-decoder model is patched on "
+                            "the copy task (omit them), or from Python with analyses.activation_patching on batches.")
+        clean, corrupted, metric = copy_patching_task(model, n=args.n_prompts, seed=args.seed)
+        return clean, corrupted, metric, (f"the copy task ({args.n_prompts} pairs; corrupted: the first half of "
+                                          "each source replaced)")
     if args.clean is None and args.corrupted is None:
         clean, corrupted, metric = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
         return clean, corrupted, metric, f"the induction task ({args.n_prompts} sequences [BOS, x, x] against [BOS, y, x])"
@@ -455,6 +480,8 @@ def cmd_patch(args) -> int:
     with _Progress(["load", args.method]) as progress:
         progress("load")
         model = _load(args)
+        if args.method == "path":
+            _refuse_seq2seq(model, "--method path", "use --method activation or attribution (per site and head).")
         clean, corrupted, metric, what = _circuit_inputs(args, model)
         progress(args.method)
         if args.method == "activation":
@@ -480,6 +507,8 @@ def cmd_attribute(args) -> int:
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
         model = _load(args)
+        _refuse_seq2seq(model, "interp attribute (logit attribution reads one residual stream)",
+                        "use interp patch --method attribution (per site and head).")
         if args.text is None:
             from .tasks import induction_task
 
@@ -557,8 +586,13 @@ def cmd_report(args) -> int:
                                fmt=[f.strip() for f in args.fmt.split(",") if f.strip()])
     finally:
         progress.close()
-    labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
-    print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s (strongest heads: {labelled})")
+    if "attention_maps" in summary:
+        labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
+        found = f"strongest heads: {labelled}"
+    else:  # an encoder-decoder model's report
+        found = "best-aligned cross-attention heads: " + (", ".join(
+            f"{b['site']}.{b['head']} {b['alignment']:.2f}" for b in summary["best_aligned"][:3]) or "none")
+    print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s ({found})")
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 
 from .scores import pattern_scores
 
-__all__ = ["CROSS_KINDS", "copy_accuracy", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
+__all__ = ["CROSS_KINDS", "copy_accuracy", "copy_patching_task", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
 
 _FRONT = ["stack", "kind", "site", "layer", "head"]  # the columns that name a head
 
@@ -52,6 +52,26 @@ def copy_task(model, n: int = 64, length: int = 10, seed: int = 0) -> dict:
     source = pool[torch.randint(len(pool), (n, length), generator=generator)].to(model.device)
     return {"input_ids": source, "attention_mask": torch.ones_like(source),
             "decoder_input_ids": model.decoder_inputs(source), "labels": source}
+
+
+def copy_patching_task(model, n: int = 16, length: int = 10, seed: int = 0, fraction: float = 0.5):
+    """``(clean, corrupted, metric)`` for patching on the copy task: ``copy_task`` pairs (clean); the same pairs with
+    the first ``fraction`` of each source replaced by other ordinary tokens (corrupted; the targets stay the clean
+    ones); the metric is the teacher-forced loss of the clean targets (``target_loss``). The corruption reaches the
+    encoder and the cross-attention, never the decoder's self-attention before its first cross-attention."""
+    from .seq2seq_studies import target_loss
+
+    clean = copy_task(model, n, length, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    special = {getattr(model.hf.config, a, None) for a in ("pad_token_id", "eos_token_id", "bos_token_id",
+                                                             "decoder_start_token_id")}
+    pool = torch.tensor([t for t in range(model.cfg.vocab_size) if t not in special], device=clean["input_ids"].device)
+    k = max(1, round(fraction * length))
+    source = clean["input_ids"].clone()
+    shift = torch.randint(1, len(pool), (n, k), generator=generator).to(source.device)  # never the clean token
+    where = torch.searchsorted(pool, source[:, :k].contiguous())
+    source[:, :k] = pool[(where + shift) % len(pool)]
+    return clean, {**clean, "input_ids": source}, target_loss(labels=clean["labels"])
 
 
 def copy_accuracy(model, batch: dict) -> float:

@@ -354,7 +354,7 @@ def patching_heatmap(df: pd.DataFrame, value: str = "effect", ax=None, annotate:
     what = df.attrs.get("what", "z")
     ax.set_title(title or f"patching {what}: {value} on {df.attrs.get('metric', 'metric')}")
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set_ylabel(grid.index.name or "layer")
     ax.tick_params(axis="y", rotation=0)
     return ax
 

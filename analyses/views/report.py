@@ -53,8 +53,15 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
     prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
     the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
     with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
-    and for encoders the embedding similarity to the unablated model.
+    and for encoders the embedding similarity to the unablated model. An encoder-decoder model: the copy task or the
+    prompts copied, with the teacher-forced target loss (``seq2seq_report.seq2seq_study_inputs``).
     """
+    from ..seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        from .seq2seq_report import seq2seq_study_inputs
+
+        return seq2seq_study_inputs(model, prompts, n=n, seed=seed)
     if prompts is None and model.tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
         bos = model.hf.config.bos_token_id
@@ -82,7 +89,18 @@ def prompt_batch(model, prompts: list) -> dict:
 
 
 def example_prompt(model, prompts: list | None = None, seed: int = 0):
-    """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence."""
+    """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence (for an
+    encoder-decoder model a (source, target) pair that copies it, or a copy-task pair)."""
+    from ..seq2seq import copy_task, is_seq2seq
+
+    if is_seq2seq(model):
+        if prompts:
+            first = prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
+            return first, first
+        if model.tokenizer is not None:
+            sentence = "The quick brown fox jumps over the lazy dog."
+            return sentence, sentence
+        return copy_task(model, 1, 12, seed)
     if prompts:
         return prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
     if model.tokenizer is not None:
@@ -147,7 +165,8 @@ _MANY_HEADS = 100
 def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
                  fmt: str | Sequence[str] = "png") -> dict:
-    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``.
+    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
+    model gets its own page (``seq2seq_report.write_seq2seq_report``: heads per attention site, on the copy task).
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
@@ -156,6 +175,13 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
     """
+    from ..seq2seq import is_seq2seq
+
+    if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
+        from .seq2seq_report import write_seq2seq_report
+
+        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts, progress=progress,
+                                    study_prompts=study_prompts, fmt=fmt)
     formats = _formats(fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

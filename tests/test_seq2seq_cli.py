@@ -1,0 +1,121 @@
+"""The CLI and the report on encoder-decoder models: every command runs on a saved tiny T5 (heads per site, SITE.HEAD
+head specs) or refuses in one line what does not apply yet; the report of the copy toy finds its copying
+cross-attention heads and reads offline in Chromium."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pandas as pd
+import pytest
+import torch
+from browser import Page, chromium
+
+from analyses.cli import main
+from analyses.seq2seq import train_copy_model
+from interp.testing import model_class, tiny_model
+
+
+@pytest.fixture(scope="module")
+def t5_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("t5")
+    hf = tiny_model("t5", cls=model_class("t5", seq2seq=True))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith((".q.weight", ".k.weight")):
+                p.mul_(3)
+    hf.save_pretrained(folder)
+    return folder
+
+
+def run(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*map(str, argv), "--threads", "1"])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_heads_ablate_and_patch_name_every_site(t5_folder):
+    code, out, _ = run("heads", "--model", t5_folder, "--format", "csv", "--n-prompts", "8")
+    heads = pd.read_csv(io.StringIO(out))
+    assert code == 0 and list(heads.columns[:5]) == ["stack", "kind", "site", "layer", "head"]
+    assert set(heads["site"]) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn", "decoder.blocks.0.attn",
+                                  "decoder.blocks.0.cross_attn", "decoder.blocks.1.attn", "decoder.blocks.1.cross_attn"}
+    assert heads.loc[heads["kind"] == "cross", "alignment"].notna().all()
+    assert heads.loc[heads["kind"] == "self", "alignment"].isna().all()
+
+    code, out, _ = run("ablate", "--model", t5_folder, "--format", "csv", "--n-prompts", "4",
+                       "--heads", "decoder.blocks.0.cross_attn.1,encoder.blocks.1.attn.0")
+    scan = pd.read_csv(io.StringIO(out))
+    assert code == 0 and list(zip(scan["site"], scan["head"])) == [("encoder.blocks.1.attn", 0),
+                                                                  ("decoder.blocks.0.cross_attn", 1)]
+    assert (scan["delta"] != 0).all()
+
+    code, out, _ = run("patch", "--model", t5_folder, "--format", "csv", "--n-prompts", "4")
+    patched = pd.read_csv(io.StringIO(out))
+    assert code == 0 and len(patched) == 6 * 4
+    # the corrupted source never reaches the first decoder block's self-attention
+    assert (patched.loc[patched["site"] == "decoder.blocks.0.attn", "effect"].abs() < 1e-6).all()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["attribute"], "use interp patch --method attribution"),
+    (["patch", "--method", "path", "--receivers", "1.0"], "use --method activation or attribution"),
+    (["prune", "--save", "{tmp}/pruned", "--fraction", "0.3"], "drop --save"),
+    (["plot", "--layer", "0", "--head", "0", "--out", "{tmp}/map.png"], "use interp view"),
+    (["patch", "--clean", "a", "--corrupted", "b", "--answer", "x", "--wrong", "y"], "copy task"),
+    (["ablate", "--heads", "decoder.blocks.9.cross_attn.0"], "decoder.blocks"),
+])
+def test_what_does_not_apply_is_refused_in_one_line(t5_folder, tmp_path, argv, says):
+    code, _, err = run(*[a.format(tmp=tmp_path) for a in argv], "--model", t5_folder)
+    assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_view_offers_every_site(t5_folder, tmp_path):
+    code, _, _ = run("view", "--model", t5_folder, "--out", tmp_path / "view.html",
+                     "--layers", "decoder.blocks.1.cross_attn,0")
+    page = (tmp_path / "view.html").read_text()
+    assert code == 0 and 'data-site' in page and "decoder.blocks.1.cross_attn" in page
+
+
+@pytest.fixture(scope="module")
+def copy_report(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # reproducible training (as tests/test_seq2seq_studies.py)
+    try:
+        model = train_copy_model(steps=400, n_heads=4, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    folder = tmp_path_factory.mktemp("copy")
+    model.hf.save_pretrained(folder / "model")
+    out = folder / "report"
+    code, printed, _ = run("report", "--model", folder / "model", "--out", out, "--n-prompts", "32")
+    assert code == 0 and "best-aligned cross-attention heads: decoder.blocks.0.cross_attn." in printed
+    return out
+
+
+def test_report_of_the_copy_toy_finds_its_copying_heads(copy_report):
+    summary = json.loads((copy_report / "summary.json").read_text())
+    for name in ("index.html", "heads.csv", "ablation.csv", "attribution.csv", "pruning.csv"):
+        assert (copy_report / name).stat().st_size > 0
+    best = summary["best_aligned"]
+    assert best[0]["site"] == "decoder.blocks.0.cross_attn" and best[0]["alignment"] > 0.6
+    # zero-ablating the best-aligned head hurts copying more than ablating any self-attention head
+    scan = pd.read_csv(copy_report / "ablation.csv")
+    top = scan.sort_values("delta", ascending=False).iloc[0]
+    assert top["kind"] == "cross" and top["delta"] > 10 * scan.loc[scan["kind"] == "self", "delta"].abs().max()
+    assert summary["head_view_site"] == "decoder.blocks.0.cross_attn"
+
+
+def test_report_of_the_copy_toy_reads_offline(copy_report, tmp_path):
+    with chromium() as browser:
+        page = Page(browser, (copy_report / "index.html").read_text())
+        p = page.page
+        labels = p.locator('.interp-view[data-view="grid"] [data-role="row"]').all_inner_texts()
+        assert [label.strip() for label in labels] == ["encoder 0 self", "decoder 0 self", "decoder 0 cross"]
+        assert p.locator("img").count() >= 5
+        page.check_clean()
+        page.screenshot(tmp_path / "report.png")
+        page.close()
