@@ -71,6 +71,13 @@ def _out(output) -> torch.Tensor:
     return output[0].float()
 
 
+def _verdict(worst: dict) -> tuple[str, str]:
+    """parity or mismatch from ``{attn: (relative error, HF implementation)}``: eager within 1e-6, flash 1e-5."""
+    detail = ", ".join(f"{a} {e:.1e} vs HF {r}" for a, (e, r) in worst.items())
+    ok = worst["eager"][0] <= 1e-6 and worst["flash"][0] <= 1e-5
+    return ("parity" if ok else "mismatch"), detail
+
+
 def check(model_type: str) -> tuple[str, str]:
     """(outcome, detail) for one model type."""
     try:
@@ -129,9 +136,7 @@ def check(model_type: str) -> tuple[str, str]:
         return "refused", str(err)
     except Exception as err:  # noqa: BLE001
         return "crash", f"{type(err).__name__}: {err}"
-    detail = ", ".join(f"{a} {e:.1e} vs HF {r}" for a, (e, r) in worst.items())
-    ok = worst["eager"][0] <= 1e-6 and worst["flash"][0] <= 1e-5
-    return ("parity" if ok else "mismatch"), detail
+    return _verdict(worst)
 
 
 def check_seq2seq(model_type: str) -> tuple[str, str]:
@@ -184,9 +189,7 @@ def check_seq2seq(model_type: str) -> tuple[str, str]:
         return "refused", str(err)
     except Exception as err:  # noqa: BLE001
         return "crash", f"{type(err).__name__}: {err}"
-    detail = ", ".join(f"{a} {e:.1e} vs HF {r}" for a, (e, r) in worst.items())
-    ok = worst["eager"][0] <= 1e-6 and worst["flash"][0] <= 1e-5
-    return ("parity" if ok else "mismatch"), detail
+    return _verdict(worst)
 
 
 def reason(detail: str) -> str:

@@ -33,7 +33,7 @@ import torch
 from matplotlib.figure import FigureBase
 from matplotlib.patches import Rectangle
 
-from .attention import visible_token
+from .attention import _window, visible_token
 
 __all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
            "clean_token", "save_figure"]
@@ -73,7 +73,7 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     """
     pattern, tokens, name = _pattern_of(source, layer, head, text, tokens, batch)
     n = pattern.shape[0]
-    lo, hi = (0, n) if window is None else _window(window, n)
+    lo, hi = _window(window, n)
     pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
     positions = range(lo, hi)
     labels = [clean_token(t) for t in tokens]
@@ -165,16 +165,6 @@ def _labels(tokens, n: int) -> list[str]:
     if len(tokens) != n:
         raise ValueError(f"tokens has {len(tokens)} labels but the pattern has {n} positions.")
     return [str(t) for t in tokens]
-
-
-def _window(window, n: int) -> tuple[int, int]:
-    try:
-        lo, hi, _ = slice(*window).indices(n)
-    except TypeError:
-        raise ValueError(f"window is (start, stop) in positions; got {window!r}.") from None
-    if hi - lo < 1:
-        raise ValueError(f"window {tuple(window)} selects no position of a sequence of {n}; use start < stop <= {n}.")
-    return lo, hi
 
 
 # -- per-head grids --------------------------------------------------------------------------------------
