@@ -28,7 +28,7 @@ from analyses import (activation_patching, attribution_patching, detect_heads, e
 from analyses.ablation import ablation_scan
 from analyses.metrics import Metric, _main_output, mean_pool
 from interp import distributed
-from interp.testing import tiny_model
+from interp.testing import model_class, tiny_model
 
 TOL = 1e-6
 HERE = Path(__file__).resolve()
@@ -101,6 +101,28 @@ def minilm_studies(_folder=None) -> dict[str, pd.DataFrame]:
     }
 
 
+def seq2seq_studies(folder) -> dict[str, pd.DataFrame]:
+    """The sharded studies on a tiny T5 (an encoder-decoder: rows per (site, head)), padding on both sides."""
+    from analyses.seq2seq import copy_patching_task, copy_task
+    from analyses.seq2seq_studies import target_loss
+
+    model = interp.load_model(folder)
+    batch = copy_task(model, n=7, length=8, seed=0)
+    batch["attention_mask"][2, 6:] = 0  # a shorter source
+    batch["decoder_attention_mask"] = torch.ones_like(batch["decoder_input_ids"])
+    batch["decoder_attention_mask"][4, 5:] = 0  # a shorter target
+    batch["labels"] = batch["labels"].masked_fill(batch["decoder_attention_mask"] == 0, -100)
+    clean, corrupted, metric = copy_patching_task(model, n=5, length=8, seed=1)  # labels held by the metric
+    return {
+        "ablation": ablation_scan(model, batch, target_loss()),
+        "ablation_mean": ablation_scan(model, batch, target_loss(), method="mean", reference=batch),
+        "importance": head_importance(model, batch, loss=target_loss()),
+        "pruning": pruning_curve(model, batch, target_loss(), step=0.5),
+        "patching": activation_patching(model, clean, corrupted, metric),
+        "attribution": attribution_patching(model, clean, corrupted, metric),
+    }
+
+
 def failing_study(_folder=None) -> dict:
     """Rank 1's metric raises in the middle of a scan; rank 0 must not wait for it."""
 
@@ -117,7 +139,7 @@ def failing_study(_folder=None) -> dict:
     return {}
 
 
-CASES = {"tiny": tiny_studies, "minilm": minilm_studies, "fail": failing_study}
+CASES = {"tiny": tiny_studies, "minilm": minilm_studies, "seq2seq": seq2seq_studies, "fail": failing_study}
 
 
 def _counting_tokens(study, *args) -> tuple[dict, int]:
@@ -209,6 +231,13 @@ def test_sharded_studies_equal_one_process_on_a_tiny_model(tiny_folder, tmp_path
 def test_sharded_studies_equal_one_process_on_minilm(tmp_path):
     rank0, _ = _run_case("minilm", None, tmp_path)
     assert rank0["heads"].set_index(["layer", "head"]).loc[(0, 2), "previous_token"] > 0.9  # MiniLM's known head
+
+
+def test_sharded_studies_equal_one_process_on_an_encoder_decoder(tmp_path):
+    folder = tmp_path / "t5"
+    tiny_model("t5", cls=model_class("t5", seq2seq=True)).save_pretrained(folder)
+    rank0, _ = _run_case("seq2seq", folder, tmp_path)
+    assert list(rank0["ablation"].columns[:3]) == ["stack", "kind", "site"] and (rank0["ablation"]["delta"] != 0).any()
 
 
 def test_a_rank_that_raises_fails_the_torchrun_with_its_error(tmp_path):
