@@ -132,6 +132,32 @@ def _take_over(hf: torch.nn.Module) -> None:
             detach_layer_hooks(module)
 
 
+@contextmanager
+def studying(model):
+    """``model.studying()`` of a HookedModel or Seq2SeqHookedModel (both keep ``hf``, ``_registry`` and
+    ``_sync_module_hooks``): eval mode and the global RNG untouched inside; every module's mode, every parameter's
+    ``requires_grad`` and the hooks on every point restored on exit, also after an exception."""
+    hf, registry = model.hf, model._registry
+    modes = [(m, m.training) for m in hf.modules()]
+    # by name: accelerate replaces an offloaded weight's Parameter object each time it loads it
+    requires = [(name, p.requires_grad) for name, p in hf.named_parameters()]
+    hooks = {name: list(point.fns) for name, point in registry.points.items()}
+    devices = sorted({p.device.index or 0 for p in hf.parameters() if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            hf.eval()
+            yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+        for name, flag in requires:
+            hf.get_parameter(name).requires_grad_(flag)
+        if any(point.fns != hooks[name] for name, point in registry.points.items()):
+            for name, point in registry.points.items():
+                point.fns[:] = hooks[name]
+            model._sync_module_hooks()
+
+
 class HookedModel:
     """A HF model (``.hf``) with our attention, hook points and activation cache.
 
@@ -264,32 +290,14 @@ class HookedModel:
                     "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads)."
                 )
 
-    @contextmanager
     def studying(self):
-        """The state every analysis runs in, and restores.
+        """The state every analysis runs in, and restores (a context manager).
 
         Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
         also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
         hooks on every point are as they were before.
         """
-        modes = [(m, m.training) for m in self.hf.modules()]
-        # by name: accelerate replaces an offloaded weight's Parameter object each time it loads it
-        requires = [(name, p.requires_grad) for name, p in self.hf.named_parameters()]
-        hooks = {name: list(point.fns) for name, point in self._registry.points.items()}
-        devices = sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
-        try:
-            with torch.random.fork_rng(devices=devices):
-                self.hf.eval()
-                yield self
-        finally:
-            for m, training in modes:
-                m.training = training
-            for name, flag in requires:
-                self.hf.get_parameter(name).requires_grad_(flag)
-            if any(point.fns != hooks[name] for name, point in self._registry.points.items()):
-                for name, point in self._registry.points.items():
-                    point.fns[:] = hooks[name]
-                self._sync_module_hooks()
+        return studying(self)
 
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):

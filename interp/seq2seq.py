@@ -31,7 +31,8 @@ from hooks import ActivationCache, HookPoint, HookRegistry, NameFilter, spec_for
 from .attention import ATTN_KEYS, EAGER_KEY, LayerHooks, Recording, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, tokenize
-from .model import _replace_first, _take_over
+from .distributed import input_device
+from .model import _replace_first, _take_over, studying
 from .structure import _find_blocks, _ModuleLog, _is_linear
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
@@ -267,26 +268,10 @@ class Seq2SeqHookedModel:
                     "Call model.set_attn('eager'), or capture q and k and use cache.pattern(prefix, heads)."
                 )
 
-    @contextmanager
     def studying(self):
-        """Eval mode and the global RNG untouched inside; modes, requires_grad and hooks restored on exit."""
-        modes = [(m, m.training) for m in self.hf.modules()]
-        requires = [(p, p.requires_grad) for p in self.hf.parameters()]
-        hooks = {name: list(point.fns) for name, point in self._registry.points.items()}
-        devices = sorted({p.device.index or 0 for p in self.hf.parameters() if p.device.type == "cuda"})
-        try:
-            with torch.random.fork_rng(devices=devices):
-                self.hf.eval()
-                yield self
-        finally:
-            for m, training in modes:
-                m.training = training
-            for p, flag in requires:
-                p.requires_grad_(flag)
-            if any(point.fns != hooks[name] for name, point in self._registry.points.items()):
-                for name, point in self._registry.points.items():
-                    point.fns[:] = hooks[name]
-                self._sync_module_hooks()
+        """Eval mode and the global RNG untouched inside; modes, requires_grad and hooks restored on exit
+        (``interp.model.studying``)."""
+        return studying(self)
 
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
@@ -329,7 +314,8 @@ class Seq2SeqHookedModel:
     # -- inputs ----------------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
+        return input_device(self.hf)
 
     @property
     def dtype(self) -> torch.dtype:
