@@ -158,7 +158,40 @@ def studying(model):
             model._sync_module_hooks()
 
 
-class HookedModel:
+class _Wrapper:
+    """What both model wrappers (``HookedModel``, ``interp.seq2seq.Seq2SeqHookedModel``) do the same way with their
+    hook registry (``_registry``) and torch hook handles (``_torch_handles``, made by ``_attach``)."""
+
+    def studying(self):
+        """The state every analysis runs in, and restores (a context manager).
+
+        Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
+        also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
+        hooks on every point are as they were before.
+        """
+        return studying(self)
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
+        """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
+        self._check_attached()
+        with self._registry.hooks(fwd_hooks):
+            yield self
+
+    def reset_hooks(self) -> None:
+        """Remove every hook added through this model."""
+        self._registry.clear()
+
+    def _keep_handles(self, wanted: set[str]) -> None:
+        """Torch hooks exactly on the keys in ``wanted``: remove the others, attach the missing ones."""
+        for key in list(self._torch_handles):
+            if key not in wanted:
+                self._torch_handles.pop(key).remove()
+        for key in wanted - self._torch_handles.keys():
+            self._torch_handles[key] = self._attach(key)
+
+
+class HookedModel(_Wrapper):
     """A HF model (``.hf``) with our attention, hook points and activation cache.
 
     ``model(input_ids, attention_mask=None)`` returns the HF model's own output. Inputs may be token ids
@@ -290,26 +323,6 @@ class HookedModel:
                     "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads)."
                 )
 
-    def studying(self):
-        """The state every analysis runs in, and restores (a context manager).
-
-        Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
-        also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
-        hooks on every point are as they were before.
-        """
-        return studying(self)
-
-    @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
-        """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
-        self._check_attached()
-        with self._registry.hooks(fwd_hooks):
-            yield self
-
-    def reset_hooks(self) -> None:
-        """Remove every hook added through this model."""
-        self._registry.clear()
-
     def _sync_module_hooks(self) -> None:
         """Attach a torch hook where a module-level point has listeners; detach it where none are left."""
         for lh in self._layer_hooks:
@@ -321,11 +334,7 @@ class HookedModel:
         for layer in range(self.cfg.n_layers):
             wanted.update(f"blocks.{layer}.{kind}" for kind in _MODULE_KINDS
                           if self._registry.points.get(spec_name(layer, kind)))
-        for key in list(self._torch_handles):
-            if key not in wanted:
-                self._torch_handles.pop(key).remove()
-        for key in wanted - self._torch_handles.keys():
-            self._torch_handles[key] = self._attach(key)
+        self._keep_handles(wanted)
 
     def _attach(self, key: str):
         if key == "hook_embed":

@@ -20,8 +20,7 @@ length is the source's and query length the target's is cross-attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from .attention import ATTN_KEYS, EAGER_KEY, LayerHooks, Recording, attach_layer
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, tokenize
 from .distributed import input_device
-from .model import _replace_first, _take_over, studying
+from .model import _replace_first, _take_over, _Wrapper
 from .structure import _find_blocks, _ModuleLog, _is_linear
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
@@ -168,7 +167,7 @@ def _find_decoder_blocks(decoder, self_modules, cross_modules):
                               "self-attention and one cross-attention module.")
 
 
-class Seq2SeqHookedModel:
+class Seq2SeqHookedModel(_Wrapper):
     """An encoder-decoder HF model (``.hf``) with our attention in every site, hook points and a cache.
 
     ``model(input_ids, attention_mask=None, decoder_input_ids=..., decoder_attention_mask=None)`` returns the
@@ -268,20 +267,6 @@ class Seq2SeqHookedModel:
                     "Call model.set_attn('eager'), or capture q and k and use cache.pattern(prefix, heads)."
                 )
 
-    def studying(self):
-        """Eval mode and the global RNG untouched inside; modes, requires_grad and hooks restored on exit
-        (``interp.model.studying``)."""
-        return studying(self)
-
-    @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
-        self._check_attached()
-        with self._registry.hooks(fwd_hooks):
-            yield self
-
-    def reset_hooks(self) -> None:
-        self._registry.clear()
-
     def _sync_module_hooks(self) -> None:
         for lh in self._layer_hooks.values():
             lh.refresh()
@@ -289,11 +274,7 @@ class Seq2SeqHookedModel:
             self._drop_torch_hooks()
             return
         wanted = {name for name in self._registry.active() if "resid" in name or name.endswith("_out")}
-        for key in list(self._torch_handles):
-            if key not in wanted:
-                self._torch_handles.pop(key).remove()
-        for key in wanted - self._torch_handles.keys():
-            self._torch_handles[key] = self._attach(key)
+        self._keep_handles(wanted)
 
     def _attach(self, name: str):
         point = self._registry[name]
