@@ -182,6 +182,19 @@ class _Wrapper:
         """Remove every hook added through this model."""
         self._registry.clear()
 
+    def hook_names(self) -> list[str]:
+        return self._registry.names()
+
+    def _check_points(self, points: list[HookPoint]) -> None:
+        if self.attn == "flash":
+            bad = [p.name for p in points if spec_for(p.name).eager_only]
+            if bad:
+                raise ValueError(
+                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
+                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads) "
+                    "(an encoder-decoder model: cache.pattern(site prefix, heads))."
+                )
+
     def _keep_handles(self, wanted: set[str]) -> None:
         """Torch hooks exactly on the keys in ``wanted``: remove the others, attach the missing ones."""
         for key in list(self._torch_handles):
@@ -311,18 +324,6 @@ class HookedModel(_Wrapper):
             )
 
     # -- hooks -----------------------------------------------------------------------------------------
-    def hook_names(self) -> list[str]:
-        return self._registry.names()
-
-    def _check_points(self, points: list[HookPoint]) -> None:
-        if self.attn == "flash":
-            bad = [p.name for p in points if spec_for(p.name).eager_only]
-            if bad:
-                raise ValueError(
-                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
-                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads)."
-                )
-
     def _sync_module_hooks(self) -> None:
         """Attach a torch hook where a module-level point has listeners; detach it where none are left."""
         for lh in self._layer_hooks:

@@ -255,18 +255,6 @@ class Seq2SeqHookedModel(_Wrapper):
         return self
 
     # -- hooks -----------------------------------------------------------------------------------------
-    def hook_names(self) -> list[str]:
-        return self._registry.names()
-
-    def _check_points(self, points: list[HookPoint]) -> None:
-        if self.attn == "flash":
-            bad = [p.name for p in points if spec_for(p.name).eager_only]
-            if bad:
-                raise ValueError(
-                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
-                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(prefix, heads)."
-                )
-
     def _sync_module_hooks(self) -> None:
         for lh in self._layer_hooks.values():
             lh.refresh()
