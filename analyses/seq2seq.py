@@ -20,10 +20,13 @@ The circuit studies per attention site (ablation, patching, attribution, importa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pandas as pd
 import torch
 
+from .engine import Shard
 from .scores import pattern_scores
 
 __all__ = ["CROSS_KINDS", "copy_accuracy", "copy_patching_task", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
@@ -144,25 +147,29 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
     if not is_seq2seq(model):
         raise TypeError("seq2seq_heads takes an encoder-decoder model (interp.load_model of T5, BART, ...); use "
                         "detect_heads for decoder-only and encoder models.")
+    for name, value in (("n_prompts", n_prompts), ("seq_len", seq_len), ("n_bootstrap", n_bootstrap)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
     limits = {**CROSS_THRESHOLDS, **(thresholds or {})}
     batch = copy_task(model, n_prompts, seq_len, seed) if batch is None else batch
-    if "decoder_input_ids" not in batch:
-        raise ValueError("batch needs decoder_input_ids (the teacher-forced targets) as well as input_ids.")
+    if not isinstance(batch, Mapping) or "input_ids" not in batch or "decoder_input_ids" not in batch:
+        raise ValueError("An encoder-decoder model's heads are scored on a batch {input_ids, attention_mask, "
+                         "decoder_input_ids, decoder_attention_mask} (the teacher-forced targets as well as the "
+                         "sources; default: copy_task(model)); got "
+                         f"{sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__}.")
     src, src_mask = batch["input_ids"], batch.get("attention_mask")
     tgt, tgt_mask = batch["decoder_input_ids"], batch.get("decoder_attention_mask")
-    names = [n for n in model.hook_names() if n.endswith(("hook_q", "hook_k"))
-             or (model.attn == "eager" and n.endswith("hook_pattern"))]
-    with model.studying(), torch.no_grad():
-        _, cache = model.run_with_cache(src, src_mask, names=names, decoder_input_ids=tgt,
-                                        decoder_attention_mask=tgt_mask)
+    patterns = _patterns(model, {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
+                                 "decoder_attention_mask": tgt_mask})
     frames = []
     for site in model.cfg.sites:
-        pattern = cache.pattern(site.name)
+        pattern = patterns[site.name]
         head = {"stack": site.stack, "kind": site.kind, "site": site.name, "layer": site.block}
         if site.kind == "cross":
             rows = [{**head, **r} for r in _cross_scores(pattern, src_mask, tgt_mask, n_bootstrap, seed)]
-            for r in rows:
+            for r in rows:  # one class per cross head; labels as for self heads ("" when none)
                 r["label"] = _cross_label(r, limits)
+                r["labels"] = "" if r["label"] == "none" else r["label"]
             frames.append(pd.DataFrame(rows))
         else:
             ids, mask = (src, src_mask) if site.stack == "encoder" else (tgt, tgt_mask)
@@ -174,6 +181,21 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
     df = df[front + [c for c in df.columns if c not in front]]
     df.attrs.update(attn=model.attn, thresholds=limits, n_prompts=int(src.shape[0]))
     return df
+
+
+def _patterns(model, batch: dict) -> dict[str, torch.Tensor]:
+    """Every site's pattern ``(b, h, q, k)`` on the batch. Under torch.distributed each rank runs its share of the
+    pairs and the patterns are gathered in the original order (exact: one contributor per row), so every rank
+    scores what one process scores."""
+    names = [n for n in model.hook_names() if n.endswith(("hook_q", "hook_k"))
+             or (model.attn == "eager" and n.endswith("hook_pattern"))]
+    with Shard(batch) as shard:
+        part = shard.rows(batch)
+        with model.studying(), torch.no_grad():
+            _, cache = model.run_with_cache(part["input_ids"], part["attention_mask"], names=names,
+                                            decoder_input_ids=part["decoder_input_ids"],
+                                            decoder_attention_mask=part["decoder_attention_mask"])
+        return {site.name: shard.gather(cache.pattern(site.name)) for site in model.cfg.sites}
 
 
 def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: int = 24, d_model: int = 64,

@@ -114,6 +114,8 @@ def seq2seq_studies(folder) -> dict[str, pd.DataFrame]:
     batch["labels"] = batch["labels"].masked_fill(batch["decoder_attention_mask"] == 0, -100)
     clean, corrupted, metric = copy_patching_task(model, n=5, length=8, seed=1)  # labels held by the metric
     return {
+        "heads": detect_heads(model, n_prompts=7, seq_len=8, n_bootstrap=50),
+        "heads_padded": detect_heads(model, prompts=batch, n_bootstrap=50),
         "ablation": ablation_scan(model, batch, target_loss()),
         "ablation_mean": ablation_scan(model, batch, target_loss(), method="mean", reference=batch),
         "importance": head_importance(model, batch, loss=target_loss()),
@@ -194,7 +196,7 @@ def _assert_same(got: dict, expected: dict) -> None:
                 assert (np.isnan(a) == np.isnan(b)).all(), (name, column)
                 assert np.nanmax(np.abs(a - b), initial=0.0) <= TOL, (name, column, np.nanmax(np.abs(a - b)))
             else:
-                assert df[column].tolist() == other[column].tolist(), (name, column)
+                assert df[column].fillna("<NaN>").tolist() == other[column].fillna("<NaN>").tolist(), (name, column)
         for key in ("clean", "corrupted"):
             if key in df.attrs:
                 assert abs(df.attrs[key] - other.attrs[key]) <= TOL, (name, key)
