@@ -71,6 +71,16 @@ def _out(output) -> torch.Tensor:
     return output[0].float()
 
 
+def _reference(hf, impl: str):
+    """A copy of ``hf`` on HF's ``impl`` attention (eager where the type has no such implementation)."""
+    ref = copy.deepcopy(hf)
+    try:
+        ref.set_attn_implementation(impl)
+    except Exception:  # noqa: BLE001  no sdpa for this type
+        ref.set_attn_implementation("eager")
+    return ref
+
+
 def _verdict(worst: dict) -> tuple[str, str]:
     """parity or mismatch from ``{attn: (relative error, HF implementation)}``: eager within 1e-6, flash 1e-5."""
     detail = ", ".join(f"{a} {e:.1e} vs HF {r}" for a, (e, r) in worst.items())
@@ -115,11 +125,7 @@ def check(model_type: str) -> tuple[str, str]:
             kwargs["position_ids"] = padded_positions(mask)
         worst = {}
         for attn, ref_impl in (("eager", "eager"), ("flash", "sdpa")):
-            ref = copy.deepcopy(hf)
-            try:
-                ref.set_attn_implementation(ref_impl)
-            except Exception:  # noqa: BLE001  no sdpa for this type
-                ref.set_attn_implementation("eager")
+            ref = _reference(hf, ref_impl)
             ours.set_attn(attn)
             with torch.no_grad():
                 try:
@@ -173,11 +179,7 @@ def check_seq2seq(model_type: str) -> tuple[str, str]:
     worst = {}
     try:
         for attn, ref_impl in (("eager", "eager"), ("flash", "sdpa")):
-            ref = copy.deepcopy(hf)
-            try:
-                ref.set_attn_implementation(ref_impl)
-            except Exception:  # noqa: BLE001  no sdpa for this type
-                ref.set_attn_implementation("eager")
+            ref = _reference(hf, ref_impl)
             ours.set_attn(attn)
             with torch.no_grad():
                 expected = _out(ref(**batch))

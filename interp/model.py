@@ -182,8 +182,40 @@ class _Wrapper:
         """Remove every hook added through this model."""
         self._registry.clear()
 
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
+        return input_device(self.hf)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
     def hook_names(self) -> list[str]:
         return self._registry.names()
+
+    def _check_attached(self) -> None:
+        """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
+        this one silently without them."""
+        if not self._owns_hf():
+            raise RuntimeError(
+                "This model's HF model was wrapped again by a newer interp model (interp.load_model on the "
+                "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
+                "interp.load_model(copy.deepcopy(hf))."
+            )
+
+    def _switch_attn(self, attn: str) -> None:
+        """Set the attention implementation of the HF model to our eager or flash path (refusing hooks that the
+        flash path cannot fire); the caller checks that every attention then calls it."""
+        self._check_attached()
+        if attn not in ATTN_KEYS:
+            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
+        if attn == "flash":
+            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
+            if eager_only:
+                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
+        self.hf.set_attn_implementation(ATTN_KEYS[attn])
+        self.attn = attn
 
     def _check_points(self, points: list[HookPoint]) -> None:
         if self.attn == "flash":
@@ -287,27 +319,9 @@ class HookedModel(_Wrapper):
     def _owns_hf(self) -> bool:
         return attached_layer_hooks(self._attn_modules[0]) is self._layer_hooks[0]
 
-    def _check_attached(self) -> None:
-        """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
-        this one silently without them."""
-        if not self._owns_hf():
-            raise RuntimeError(
-                "This HookedModel's HF model was wrapped again by a newer HookedModel (interp.load_model on the "
-                "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
-                "interp.load_model(copy.deepcopy(hf))."
-            )
-
     def set_attn(self, attn: str) -> HookedModel:
         """Switch between the exact ``"eager"`` path and the fused ``"flash"`` path."""
-        self._check_attached()
-        if attn not in ATTN_KEYS:
-            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
-        if attn == "flash":
-            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
-            if eager_only:
-                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
-        self.hf.set_attn_implementation(ATTN_KEYS[attn])
-        self.attn = attn
+        self._switch_attn(attn)
         self._probe()  # the config's record of the key is not proof (composite models keep one per sub-config)
         return self
 
@@ -399,15 +413,6 @@ class HookedModel(_Wrapper):
         return hook
 
     # -- inputs ----------------------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
-        return input_device(self.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.hf.parameters()).dtype
-
     def to_tokens(self, text: str | Sequence[str], max_length: int | None = None):
         """Tokenize text into ``{"input_ids": (b, p), "attention_mask": (b, p)}``, padded (left for causal
         models, right for encoders) and on the model's device."""

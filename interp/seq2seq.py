@@ -27,12 +27,12 @@ import torch
 
 from hooks import ActivationCache, HookPoint, HookRegistry, NameFilter, spec_for
 
-from .attention import ATTN_KEYS, EAGER_KEY, LayerHooks, Recording, attach_layer_hooks, attached_layer_hooks
+from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, tokenize
 from .distributed import input_device
 from .model import _replace_first, _take_over, _Wrapper
-from .structure import _find_blocks, _ModuleLog, _is_linear
+from .structure import _find_blocks, _is_linear, _ModuleLog, probe
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
 
@@ -82,26 +82,12 @@ class Seq2SeqConfig:
 
 def _discover(hf) -> tuple[list[Site], str, str, dict]:
     """Probe forward on our eager path: the attention sites, the two block lists, and the modules."""
-    previous = hf.config._attn_implementation
-    modes = [(m, m.training) for m in hf.modules()]
-    log = _ModuleLog(hf)
     vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(1234)
-    device = next(hf.parameters()).device
+    device = input_device(hf)
     src = torch.randint(min(4, vocab - 1), vocab, (1, _SOURCE_LEN), generator=generator).to(device)
     tgt = torch.randint(min(4, vocab - 1), vocab, (1, _TARGET_LEN), generator=generator).to(device)
-    try:
-        if previous != EAGER_KEY:
-            hf.set_attn_implementation(EAGER_KEY)
-        hf.eval()
-        with Recording() as recording, torch.no_grad(), torch.random.fork_rng(devices=[]):
-            hf(input_ids=src, decoder_input_ids=tgt, use_cache=False)
-    finally:
-        log.remove()
-        for m, training in modes:
-            m.training = training
-        if hf.config._attn_implementation != previous:
-            hf.set_attn_implementation(previous)
+    recording, log = probe(hf, lambda: hf(input_ids=src, decoder_input_ids=tgt, use_cache=False))
     encoder, decoder = hf.get_encoder(), hf.get_decoder()
     in_encoder = {id(m) for m in encoder.modules()}
     calls = {}
@@ -227,23 +213,10 @@ class Seq2SeqHookedModel(_Wrapper):
         first = next(iter(self._layer_hooks))
         return attached_layer_hooks(self._modules[first]) is self._layer_hooks[first]
 
-    def _check_attached(self) -> None:
-        if not self._owns_hf():
-            raise RuntimeError("This model's HF model was wrapped again by a newer interp model, which now owns its "
-                               "hooks. Use the newer one, or wrap a copy: interp.load_model(copy.deepcopy(hf)).")
-
     # -- attention path --------------------------------------------------------------------------------
     def set_attn(self, attn: str) -> Seq2SeqHookedModel:
         """Switch every site between the exact ``"eager"`` path and the fused ``"flash"`` path."""
-        self._check_attached()
-        if attn not in ATTN_KEYS:
-            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
-        if attn == "flash":
-            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
-            if eager_only:
-                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
-        self.hf.set_attn_implementation(ATTN_KEYS[attn])
-        self.attn = attn
+        self._switch_attn(attn)
         fired = set()
         with self.studying(), self.hooks([(lambda n: n.endswith("hook_z"), lambda z, hook: fired.add(hook.name))]):
             with torch.no_grad():
@@ -281,15 +254,6 @@ class Seq2SeqHookedModel(_Wrapper):
         return module.register_forward_hook(lambda m, i, out: _replace_first(out, point))
 
     # -- inputs ----------------------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
-        return input_device(self.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.hf.parameters()).dtype
-
     @property
     def pad_token_id(self) -> int:
         for source in (self.tokenizer, self.hf.config):

@@ -102,6 +102,15 @@ class Structure:
 
 def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
     """Run one probe forward of ``hf`` on our eager path and read its structure off what ran."""
+    ids = _probe_ids(hf, n_tokens)
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(hf.forward).parameters else {}
+    recording, log = probe(hf, lambda: hf(input_ids=ids, **kwargs))
+    return _read(hf, recording, log)
+
+
+def probe(hf: torch.nn.Module, forward) -> tuple[Recording, _ModuleLog]:
+    """``forward()`` once on our eager path in eval mode, recording every attention call and every module that ran;
+    the attention implementation, every module's mode and the global RNG are as they were afterwards."""
     previous = hf.config._attn_implementation
     modes = [(m, m.training) for m in hf.modules()]
     log = _ModuleLog(hf)
@@ -109,17 +118,15 @@ def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
         if previous != EAGER_KEY:
             hf.set_attn_implementation(EAGER_KEY)
         hf.eval()
-        ids = _probe_ids(hf, n_tokens)
-        kwargs = {"use_cache": False} if "use_cache" in inspect.signature(hf.forward).parameters else {}
         with Recording() as recording, torch.no_grad(), torch.random.fork_rng(devices=[]):
-            hf(input_ids=ids, **kwargs)
+            forward()
     finally:
         log.remove()
         for m, training in modes:
             m.training = training
         if hf.config._attn_implementation != previous:
             hf.set_attn_implementation(previous)
-    return _read(hf, recording, log)
+    return recording, log
 
 
 def _probe_ids(hf, n_tokens: int) -> torch.Tensor:

@@ -219,11 +219,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
 
     timed("ablation")
     inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
-    scan = ablation_scan(model, inputs, metric)
-    scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=grid_size)
-    ablation_heatmap(scan, ax=ax)
-    figures.add("ablation", fig)
+    scan = _ablation(model, inputs, metric, figures, out, grid_size)
 
     circuits = None
     if model.tokenizer is not None and model.cfg.causal and model.structure.final_norm is not None:
@@ -231,14 +227,8 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
         circuits = _circuits(model, figures, out, seed)
 
     timed("pruning")
-    step_size = max(0.1, 1.0 / n_heads)
-    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
-                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
-    curves.to_csv(out / "pruning.csv", index=False)
     threshold = 0.95 if metric.name == "embedding_similarity" else None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
-    figures.add("pruning", fig)
+    curves = _pruning(model, inputs, metric, figures, out, n_heads, threshold)
     summary_curves = curve_summary(curves, threshold)
     ends = [start for _, start in stages[1:]] + [time.perf_counter()]
     timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
@@ -269,6 +259,28 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
     return summary
+
+
+def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
+    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports)."""
+    scan = ablation_scan(model, inputs, metric)
+    scan.to_csv(out / "ablation.csv", index=False)
+    fig, ax = plt.subplots(figsize=size)
+    ablation_heatmap(scan, ax=ax)
+    figures.add("ablation", fig)
+    return scan
+
+
+def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
+    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
+    step_size = max(0.1, 1.0 / n_heads)
+    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
+                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
+    curves.to_csv(out / "pruning.csv", index=False)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
+    figures.add("pruning", fig)
+    return curves
 
 
 def _circuits(model, figures, out: Path, seed: int) -> dict:

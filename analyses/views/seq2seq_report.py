@@ -26,15 +26,14 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from ..ablation import ablation_scan
 from ..attribution import attribution_patching
 from ..heads import detect_heads
-from ..pruning import curve_summary, pruning_curve
+from ..pruning import curve_summary
 from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
 from ..seq2seq_studies import target_loss
 from .attention import attention_grid, head_view
-from .plots import ablation_heatmap, head_score_grid, patching_heatmap, pruning_curve_plot
-from .report import _Figures, _formats
+from .plots import head_score_grid, patching_heatmap
+from .report import _ablation, _Figures, _formats, _pruning
 from .report_page import _CSS, _table
 from .seq2seq import CROSS_DEFINITIONS
 
@@ -104,11 +103,7 @@ def write_seq2seq_report(model, out: str | Path, prompts: list | None = None, se
 
     timed("ablation")
     batch, metric, inputs_what = seq2seq_study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
-    scan = ablation_scan(model, batch, metric)
-    scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=size)
-    ablation_heatmap(scan, ax=ax)
-    figures.add("ablation", fig)
+    scan = _ablation(model, batch, metric, figures, out, size)
 
     timed("attribution")
     clean, corrupted, patch_metric = copy_patching_task(model, min(n_prompts, study_prompts), _COPY_LENGTH, seed)
@@ -119,13 +114,7 @@ def write_seq2seq_report(model, out: str | Path, prompts: list | None = None, se
     figures.add("attribution", fig)
 
     timed("pruning")
-    step_size = max(0.1, 1.0 / n_heads)
-    curves = pd.concat([pruning_curve(model, batch, metric, order="importance", step=step_size),
-                        pruning_curve(model, batch, metric, order="random", step=step_size, seeds=(0, 1, 2))])
-    curves.to_csv(out / "pruning.csv", index=False)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pruning_curve_plot(curves, ax=ax, metric_name=metric.name)
-    figures.add("pruning", fig)
+    curves = _pruning(model, batch, metric, figures, out, n_heads)
     ends = [start for _, start in stages[1:]] + [time.perf_counter()]
 
     summary = {
