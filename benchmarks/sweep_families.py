@@ -40,6 +40,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 import interp
 from interp.inputs import padded_positions
 from interp.testing import model_class, tiny_model
+from interp.structure import set_attention_key
 
 N_POS = 14
 
@@ -75,9 +76,9 @@ def _reference(hf, impl: str):
     """A copy of ``hf`` on HF's ``impl`` attention (eager where the type has no such implementation)."""
     ref = copy.deepcopy(hf)
     try:
-        ref.set_attn_implementation(impl)
+        set_attention_key(ref, impl)
     except Exception:  # noqa: BLE001  no sdpa for this type
-        ref.set_attn_implementation("eager")
+        set_attention_key(ref, "eager")
     return ref
 
 
@@ -93,7 +94,7 @@ def check(model_type: str) -> tuple[str, str]:
     try:
         hf = tiny_model(model_type)
         probe = copy.deepcopy(hf)
-        probe.set_attn_implementation("eager")
+        set_attention_key(probe, "eager")
         import inspect
 
         no_cache = {"use_cache": False} if "use_cache" in inspect.signature(probe.forward).parameters else {}
@@ -165,7 +166,7 @@ def check_seq2seq(model_type: str) -> tuple[str, str]:
         batch = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
                      use_cache=False)
         probe = copy.deepcopy(hf)
-        probe.set_attn_implementation("eager")
+        set_attention_key(probe, "eager")
         with torch.no_grad():
             probe(**batch)
     except Exception as err:  # noqa: BLE001  transformers cannot build or run this tiny config

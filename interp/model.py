@@ -20,7 +20,7 @@ from .distributed import input_device, onloaded
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
 from .pruning import CONFIG_KEY, check_head_counts, save_pruned
-from .structure import Structure, discover
+from .structure import Structure, discover, set_attention_key
 
 __all__ = ["HookedModel", "ModelConfig"]
 
@@ -214,7 +214,7 @@ class _Wrapper:
             eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
             if eager_only:
                 raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
-        self.hf.set_attn_implementation(ATTN_KEYS[attn])
+        set_attention_key(self.hf, ATTN_KEYS[attn])
         self.attn = attn
 
     def _check_points(self, points: list[HookPoint]) -> None:

@@ -33,7 +33,7 @@ import torch
 from .attention import EAGER_KEY, Recording
 from .distributed import input_device
 
-__all__ = ["LayerAttention", "Projections", "Structure", "describe", "discover"]
+__all__ = ["LayerAttention", "Projections", "Structure", "attention_keys", "describe", "discover", "set_attention_key"]
 
 _BIG = 1 << 20  # query position at which a layer's mask function is read (windows longer than this are "none")
 
@@ -111,12 +111,11 @@ def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
 def probe(hf: torch.nn.Module, forward) -> tuple[Recording, _ModuleLog]:
     """``forward()`` once on our eager path in eval mode, recording every attention call and every module that ran;
     the attention implementation, every module's mode and the global RNG are as they were afterwards."""
-    previous = hf.config._attn_implementation
+    previous = attention_keys(hf)
     modes = [(m, m.training) for m in hf.modules()]
     log = _ModuleLog(hf)
     try:
-        if previous != EAGER_KEY:
-            hf.set_attn_implementation(EAGER_KEY)
+        set_attention_key(hf, EAGER_KEY)
         hf.eval()
         with Recording() as recording, torch.no_grad(), torch.random.fork_rng(devices=[]):
             forward()
@@ -124,9 +123,36 @@ def probe(hf: torch.nn.Module, forward) -> tuple[Recording, _ModuleLog]:
         log.remove()
         for m, training in modes:
             m.training = training
-        if hf.config._attn_implementation != previous:
-            hf.set_attn_implementation(previous)
+        for model, key in previous:
+            if model.config._attn_implementation != key:
+                model.set_attn_implementation(key)
     return recording, log
+
+
+def _pretrained(hf: torch.nn.Module) -> list[torch.nn.Module]:
+    """``hf`` and every sub-model of it that has a config object of its own (T5's stacks under transformers 5.17
+    copy the config, so that setting the top-level key leaves theirs as it was)."""
+    seen, models = {id(hf.config)}, [hf]
+    for module in hf.modules():
+        config = getattr(module, "config", None)
+        if (module is not hf and hasattr(module, "set_attn_implementation") and config is not None
+                and hasattr(config, "_attn_implementation") and id(config) not in seen):
+            seen.add(id(config))
+            models.append(module)
+    return models
+
+
+def attention_keys(hf: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """The attention implementation of ``hf`` and of each sub-model with a config of its own."""
+    return [(model, model.config._attn_implementation) for model in _pretrained(hf)]
+
+
+def set_attention_key(hf: torch.nn.Module, key: str) -> None:
+    """``hf.set_attn_implementation(key)``, and the same on every sub-model whose config is a copy that the
+    top-level call does not reach (transformers 5.17's T5), so that every attention module calls ``key``."""
+    for model in _pretrained(hf):
+        if model.config._attn_implementation != key:
+            model.set_attn_implementation(key)
 
 
 def _probe_ids(hf, n_tokens: int) -> torch.Tensor:

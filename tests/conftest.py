@@ -11,6 +11,7 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Ll
 
 import interp
 from interp.inputs import padded_positions
+from interp.structure import set_attention_key
 
 VOCAB = 99
 
@@ -47,7 +48,7 @@ def reference_and_ours(family: str, attn: str, ref_impl: str | None = None):
     """(HF reference model with its own eager/sdpa attention, our HookedModel on an identical copy)."""
     hf = family if isinstance(family, torch.nn.Module) else tiny_hf(family)
     ref = copy.deepcopy(hf)
-    ref.set_attn_implementation(ref_impl or ("eager" if attn == "eager" else "sdpa"))
+    set_attention_key(ref, ref_impl or ("eager" if attn == "eager" else "sdpa"))
     ours = interp.load_model(copy.deepcopy(hf), attn=attn)
     return ref, ours
 

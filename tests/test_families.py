@@ -22,6 +22,7 @@ import interp
 from analyses import ablate_heads, ablation_scan, detect_heads, embedding_similarity, lm_loss, prune_model
 from hooks import ActivationCache, spec_for
 from interp.testing import FAMILIES, tiny_model
+from interp.structure import set_attention_key
 
 N_POS = 14  # longer than the sliding windows (4 keys) of the tiny configs
 # families whose heads cannot be sliced per layer, and the reason the refusal must name
@@ -63,7 +64,7 @@ def _run(model_or_hf, ids, mask, ours=None):
 def test_parity_with_hf(family, hf, attn, padding):
     ours = interp.load_model(copy.deepcopy(hf), attn=attn)
     ref = copy.deepcopy(hf)
-    ref.set_attn_implementation("eager" if attn == "eager" or family in NO_SDPA else "sdpa")
+    set_attention_key(ref, "eager" if attn == "eager" or family in NO_SDPA else "sdpa")
     ids, mask = _batch(ours.cfg.causal)
     mask = mask if padding else None
     expected, got = _run(ref, ids, mask, ours), _run(ours, ids, mask)

@@ -15,6 +15,7 @@ from transformers import AutoModel
 
 import interp
 from interp.kernels import cuda_backend, fused_attention
+from interp.structure import set_attention_key
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,7 +32,7 @@ def _tol(dtype, attn):
 def _pair(hf, attn, dtype):
     hf = hf.to("cuda", dtype)
     ref = copy.deepcopy(hf)
-    ref.set_attn_implementation("eager" if attn == "eager" else "sdpa")
+    set_attention_key(ref, "eager" if attn == "eager" else "sdpa")
     return ref, interp.load_model(copy.deepcopy(hf), attn=attn)
 
 

@@ -11,6 +11,7 @@ from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig
                           MBartForConditionalGeneration, T5Config, T5ForConditionalGeneration)
 
 import interp
+from interp.structure import set_attention_key
 from analyses import ablate_heads, detect_heads
 from analyses.seq2seq import copy_accuracy, copy_task, seq2seq_heads, train_copy_model
 from hooks import spec_for
@@ -62,7 +63,7 @@ def _batch():
 def pair(request):
     hf = _tiny(request.param)
     ref = copy.deepcopy(hf)
-    ref.set_attn_implementation("eager")
+    set_attention_key(ref, "eager")  # every stack: transformers 5.17 copies T5's config per stack
     return request.param, hf, ref
 
 

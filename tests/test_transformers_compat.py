@@ -1,0 +1,43 @@
+"""The oldest transformers we support (5.17, the GPU image's) passes the parity tests too.
+
+The default run uses whatever pip installed (5.24 when this was written). This test makes a virtualenv that sees
+the installed packages (`--system-site-packages`) but has transformers 5.17.0 of its own, installed from the
+package index, and runs the parity, family and encoder-decoder tests in it. Found with it: transformers 5.17's T5
+copies its config into each stack, so `set_attn_implementation` on the model left both stacks on HF's attention
+(`interp.structure.set_attention_key` sets every copy).
+
+Needs the package index (pip install); it fails, never skips, when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+OLDEST = "5.17.0"
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_parity.py", "tests/test_families.py", "tests/test_seq2seq.py"]
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, **kwargs)
+
+
+def test_parity_tests_pass_with_the_oldest_supported_transformers(tmp_path):
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    assert made.returncode == 0, made.stderr
+    python = str(venv / "bin" / "python")
+    pip = _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", f"transformers=={OLDEST}"])
+    assert pip.returncode == 0, f"pip could not install transformers {OLDEST}:\n{pip.stderr[-2000:]}"
+    version = _run([python, "-c", "import transformers; print(transformers.__version__)"])
+    assert version.stdout.strip() == OLDEST, version.stdout + version.stderr
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-m 'not slow and not gpu'",
+                 *TESTS], cwd=ROOT, env=env)
+    tail = (done.stdout + done.stderr)[-3000:]
+    assert done.returncode == 0, f"parity tests under transformers {OLDEST} failed:\n{tail}"
+    assert " passed" in done.stdout and " failed" not in done.stdout, tail
