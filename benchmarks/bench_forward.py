@@ -143,7 +143,7 @@ def bench_kernel(args) -> None:
     print("| seq | head dim | causal | ms | TFLOP/s |\n|---:|---:|---|---:|---:|")
     for d in (64, 128):
         heads = 2048 // d
-        batch = max(1, 16384 // args.kernel_seq)
+        batch = args.kernel_batch or max(1, 16384 // args.kernel_seq)
         q, k, v = (torch.randn(batch, heads, args.kernel_seq, d, device=device, dtype=dtype) for _ in range(3))
         for causal in (False, True):
             run = lambda: fused_attention(q, k, v, None, d**-0.5, 0.0, causal)  # noqa: E731
@@ -171,6 +171,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--kernel", action="store_true", help="time the attention kernel alone instead")
     p.add_argument("--kernel-seq", type=int, default=16384)
+    p.add_argument("--kernel-batch", type=int, default=None, help="default: 16384 // --kernel-seq, at least 1")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -38,6 +38,11 @@ SHAPES = {  # Llama-shaped random models: the CPU target's small one, and Llama-
                   num_key_value_heads=2),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8),
+    # Gemma 3 270M's shape (random weights): 18 layers x 4 heads on 1 KV head, head dim 256, a sliding window of
+    # 512 on 5 layers of 6, q/k norms, a 262,144-token vocabulary
+    "gemma3-270m": dict(family="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=512, vocab_size=262144, rope_theta=1e6),
 }
 SHAPE = "small"  # set from --shape in main() and passed on to each child
 
@@ -49,8 +54,16 @@ def build_model(device: str, dtype: str, max_len: int):
     import interp
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[SHAPE], vocab_size=32000, max_position_embeddings=max(16384, max_len))
-    hf = LlamaForCausalLM(config).eval()
+    spec = dict(SHAPES[SHAPE])
+    family = spec.pop("family", None)
+    if family is None:
+        config = LlamaConfig(**spec, vocab_size=32000, max_position_embeddings=max(16384, max_len))
+        hf = LlamaForCausalLM(config).eval()
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(family, **spec, max_position_embeddings=max(32768, max_len))
+        hf = AutoModelForCausalLM.from_config(config).eval()
     return interp.load_model(hf, attn="flash", device=device, dtype=dtype)
 
 
@@ -166,7 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small",
-                   help="small: 4 layers, 8 heads, 2 KV heads, d_model 512; llama-1b: 16 x 32 heads, 8 KV, 2048 "
+                   help="small: 4 layers, 8 heads, 2 KV heads, d_model 512; llama-1b: 16 x 32 heads, 8 KV, 2048; "
+                        "gemma3-270m: Gemma 3 270M's shape "
                         "(on CUDA: --shape llama-1b --dtype bfloat16 --lengths 8192 32768 131072)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--threads", type=int, default=2)
