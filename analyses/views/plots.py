@@ -72,6 +72,10 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     window need not sum to 1.
     """
     pattern, tokens, name = _pattern_of(source, layer, head, text, tokens, batch)
+    if not bool(torch.isfinite(pattern).all()):
+        raise ValueError(f"The attention pattern of {name} holds NaN or inf: the model computed non-finite values "
+                         "(check its weights and inputs, or the dtype's range). A heatmap would draw them as "
+                         "weights or leave them blank.")
     n = pattern.shape[0]
     lo, hi = _window(window, n)
     pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
