@@ -117,7 +117,8 @@ class _Done(Exception):
 def _mark_nonfinite(df: pd.DataFrame, nonfinite: torch.Tensor) -> None:
     """Heads whose attention held NaN or inf: their scores are not data. Scores NaN, labels ``"nan"``, and a
     warning naming them."""
-    bad = nonfinite[torch.tensor(df["layer"].tolist(), dtype=torch.long), torch.tensor(df["head"].tolist(), dtype=torch.long)].numpy()
+    layer, head = (torch.tensor(df[c].tolist(), dtype=torch.long) for c in ("layer", "head"))
+    bad = nonfinite[layer, head].numpy()
     if not bad.any():
         return
     scores = [c for c in df.columns if c not in ("layer", "head", "label", "labels", "positional_offset")]
@@ -165,7 +166,8 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
     return tally, nonfinite > 0
 
 
-def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally, nonfinite: torch.Tensor | None = None) -> None:
+def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally,
+                 nonfinite: torch.Tensor | None = None) -> None:
     """One forward pass; each layer's scores are added from inside its hooks. ``nonfinite: (layer, head)`` counts
     the heads whose pattern (or q, k, logsumexp) at real tokens held NaN or inf."""
     last = model.cfg.n_layers - 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["check_inputs", "pad_ids", "padded_positions", "tokenize", "encode", "tokenizer_left_alone",
-           "position_limit", "texts_of",            "fix_permissions"]
+           "position_limit", "texts_of", "fix_permissions"]
 
 
 def position_limit(config) -> int | None:

@@ -381,7 +381,8 @@ def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
         part = pattern[:, lo:hi, lo:hi]
         shown.append(_quantise(part, f"layer {layer}", heads))
         if (lo, hi) != (0, n_total):  # the weight of each shown query on keys outside the window
-            outside.append(_quantise((pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0), f"layer {layer}", heads))
+            weight = (pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0)
+            outside.append(_quantise(weight, f"layer {layer}", heads))
     weights = np.stack([m for block in shown for m in block])  # (heads, q, k) uint16
     packed = not np.triu(weights, 1).any()
     rows, cols = np.tril_indices(n)
