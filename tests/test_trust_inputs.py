@@ -268,3 +268,16 @@ def test_a_view_with_lone_surrogate_tokens_saves_as_valid_utf8(tmp_path):
     path = view.save(tmp_path / "view.html")
     text = path.read_bytes().decode("utf-8")  # strict: fails on anything that is not valid UTF-8
     assert "\ufffdb" in text and "\U0001F600" in text and "<title>t\ufffd</title>" in text
+
+
+def test_score_grids_mark_heads_with_non_finite_attention():
+    """A NaN head was labelled "none" and its cell left blank, like a head that does not exist."""
+    from analyses import head_score_grid
+    from matplotlib.patches import Rectangle
+
+    with pytest.warns(RuntimeWarning):
+        df = detect_heads(_planted("eager"), kinds=["previous_token"], n_prompts=3, seq_len=12, n_bootstrap=10)
+    ax = head_score_grid(df, "previous_token")
+    marked = [(p.get_x(), p.get_y()) for p in ax.patches if isinstance(p, Rectangle) and p.get_gid() == "nan-head"]
+    assert marked == [(2, 1)]  # head 2 of layer 1
+    assert [t.get_position() for t in ax.texts if t.get_text() == "NaN"] == [(2.5, 1.5)]

@@ -259,11 +259,25 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
             # inset, so that neighbouring frames never make an unlabelled cell between them look framed
             ax.add_patch(Rectangle((cols.index(r.head) + 0.08, _row_of(grid, r) + 0.08), 0.84, 0.84, fill=False,
                                    edgecolor="red", linewidth=2.0, clip_on=False))
+    _mark_nan_heads(ax, df, grid, size)
     ax.set_xlabel("head")
     ax.set_ylabel(grid.index.name)
     ax.tick_params(axis="y", rotation=0)
     ax.set_title(f"{column} (framed: labelled {kind})" if mark and "label" in df else column)
     return ax
+
+
+def _mark_nan_heads(ax, df: pd.DataFrame, grid: pd.DataFrame, size: float) -> None:
+    """Heads ``detect_heads`` labelled ``"nan"`` (their attention held NaN or inf) as hatched grey cells reading
+    "NaN", distinct from a blank cell (no such head) and from any score."""
+    if "label" not in df:
+        return
+    cols = list(grid.columns)
+    for r in df[df["label"] == "nan"].itertuples():
+        x, y = cols.index(r.head), _row_of(grid, r)
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.85", edgecolor="0.35", hatch="xx", linewidth=0.0,
+                               gid="nan-head"))
+        ax.text(x + 0.5, y + 0.5, "NaN", ha="center", va="center", fontsize=size, color="black")
 
 
 def ablation_heatmap(df: pd.DataFrame, value: str = "delta", ax=None, annotate: bool = True, fmt: str = ".2f",
