@@ -196,6 +196,8 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     """
     from .seq2seq import is_seq2seq
 
+    check_per_forward(heads_per_forward)
+
     if is_seq2seq(model):
         from .seq2seq import seq2seq_ablation_scan
 
@@ -205,8 +207,6 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     batch = batch_of(model, inputs)
     heads = all_heads(model) if heads is None else check_heads(model, heads)
     ablated = check_heads(model, ablated, allow_empty=True)
-    if heads_per_forward is not None and heads_per_forward < 1:
-        raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
     with Shard(batch, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         batch, local = shard.rows(batch), shard.metric(metric)
         if method == "resample" and reference is not None:  # position by position: the same rows as the inputs
@@ -219,6 +219,14 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     df = pd.DataFrame(rows, columns=["layer", "head", "metric", "delta", "baseline"])
     df.attrs.update(metric=metric.name, method=method)  # for plot titles
     return df
+
+
+def check_per_forward(heads_per_forward) -> None:
+    """``heads_per_forward`` of a scan: None (sized to the memory budget) or a positive integer."""
+    if heads_per_forward is not None and (isinstance(heads_per_forward, bool) or not isinstance(heads_per_forward, int)
+                                          or heads_per_forward < 1):
+        raise ValueError("heads_per_forward is how many heads (copies of the batch) one forward runs: a positive "
+                         f"integer, or None to size it to the memory budget; got {heads_per_forward!r}.")
 
 
 def _scan(model, batch, metric, method, heads, reference, memory_budget, heads_per_forward, ablated):

@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
 import pandas as pd
 
 from interp.distributed import onloaded
+from interp.inputs import encode
 
 from .ablation import check_heads
 from .engine import Shard, _arguments, _run
@@ -159,21 +162,46 @@ def frozen_norm(norm, x: torch.Tensor):
 
 
 def token_ids(model, value, n: int, what: str) -> torch.Tensor:
-    """``value`` (a token id, one per sequence, or a one-token string) as ``n`` token ids; clear errors."""
+    """``value`` (a token id, one-token string, or one of either per sequence) as ``n`` token ids; clear errors."""
     if isinstance(value, str):
-        if model.tokenizer is None:
-            raise ValueError(f"{what} is text but this model has no tokenizer; give a token id.")
-        ids = model.tokenizer(value, add_special_tokens=False)["input_ids"]
-        if len(ids) != 1:
-            raise ValueError(f"{what} {value!r} is {len(ids)} tokens; give one token (e.g. with its leading space).")
-        value = ids[0]
-    ids = torch.as_tensor(value).long().flatten()
+        value = _one_token(model, value, what)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value):
+        value = [_one_token(model, v, what) if isinstance(v, str) else v for v in value]
+    try:
+        ids = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        ids = None
+    if ids is None or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{what} must be a token id, a one-token string, or one of either per sequence ({n}); "
+                        f"got {value!r}.")
+    ids = ids.long().flatten()
     if ids.numel() == 1:
         ids = ids.expand(n)
     if ids.numel() != n or int(ids.min()) < 0 or int(ids.max()) >= model.cfg.vocab_size:
         raise ValueError(f"{what} must be one token id, or one per sequence ({n}), in [0, {model.cfg.vocab_size}); "
                          f"got {value!r}.")
     return ids
+
+
+def _check_position(position, n_pos: int) -> int:
+    """A position of the (padded) batch, Python-style: ``-n_pos <= position < n_pos``."""
+    try:
+        index = None if isinstance(position, bool) else operator.index(position)
+    except TypeError:
+        index = None
+    if index is None or not -n_pos <= index < n_pos:
+        raise ValueError(f"position must be an integer in [-{n_pos}, {n_pos}) (the batch has {n_pos} positions; "
+                         f"-1 is the last); got {position!r}.")
+    return index
+
+
+def _one_token(model, text: str, what: str) -> int:
+    if model.tokenizer is None:
+        raise ValueError(f"{what} is text but this model has no tokenizer; give a token id.")
+    ids = encode(model.tokenizer, text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{what} {text!r} is {len(ids)} tokens; give one token (e.g. with its leading space).")
+    return ids[0]
 
 
 def _unembedding(model):
@@ -212,6 +240,7 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
     unembed = _unembedding(model)
     batch = batch_of(model, inputs)
     n = batch["input_ids"].shape[0]
+    position = _check_position(position, batch["input_ids"].shape[1])
     answer = token_ids(model, answer, n, "answer")
     wrong = None if wrong is None else token_ids(model, wrong, n, "wrong")
     s, last = model.structure, model.cfg.n_layers - 1
@@ -287,6 +316,11 @@ def logit_lens(model, inputs, answer=None, position: int = -1, k: int = 5) -> pd
     unembed = _unembedding(model)
     batch = batch_of(model, inputs)
     n = batch["input_ids"].shape[0]
+    position = _check_position(position, batch["input_ids"].shape[1])
+    vocab = model.cfg.vocab_size
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"k is how many top tokens to list: an integer from 1 to the vocabulary size {vocab}; "
+                         f"got {k!r}.")
     answer = None if answer is None else token_ids(model, answer, n, "answer")
     names = ["blocks.0.hook_resid_pre"] + [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)]
     norm = model.hf.get_submodule(model.structure.final_norm)

@@ -77,9 +77,26 @@ def head_weights(model, layer: int, fold_norms: bool = True) -> dict[str, torch.
     """The layer's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps, on the
     model's input device (a model split by a device map has its layers elsewhere; offloaded weights are loaded for
     the read)."""
+    _check_layer(model, layer)
     with onloaded(model._blocks[layer]):
         weights = _head_weights(model, layer, fold_norms)
     return {name: w.to(model.device) for name, w in weights.items()}
+
+
+def _refuse_seq2seq(model, what: str) -> None:
+    from .seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise TypeError(f"{what} is for decoder-only and encoder models (one stack of layers); encoder-decoder "
+                        "models are not handled yet. Study their heads per (site, head) with "
+                        "activation_patching, attribution_patching or ablation_scan.")
+
+
+def _check_layer(model, layer) -> None:
+    _refuse_seq2seq(model, "qk_circuit / ov_circuit / head_weights")
+    n = model.cfg.n_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+        raise ValueError(f"layer must be an integer in [0, {n}) (this model has {n} layers); got {layer!r}.")
 
 
 def _head_weights(model, layer: int, fold_norms: bool) -> dict[str, torch.Tensor]:
@@ -136,6 +153,7 @@ def composition_scores(model, kind: str = "k", fold_norms: bool = True) -> pd.Da
     """
     if kind not in ("q", "k", "v"):
         raise ValueError(f"kind must be 'q', 'k' or 'v'; got {kind!r}.")
+    _refuse_seq2seq(model, "composition_scores")
     layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
     ov = {l: ov_circuit(model, l, fold_norms) for l in layers}
     read = {l: (qk_circuit(model, l, fold_norms) if kind == "q" else qk_circuit(model, l, fold_norms).T

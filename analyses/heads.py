@@ -8,6 +8,7 @@ it is read from ``hook_pattern``. The forward stops after the last layer's atten
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -16,7 +17,7 @@ import pandas as pd
 import torch
 
 from interp import distributed
-from interp.inputs import pad_ids, tokenize
+from interp.inputs import encode, pad_ids, tokenize
 
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
                      label_heads,
@@ -90,14 +91,18 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
             ids = corpus_prompts(model, n_prompts, seq_len, generator)
             sets.append((text_kinds, ids, f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
 
+    frames, nonfinite = [], torch.zeros(cfg.n_layers, max(cfg.heads_per_layer), dtype=torch.bool)
     with model.studying():
-        frames = [_tally(model, ids, set_kinds, batch_size).frame(n_bootstrap, seed).set_index(["layer", "head"])
-                  for set_kinds, ids, _ in sets]
+        for set_kinds, ids, _ in sets:
+            tally, bad = _tally(model, ids, set_kinds, batch_size)
+            frames.append(tally.frame(n_bootstrap, seed).set_index(["layer", "head"]))
+            nonfinite |= bad
     df = pd.concat(frames, axis=1).reset_index()
     real = set(cfg.heads())  # an emptied layer's placeholder head is not scored
     df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
     df["label"] = label_heads(df, limits)
     df["labels"] = head_labels(df, limits)
+    _mark_nonfinite(df, nonfinite)
     df = order_columns(df)
     df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
                     attn=model.attn)
@@ -109,11 +114,34 @@ class _Done(Exception):
     """Raised from the last layer's hook: nothing after the last attention is needed."""
 
 
-def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int) -> Tally:
+def _mark_nonfinite(df: pd.DataFrame, nonfinite: torch.Tensor) -> None:
+    """Heads whose attention held NaN or inf: their scores are not data. Scores NaN, labels ``"nan"``, and a
+    warning naming them."""
+    layer, head = (torch.tensor(df[c].tolist(), dtype=torch.long) for c in ("layer", "head"))
+    bad = nonfinite[layer, head].numpy()
+    if not bad.any():
+        return
+    scores = [c for c in df.columns if c not in ("layer", "head", "label", "labels", "positional_offset")]
+    df.loc[bad, scores] = float("nan")
+    df.loc[bad, ["label", "labels"]] = "nan"
+    named = df.loc[bad, ["layer", "head"]].itertuples(index=False)
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in named:
+        by_layer.setdefault(int(layer), []).append(int(head))
+    where = "; ".join(f"layer {l}: heads {hs}" for l, hs in by_layer.items())
+    warnings.warn(f"detect_heads: the attention of {int(bad.sum())} head(s) held NaN or inf ({where}); their scores "
+                  "are set to NaN and their label to 'nan', not 'none'. Check the model's weights and inputs for "
+                  "non-finite values (e.g. all(p.isfinite().all() for p in model.hf.parameters())) or the dtype's "
+                  "range (fp16 overflows).", RuntimeWarning, stacklevel=3)
+
+
+def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int) -> tuple[Tally, torch.Tensor]:
+    """The prompts' tally, and which heads ``(layer, head)`` saw NaN or inf in their attention."""
     cfg = model.cfg
     lengths = torch.tensor([len(p) for p in prompts])
     order = torch.argsort(lengths, stable=True)  # similar lengths share a batch: less padding
     tally = Tally(kinds, len(prompts), cfg.heads_per_layer, int(lengths.max()))
+    nonfinite = torch.zeros(cfg.n_layers, max(cfg.heads_per_layer), dtype=torch.int64)
     starts = list(range(0, len(prompts), batch_size))
     if distributed.initialised():
         checksum = sum(int(p.long().sum()) for p in prompts)
@@ -125,27 +153,37 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
             ids, mask = pad_ids([prompts[i] for i in index], left=cfg.causal, pad_id=model.pad_token_id)
             targets = build_targets(ids, mask, cfg.causal, kinds)
             tally.add_rows(index, targets)
-            _score_batch(model, ids, mask, index, targets, tally)
+            _score_batch(model, ids, mask, index, targets, tally, nonfinite)
         if mine is not None:  # every other rank's prompts are zeros here: the sums are exact
             names = list(tally.sums)
             parts = [tally.sums[s] for s in names] + [tally.rows[s] for s in names]
-            summed = distributed.all_sum(*parts, *([tally.hist] if tally.hist is not None else []))
+            summed = distributed.all_sum(nonfinite, *parts, *([tally.hist] if tally.hist is not None else []))
+            nonfinite, summed = summed[0], summed[1:]
             for i, s in enumerate(names):
                 tally.sums[s], tally.rows[s] = summed[i], summed[len(names) + i]
             if tally.hist is not None:
                 tally.hist = summed[-1]
-    return tally
+    return tally, nonfinite > 0
 
 
-def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> None:
-    """One forward pass; each layer's scores are added from inside its hooks."""
+def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally,
+                 nonfinite: torch.Tensor | None = None) -> None:
+    """One forward pass; each layer's scores are added from inside its hooks. ``nonfinite: (layer, head)`` counts
+    the heads whose pattern (or q, k, logsumexp) at real tokens held NaN or inf."""
     last = model.cfg.n_layers - 1
+    real = mask.to(model.device).bool()  # (b, p)
+
+    def check(layer: int, per_head: torch.Tensor) -> None:  # per_head: (n_real, h, ...) at real tokens
+        if nonfinite is not None:
+            bad = ~torch.isfinite(per_head).flatten(2).all(-1).all(0)  # (h,)
+            nonfinite[layer, : bad.shape[0]] += bad.cpu().long()
 
     def names(kind: str) -> list[str]:
         return [f"blocks.{layer}.attn.hook_{kind}" for layer in range(last + 1)]
 
     if model.attn == "eager":
         def on_pattern(pattern, hook):  # (b, h, q, k)
+            check(hook.layer, pattern.transpose(1, 2)[real])
             window = model.structure.layer_attn[hook.layer].window
             tally.add_layer(hook.layer, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
                             lambda: argmax_from_pattern(pattern, targets, window))
@@ -162,6 +200,9 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally) -> Non
         def on_lse(lse, hook):  # (b, h, q), fires after q and k of the same layer
             q, k = held.pop("q"), held.pop("k")
             layer = model.structure.layer_attn[hook.layer]  # the scale, cap and window the model computes with
+            group = q.shape[2] // k.shape[2]
+            check(hook.layer, torch.cat([q[real], k[real].repeat_interleave(group, 1),
+                                         lse.transpose(1, 2)[real][..., None].to(q.dtype)], dim=-1))
             tally.add_layer(hook.layer, index, targets,
                             lambda pairs: weights_from_qk(q, k, lse, layer.scale, pairs, layer.softcap, layer.window),
                             lambda: argmax_from_qk(q, k, targets, layer.window))
@@ -246,8 +287,8 @@ def corpus_prompts(model, n_prompts: int, seq_len: int, generator: torch.Generat
     tokens with the tokenizer's own special tokens (lengths vary, so batches are padded)."""
     tok = model.tokenizer
     sentences = corpus_sentences()
-    lengths = [len(x) for x in tok(sentences, add_special_tokens=False)["input_ids"]]
-    n_special = len(tok("a")["input_ids"]) - len(tok("a", add_special_tokens=False)["input_ids"])
+    lengths = [len(x) for x in encode(tok, list(sentences), add_special_tokens=False)]
+    n_special = len(encode(tok, "a")) - len(encode(tok, "a", add_special_tokens=False))
     budget = seq_len - n_special
     if budget < 1:
         raise ValueError(f"seq_len {seq_len} leaves no room for text after {n_special} special tokens.")
@@ -260,7 +301,7 @@ def corpus_prompts(model, n_prompts: int, seq_len: int, generator: torch.Generat
             picked.append(sentences[i])
             used += lengths[i]
         texts.append(" ".join(picked))
-    encoded = tok(texts, truncation=True, max_length=seq_len)["input_ids"]
+    encoded = encode(tok, texts, truncation=True, max_length=seq_len)
     return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
 
 
@@ -273,8 +314,8 @@ def corpus_sentences() -> tuple[str, ...]:
 def _special_frame(model) -> tuple[list[int], list[int]]:
     tok = model.tokenizer
     if tok is not None:
-        framed = tok("a")["input_ids"]
-        bare = tok("a", add_special_tokens=False)["input_ids"]
+        framed = encode(tok, "a")
+        bare = encode(tok, "a", add_special_tokens=False)
         at = next((i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare), None)
         if at is not None:
             prefix, suffix = framed[:at], framed[at + len(bare):]

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from .ablation import check_heads
+from .ablation import check_heads, check_per_forward
 from .engine import Prefix, Shard, _run, copies_per_forward, scan, slice_output
 from .metrics import Batch, Metric, as_metric, batch_of
 
@@ -147,6 +147,7 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     """
     from .seq2seq import is_seq2seq
 
+    check_per_forward(heads_per_forward)
     if is_seq2seq(model):
         from .seq2seq import seq2seq_activation_patching
 
@@ -207,6 +208,7 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
                         "attribution_patching, which work per (site, head).")
     if via not in ("q", "k", "v"):
         raise ValueError(f"via must be 'q', 'k' or 'v'; got {via!r}.")
+    check_per_forward(heads_per_forward)
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
     receivers = check_heads(model, receivers)

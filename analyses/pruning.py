@@ -178,6 +178,9 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
         raise ValueError(f"Unknown pruning order {order!r}; use one of {', '.join(ORDERS)}.")
     if not 0 < step <= 1:
         raise ValueError(f"step is the fraction of the remaining heads pruned at each step, in (0, 1]; got {step}.")
+    if isinstance(max_fraction, bool) or not isinstance(max_fraction, (int, float)) or not 0 < max_fraction <= 1:
+        raise ValueError("max_fraction is the share of all heads after which the curve stops, in (0, 1] (1.0: "
+                         f"prune until none is left); got {max_fraction!r}.")
     metric = as_metric(metric, higher_is_better)
     if higher_is_better is None:
         higher_is_better = metric.higher_is_better

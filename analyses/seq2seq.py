@@ -20,6 +20,7 @@ The circuit studies per attention site (ablation, patching, attribution, importa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -161,10 +162,16 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
     tgt, tgt_mask = batch["decoder_input_ids"], batch.get("decoder_attention_mask")
     patterns = _patterns(model, {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
                                  "decoder_attention_mask": tgt_mask})
-    frames = []
+    frames, nonfinite = [], {}
     for site in model.cfg.sites:
         pattern = patterns[site.name]
         head = {"stack": site.stack, "kind": site.kind, "site": site.name, "layer": site.block}
+        query_mask = src_mask if site.stack == "encoder" else tgt_mask
+        real = torch.ones(pattern.shape[0], pattern.shape[2], dtype=torch.bool) if query_mask is None \
+            else torch.as_tensor(query_mask).bool().cpu()
+        bad = ~torch.isfinite(pattern.transpose(1, 2)[real.to(pattern.device)]).flatten(2).all(-1).all(0)  # (h,)
+        if bool(bad.any()):
+            nonfinite[site.name] = bad.nonzero().flatten().tolist()
         if site.kind == "cross":
             rows = [{**head, **r} for r in _cross_scores(pattern, src_mask, tgt_mask, n_bootstrap, seed)]
             for r in rows:  # one class per cross head; labels as for self heads ("" when none)
@@ -177,6 +184,16 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
                                 thresholds=thresholds, n_bootstrap=n_bootstrap, seed=seed)
             frames.append(df.drop(columns=["layer"]).assign(**head))
     df = pd.concat(frames, ignore_index=True)
+    if nonfinite:  # not data: NaN scores, label "nan", and a warning naming the heads
+        bad = pd.Series([h in nonfinite.get(s, ()) for s, h in zip(df["site"], df["head"])], index=df.index)
+        keep = ("stack", "kind", "site", "layer", "head", "label", "labels", "positional_offset")
+        df.loc[bad, [c for c in df.columns if c not in keep]] = float("nan")
+        df.loc[bad, [c for c in ("label", "labels") if c in df]] = "nan"
+        where = "; ".join(f"{s}: heads {hs}" for s, hs in nonfinite.items())
+        warnings.warn(f"detect_heads: the attention of {int(bad.sum())} head(s) held NaN or inf ({where}); their "
+                      "scores are set to NaN and their label to 'nan', not 'none'. Check the model's weights and "
+                      "inputs for non-finite values or the dtype's range (fp16 overflows).", RuntimeWarning,
+                      stacklevel=3)
     front = ["stack", "kind", "site", "layer", "head"]
     df = df[front + [c for c in df.columns if c not in front]]
     df.attrs.update(attn=model.attn, thresholds=limits, n_prompts=int(src.shape[0]))

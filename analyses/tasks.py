@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from interp.inputs import encode
+
 from .heads import _ordinary_ids, _special_frame
 from .metrics import Metric, next_token_loss
 
@@ -63,10 +65,10 @@ def ioi_task(model, n: int = 32, seed: int = 0) -> tuple[dict, dict, Metric]:
     if model.tokenizer is None:
         raise ValueError("ioi_task builds text prompts: this model has no tokenizer.")
     tok = model.tokenizer
-    names = [name for name in IOI_NAMES if len(tok(name, add_special_tokens=False)["input_ids"]) == 1]
+    names = [name for name in IOI_NAMES if len(encode(tok, name, add_special_tokens=False)) == 1]
     if len(names) < 4:
         raise ValueError(f"ioi_task needs at least 4 names that are one token each; this tokenizer keeps {names}.")
-    ids = {name: tok(name, add_special_tokens=False)["input_ids"][0] for name in names}
+    ids = {name: encode(tok, name, add_special_tokens=False)[0] for name in names}
     generator = torch.Generator().manual_seed(seed)
     clean, corrupted, answers, wrongs = [], [], [], []
     for i in range(n):

@@ -50,6 +50,12 @@ class HookPoint:
                 raise ValueError(
                     f"A hook on {self.name} must return None or a tensor of shape {tuple(x.shape)}; got {got}."
                 )
+            if out.dtype != x.dtype:
+                name = getattr(fn, "__name__", type(fn).__name__)
+                raise TypeError(
+                    f"A hook on {self.name} must return a tensor of the dtype it received, {x.dtype}; hook {name} "
+                    f"returned {out.dtype}. Cast it back, e.g. return out.to(tensor.dtype)."
+                )
             x = out
         return x
 

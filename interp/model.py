@@ -18,7 +18,7 @@ from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookReg
 from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
 from .distributed import input_device, onloaded
 from .families import check_supported
-from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, tokenize
+from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, position_limit, texts_of, tokenize
 from .pruning import CONFIG_KEY, check_head_counts, save_pruned
 from .structure import Structure, discover, set_attention_key
 
@@ -85,7 +85,7 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
         n_kv_heads = getattr(c, "num_key_value_heads", None) or n_heads
     else:
         n_heads, n_kv_heads = max(heads), max(kv_heads)
-    max_positions = getattr(c, "max_position_embeddings", None)
+    max_positions = position_limit(c)
     vocab_size = getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings
     return ModelConfig(
         n_layers=structure.n_layers,
@@ -418,9 +418,7 @@ class HookedModel(_Wrapper):
         models, right for encoders) and on the model's device."""
         if self.tokenizer is None:
             raise ValueError("This model has no tokenizer; pass token ids (b, p) instead of text.")
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or any(not isinstance(t, str) for t in texts):
-            raise ValueError(f"to_tokens takes a non-empty string or list of strings; got {text!r}.")
+        texts = texts_of(text)
         rows = tokenize(self.tokenizer, texts, max_length=max_length)
         ids, mask = pad_ids(rows, left=self.cfg.causal, pad_id=self.pad_token_id)
         return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}

@@ -29,7 +29,7 @@ from hooks import ActivationCache, HookPoint, HookRegistry, NameFilter, spec_for
 
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
-from .inputs import check_inputs, pad_ids, tokenize
+from .inputs import check_inputs, pad_ids, position_limit, texts_of, tokenize
 from .distributed import input_device
 from .model import _replace_first, _take_over, _Wrapper
 from .structure import _find_blocks, _is_linear, _ModuleLog, probe
@@ -74,6 +74,7 @@ class Seq2SeqConfig:
     family: str
     sites: tuple[Site, ...]
     causal: bool = False  # the encoder (and so the model's inputs) are bidirectional: pad on the right
+    max_positions: int | None = None  # source and target each (None: relative positions, e.g. T5)
 
     def heads(self) -> list[tuple[str, int]]:
         """Every ``(site name, head)``."""
@@ -172,7 +173,7 @@ class Seq2SeqHookedModel(_Wrapper):
             n_decoder_layers=sum(s.stack == "decoder" and s.kind == "self" for s in sites),
             d_model=int(getattr(c, "d_model", None) or c.hidden_size), family=c.model_type,
             vocab_size=int(getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings),
-            sites=tuple(sites))
+            sites=tuple(sites), max_positions=position_limit(c))
         self.sites = {s.name: s for s in sites}
         self._modules = modules
         self._blocks = {"encoder": hf.get_encoder().get_submodule(enc_path),
@@ -266,7 +267,7 @@ class Seq2SeqHookedModel(_Wrapper):
         """Tokenize text into ``{"input_ids", "attention_mask"}``, padded on the right."""
         if self.tokenizer is None:
             raise ValueError("This model has no tokenizer; pass token ids (b, p) instead of text.")
-        texts = [text] if isinstance(text, str) else list(text)
+        texts = texts_of(text)
         rows = tokenize(self.tokenizer, texts, max_length=max_length)
         ids, mask = pad_ids(rows, left=False, pad_id=self.pad_token_id)
         return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
@@ -292,8 +293,8 @@ class Seq2SeqHookedModel(_Wrapper):
         return shifted.masked_fill(shifted == -100, self.pad_token_id)
 
     def _ids(self, inputs, mask, what: str):
-        return check_inputs(inputs, mask, self.cfg.vocab_size, None, self.device,
-                            self.to_tokens if self.tokenizer is not None else None)
+        return check_inputs(inputs, mask, self.cfg.vocab_size, self.cfg.max_positions, self.device,
+                            self.to_tokens if self.tokenizer is not None else None, what=what)
 
     # -- running ---------------------------------------------------------------------------------------
     def __call__(self, inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, **kwargs):

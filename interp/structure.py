@@ -111,6 +111,7 @@ def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
 def probe(hf: torch.nn.Module, forward) -> tuple[Recording, _ModuleLog]:
     """``forward()`` once on our eager path in eval mode, recording every attention call and every module that ran;
     the attention implementation, every module's mode and the global RNG are as they were afterwards."""
+    _refuse_meta(hf)
     previous = attention_keys(hf)
     modes = [(m, m.training) for m in hf.modules()]
     log = _ModuleLog(hf)
@@ -153,6 +154,25 @@ def set_attention_key(hf: torch.nn.Module, key: str) -> None:
     for model in _pretrained(hf):
         if model.config._attn_implementation != key:
             model.set_attn_implementation(key)
+
+
+def _refuse_meta(hf: torch.nn.Module) -> None:
+    """A weight on the ``meta`` device has a shape and no values: nothing can run. Offloaded weights (accelerate's
+    device maps put them on meta and load them around each forward through a ``_hf_hook``) are fine."""
+    hooked: list[str] = []
+    empty = []
+    for name, module in hf.named_modules():
+        if getattr(module, "_hf_hook", None) is not None:
+            hooked.append(name + ".")
+        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+        if any(t.is_meta for _, t in tensors) and not any((name + ".").startswith(h) or not h.strip(".")
+                                                          for h in hooked):
+            empty += [f"{name}.{n}" if name else n for n, t in tensors if t.is_meta]
+    if empty:
+        raise ValueError(f"{type(hf).__name__} has {len(empty)} weight(s) on the meta device (shapes without values), "
+                         f"e.g. {empty[:3]}: it cannot run. Load real weights (interp.load_model(folder) or "
+                         "from_pretrained), or materialise them with model.to_empty(device='cpu') and load a state "
+                         "dict; to spread a large model over devices use load_model(..., device_map='auto').")
 
 
 def _probe_ids(hf, n_tokens: int) -> torch.Tensor:

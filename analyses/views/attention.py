@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ class _View:
     @property
     def html(self) -> str:
         """A self-contained fragment: its data, style and script inline."""
-        payload = json.dumps(self.data, ensure_ascii=False, separators=(",", ":"))
+        payload = _no_surrogates(json.dumps(self.data, ensure_ascii=False, separators=(",", ":")))
         payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         return (f'<div class="interp-view" data-view="{self.kind}">'
                 f'<style>{_asset("view.css")}</style>'
@@ -78,7 +79,7 @@ class _View:
 
     def page(self) -> str:
         """The view as a whole HTML page."""
-        title = html.escape(self.data.get("title", "attention"))
+        title = html.escape(_no_surrogates(str(self.data.get("title", "attention"))))
         return ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
                 '<meta name="viewport" content="width=device-width, initial-scale=1">'
                 f'<link rel="icon" href="data:,"><title>{title}</title></head>\n<body>{self.html}</body></html>\n')
@@ -111,6 +112,17 @@ class AttentionGrid(_View):
     """Every head as a thumbnail of its pattern, coloured by a score; see ``attention_grid``."""
 
     kind = "grid"
+
+
+def _no_surrogates(text: str) -> str:
+    """``text`` that UTF-8 can encode: surrogate pairs joined into their character, a lone surrogate (a token
+    string cut inside a character can hold one) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        joined = text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+        return re.sub("[\ud800-\udfff]", "\ufffd", joined)
 
 
 def _asset(name: str) -> str:
@@ -367,9 +379,10 @@ def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
     for layer, heads in chosen.items():
         pattern = run.pattern(layer, heads)  # (h, q, k)
         part = pattern[:, lo:hi, lo:hi]
-        shown.append(_quantise(part))
+        shown.append(_quantise(part, f"layer {layer}", heads))
         if (lo, hi) != (0, n_total):  # the weight of each shown query on keys outside the window
-            outside.append(_quantise((pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0)))
+            weight = (pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0)
+            outside.append(_quantise(weight, f"layer {layer}", heads))
     weights = np.stack([m for block in shown for m in block])  # (heads, q, k) uint16
     packed = not np.triu(weights, 1).any()
     rows, cols = np.tril_indices(n)
@@ -383,8 +396,15 @@ def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
     }
 
 
-def _quantise(weights: torch.Tensor) -> np.ndarray:
-    """Weights in 0..1 as uint16 ``round(w * 10000)``."""
+def _quantise(weights: torch.Tensor, where: str = "the pattern", heads: Sequence[int] | None = None) -> np.ndarray:
+    """Weights ``(h, ...)`` in 0..1 as uint16 ``round(w * 10000)``. NaN or inf is refused, naming ``where`` and the
+    heads (``heads``: the head index of each row): cast to an integer it would be drawn as a real weight."""
+    finite = torch.isfinite(weights).reshape(weights.shape[0], -1).all(-1)  # (h,)
+    if not bool(finite.all()):
+        bad = [heads[i] if heads is not None else i for i in (~finite).nonzero().flatten().tolist()]
+        raise ValueError(f"The attention of {where}, head(s) {bad}, holds NaN or inf: the model computed non-finite "
+                         "values there (check its weights and inputs, e.g. torch.isfinite on model.hf's parameters, "
+                         "or the dtype's range). A view would draw them as weights; show other heads with heads=.")
     return torch.round(weights.double() * SCALE).clamp(0, SCALE).to(torch.int32).numpy().astype("<u2")
 
 

@@ -72,6 +72,10 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     window need not sum to 1.
     """
     pattern, tokens, name = _pattern_of(source, layer, head, text, tokens, batch)
+    if not bool(torch.isfinite(pattern).all()):
+        raise ValueError(f"The attention pattern of {name} holds NaN or inf: the model computed non-finite values "
+                         "(check its weights and inputs, or the dtype's range). A heatmap would draw them as "
+                         "weights or leave them blank.")
     n = pattern.shape[0]
     lo, hi = _window(window, n)
     pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
@@ -255,11 +259,25 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
             # inset, so that neighbouring frames never make an unlabelled cell between them look framed
             ax.add_patch(Rectangle((cols.index(r.head) + 0.08, _row_of(grid, r) + 0.08), 0.84, 0.84, fill=False,
                                    edgecolor="red", linewidth=2.0, clip_on=False))
+    _mark_nan_heads(ax, df, grid, size)
     ax.set_xlabel("head")
     ax.set_ylabel(grid.index.name)
     ax.tick_params(axis="y", rotation=0)
     ax.set_title(f"{column} (framed: labelled {kind})" if mark and "label" in df else column)
     return ax
+
+
+def _mark_nan_heads(ax, df: pd.DataFrame, grid: pd.DataFrame, size: float) -> None:
+    """Heads ``detect_heads`` labelled ``"nan"`` (their attention held NaN or inf) as hatched grey cells reading
+    "NaN", distinct from a blank cell (no such head) and from any score."""
+    if "label" not in df:
+        return
+    cols = list(grid.columns)
+    for r in df[df["label"] == "nan"].itertuples():
+        x, y = cols.index(r.head), _row_of(grid, r)
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor="0.85", edgecolor="0.35", hatch="xx", linewidth=0.0,
+                               gid="nan-head"))
+        ax.text(x + 0.5, y + 0.5, "NaN", ha="center", va="center", fontsize=size, color="black")
 
 
 def ablation_heatmap(df: pd.DataFrame, value: str = "delta", ax=None, annotate: bool = True, fmt: str = ".2f",

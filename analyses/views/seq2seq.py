@@ -211,7 +211,7 @@ def _embed_sites(run: _Seq2SeqRun, chosen: dict[int, list[int]], window, what: s
                          f"{n['target']} target tokens); show fewer sites and heads with layers= and heads=.")
     flat, packed = [], []
     for layer, heads in chosen.items():
-        weights = _quantise(run.pattern(layer, heads))  # (h, q, k) uint16
+        weights = _quantise(run.pattern(layer, heads), run.sites[layer].name, heads)  # (h, q, k) uint16
         square = weights.shape[1] == weights.shape[2]
         packed.append(bool(square and not np.triu(weights, 1).any()))
         rows, cols = np.tril_indices(weights.shape[1])
