@@ -63,28 +63,13 @@ def _threads_option(p: argparse.ArgumentParser) -> None:
 
 
 def _set_threads(value: str) -> int:
-    """Set torch's CPU threads from --threads and return the count. ``auto`` takes the cores that are idle now, so
-    that a command on a shared machine does not oversubscribe it (measured in README: CLI)."""
-    import os
+    """Set torch's CPU threads from --threads (``interp.set_threads``) and return the count."""
+    from interp.threads import set_threads
 
-    import torch
-
-    if value == "auto":
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
-        busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-        n = max(1, min(torch.get_num_threads(), cpus - busy))
-    else:
-        try:
-            n = int(value)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise UserError(f"--threads takes a positive integer or 'auto'; got {value!r}")
-    torch.set_num_threads(n)
-    return n
+    try:
+        return set_threads(value)
+    except ValueError:
+        raise UserError(f"--threads takes a positive integer or 'auto'; got {value!r}") from None
 
 
 def _circuit_options(p: argparse.ArgumentParser) -> None:

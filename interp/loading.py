@@ -16,6 +16,7 @@ from .attention import ATTN_KEYS
 from .bundled import BUNDLED, bundled_folder
 from .distributed import dispatch
 from .families import check_supported
+from .threads import apply_auto_threads
 from .model import HookedModel
 from .pruning import CONFIG_KEY, from_pretrained_pruned
 
@@ -145,6 +146,7 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     """
     if attn not in ATTN_KEYS:
         raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
+    apply_auto_threads()  # the idle cores, unless the user chose a thread count (interp.threads)
     torch_dtype = resolve_dtype(dtype)
     if device_map is None and (max_memory is not None or offload_folder is not None):
         raise ValueError("max_memory and offload_folder go with device_map (e.g. device_map='auto').")

@@ -15,6 +15,10 @@ from interp.structure import set_attention_key
 
 VOCAB = 99
 
+# Threads decided once for the session, before any load_model (which would otherwise pick "auto" at its first call):
+# a count that moved between a reference run and ours could change the last bits of a bit-for-bit comparison.
+interp.set_threads("auto")
+
 
 def tiny_hf(family: str, seed: int = 0, **overrides):
     """A tiny random HF model: hidden 32, 2 layers, 4 heads (2 KV heads where GQA exists), vocab 99."""
