@@ -185,4 +185,11 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     hf = (hf if device_map is not None else hf.to(resolve_device(device))).eval()
     if tokenizer is None and any((folder / f).exists() for f in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return _wrap(hf, tokenizer, attn)
+    model = _wrap(hf, tokenizer, attn)
+    model.source_name = _DISPLAY_NAMES.get(str(source), Path(folder).name)  # what a report calls it
+    return model
+
+
+# The names people know the bundled models by (their folders are cache names such as smollm2-0.1.2-transformers-5.24.0)
+_DISPLAY_NAMES = {"smollm2": "SmolLM2-135M-Instruct (Q4_1, de-quantized)", "gemma3": "Gemma 3 270M (Q4_K_M, de-quantized)",
+                  "minilm": "all-MiniLM-L6-v2", "toy-induction": "toy-induction (2-layer toy model with induction heads)"}

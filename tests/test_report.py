@@ -83,6 +83,31 @@ def test_page_is_explorable_in_chromium_offline(report, tmp_path):
         page.close()
 
 
+def test_report_opens_with_the_model_name_findings_and_the_strongest_induction_head(report):
+    """A page to send to a colleague: the model's name first, then the findings (each linked to its evidence),
+    and the first head view open on the strongest head of the most specific class (issue 27)."""
+    summary = json.loads((report / "summary.json").read_text())
+    induction = [h for h in summary["strongest_heads"] if h["class"] == "induction"][0]
+    ablated = {r["class"]: r for r in summary["class_ablation"]["rows"]}
+    assert ablated["induction"]["share"] > 0.9  # ablating the toy's induction heads removes the in-context gain
+    with chromium() as browser:
+        page = Page(browser, (report / "index.html").read_text())
+        p = page.page
+        first = p.eval_on_selector_all("body > *", "els => els.slice(0, 4).map(e => [e.tagName, e.innerText])")
+        assert first[0][0] == "H1" and first[0][1].startswith("toy-induction")
+        assert first[2] == ["H2", "Findings"] and "parameters, 2 layers x 4 heads" in first[1][1]
+        findings = p.locator('[data-role="findings"] li').all_inner_texts()
+        assert findings[0].startswith("3 induction heads") and f"strongest {induction['layer']}.{induction['head']}" \
+            in findings[0] and "% of the in-context gain" in findings[0]
+        assert p.locator('[data-role="findings"] a[href="#classes-causal"]').count() >= 1
+        assert p.locator("#classes-causal").count() == 1
+        view = p.locator('.interp-view[data-view="head"]').first
+        assert view.locator('[data-role="layer"]').input_value() == str(induction["layer"])
+        assert f"{induction['layer']}.{induction['head']} induction" in view.inner_text().split(",")[0]
+        page.check_clean()
+        page.close()
+
+
 def test_strongest_table_is_short_and_every_score_is_defined_where_shown(report):
     page = (report / "index.html").read_text()
     summary = json.loads((report / "summary.json").read_text())

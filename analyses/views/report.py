@@ -40,6 +40,7 @@ from .attention import attention_grid, head_view  # noqa: E402
 from .plots import (FORMATS, ablation_heatmap, attention_heatmap, dla_bars, head_score_grid,  # noqa: E402
                     patching_heatmap, pruning_curve_plot)
 from .report_page import page  # noqa: E402
+from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
@@ -226,6 +227,9 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
         timed("circuits")
         circuits = _circuits(model, figures, out, seed)
 
+    timed("classes")
+    by_class = class_ablation(model, heads, seed=seed)
+
     timed("pruning")
     threshold = 0.95 if metric.name == "embedding_similarity" else None
     curves = _pruning(model, inputs, metric, figures, out, n_heads, threshold)
@@ -234,7 +238,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
 
     summary = {
-        "model": model.summary(),
+        "model": {**model.summary(), "name": model_name(model), "size": model_size(model)},
         "structure": describe(model.structure),
         "label_counts": {k: int(v) for k, v in heads["label"].value_counts().items()},
         "strongest_heads": strongest.to_dict(orient="records"),
@@ -250,11 +254,14 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
         "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
         "pruning": summary_curves.to_dict(orient="records"),
         "circuits": circuits,
+        "class_ablation": by_class,
+        "higher_is_better": metric.higher_is_better,
         "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "python": platform.python_version()},
     }
+    summary["findings"] = findings(summary, heads)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
@@ -349,11 +356,16 @@ def _views(heads, strongest, shown) -> dict:
     cache, tokens = shown[_REPEATED]
     grid = attention_grid(cache, tokens, scores=heads, title=f"every head on {_REPEATED}")
     head_views, html_parts = [], []
-    for what, (cache, tokens) in shown.items():
-        pairs = sorted({(int(l), int(h)) for kind, l, h in zip(strongest["class"], strongest["layer"], strongest["head"])
-                        if _prompt_of(kind) == what})
+    order = list(dict.fromkeys(_prompt_of(kind) for kind in strongest["class"]))  # the most specific class's first
+    for what in order + [w for w in shown if w not in order]:
+        cache, tokens = shown[what]
+        # strongest first (classes most specific first, then by score): the view opens on the first head's layer
+        rows = [(kind, int(l), int(h)) for kind, l, h in zip(strongest["class"], strongest["layer"], strongest["head"])
+                if _prompt_of(kind) == what]
+        pairs = list(dict.fromkeys((l, h) for _, l, h in rows))
         if pairs:
-            html_parts.append(head_view(cache, tokens, heads=pairs, title=f"strongest heads on {what}").html)
+            named = ", ".join(dict.fromkeys(f"{l}.{h} {kind.replace('_', '-')}" for kind, l, h in rows))
+            html_parts.append(head_view(cache, tokens, heads=pairs, title=f"strongest heads on {what}: {named}").html)
             head_views.append({"prompt": what, "heads": [f"{l}.{h}" for l, h in pairs]})
     return {"grid": grid.html, "grid_prompt": _REPEATED, "head_views": head_views, "head_views_html": html_parts}
 

@@ -115,24 +115,27 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
     head_views = "".join(views["head_views_html"]) or "<p>No labelled heads to show.</p>"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:,"><title>interp report: {esc(m['class'])}</title>
+<link rel="icon" href="data:,"><title>{esc(m.get('name', m['class']))}: attention heads (interp report)</title>
 <style>{_CSS}</style></head><body>
-<h1>Attention heads of {esc(m['class'])}</h1>
+<h1 data-role="model-name">{esc(m.get('name', m['class']))}: attention heads</h1>
+<p>{esc(m.get('size', ''))}.</p>
+<h2 id="findings">Findings</h2>
+<ul data-role="findings">{''.join(f'<li>{line}</li>' for line in summary.get('findings', []))}</ul>
 <p class="muted">interp report, {esc(time.strftime('%Y-%m-%d %H:%M'))}; attention path {esc(m['attn'])};
 torch {esc(summary['versions']['torch'])}, transformers {esc(summary['versions']['transformers'])};
 {seconds['total']:.1f} s on {summary['threads']} CPU thread(s). Files:
-{', '.join(f'<a href="{f}"><code>{f}</code></a>' for f in files)}; figures in <code>figures/</code> ({esc(formats)}).</p>
+{', '.join(f'<a href="{f}"><code>{f}</code></a>' for f in files)}; figures in <code>figures/</code> ({esc(formats)}).
+The model's internals (what discovery found) are at the end of the page.</p>
 
-<h2>Model</h2>
-<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div>
-
-<h2>Strongest head of each class</h2>
+<h2 id="classes">Strongest head of each class</h2>
 <p>Each class's highest-scoring head, its score with the 95% bootstrap interval over prompts, and what the score
 measures; <b>labels</b> lists every class a head clears, most specific first (the first is its primary label).
 Label counts: {esc(counts)}. Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
 {_strongest_table(strongest, thresholds) if len(strongest) else '<p>No head passes a threshold.</p>'}
 <details><summary>All {n_labelled} labelled heads</summary>{_labelled_table(heads)}</details>
 <p class="muted">Every head with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
+
+{_class_ablation_html(summary.get("class_ablation"))}
 
 <h2>Explore every head</h2>
 <p>Each head's pattern on {esc(views['grid_prompt'])} (queries down, keys across; colour: square root of the
@@ -154,7 +157,7 @@ class)</summary>{grids}</details>
 tokens for induction and duplicate-token heads, the example text for the others)</summary>
 {maps_html or '<p>No labelled heads to show.</p>'}</details>
 
-<h2>Ablation scan</h2>
+<h2 id="ablation">Ablation scan</h2>
 <p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
 baseline {summary['baseline']:.4f}. Cells show the change in the metric
 (<a href="ablation.csv"><code>ablation.csv</code></a>).</p>
@@ -164,12 +167,16 @@ baseline {summary['baseline']:.4f}. Cells show the change in the metric
 
 {_circuits_html(summary.get("circuits"), figures)}
 
-<h2>Pruning curve</h2>
+<h2 id="pruning">Pruning curve</h2>
 <p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
 random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
 {figures.img('pruning', 'pruning curve')}
-{_table(curves, '{:.3f}')}
+{_table(curves.rename(columns={"area": "area (" + _better(summary.get("higher_is_better")) + ")"}), '{:.3f}')}
 <p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
+
+<h2 id="model">Model internals</h2>
+<details><summary>What discovery found: {esc(m['class'])}, its layout and hook points</summary>
+<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div></details>
 </body></html>
 """
 
@@ -179,7 +186,7 @@ def _circuits_html(c, figures) -> str:
         return ""
     esc = html.escape
     table = pd.DataFrame(c["top_heads"]).assign(head=lambda d: [f"{l}.{h}" for l, h in zip(d["layer"], d["head"])])
-    return f"""<h2>Circuits: which heads carry the induction task</h2>
+    return f"""<h2 id="circuits">Circuits: which heads carry the induction task</h2>
 <p>{esc(c['task'])}; metric <code>{esc(c['metric'])}</code> (the loss of the clean second copy), clean
 {c['clean']:.3f}, corrupted {c['corrupted']:.3f}. <b>Attribution patching</b> estimates, from one backward pass,
 how much of the way from corrupted to clean each head's clean output alone would take the model (effect 0:
@@ -191,3 +198,28 @@ were then patched exactly (<b>activation patching</b>):</p>
 contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
 {c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
 {figures.img('dla', 'direct logit attribution bars')}"""
+
+
+def _better(higher_is_better) -> str:
+    return "higher is better" if higher_is_better else "lower is better" if higher_is_better is not None else "area"
+
+
+def _class_ablation_html(c) -> str:
+    """Each class's heads ablated together against as many random heads of the same layers."""
+    if not c or not c["rows"]:
+        return ""
+    rows = []
+    for r in c["rows"]:
+        rand = r["random"]
+        rows.append({"class": r["class"], "heads ablated": " ".join(r["heads"]), "second-copy loss": r["ablated"],
+                     f"random heads, mean of {c['draws']}": sum(rand) / len(rand) if rand else float("nan"),
+                     "random range": f"{min(rand):.3f} to {max(rand):.3f}" if rand else "n/a",
+                     "gain removed": f"{r['share'] * 100:.0f}%",
+                     "by random heads": (f"{min(r['random_share']) * 100:.0f} to {max(r['random_share']) * 100:.0f}%"
+                                         if rand else "n/a")})
+    return f"""<h2 id="classes-causal">Does each class do what its name says?</h2>
+<p>Each class's strongest heads (primary label, at most 8) zero-ablated together, against {c['draws']} draws of as
+many random heads from the same layers, on {html.escape(c['task'])}. Clean: first-copy loss
+{c['first_copy_loss']:.3f}, second-copy loss {c['second_copy_loss']:.3f}; the in-context gain is their difference,
+and "gain removed" is how much of it the ablation takes away (the range over the random draws beside it).</p>
+{_table(pd.DataFrame(rows), '{:.3f}')}"""

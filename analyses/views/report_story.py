@@ -1,0 +1,156 @@
+"""What the report says first: the model's name and size, the findings (each linked to its evidence), and whether
+each class of heads does what its name says: its heads ablated together against as many random heads from the
+same layers.
+
+A label is a claim about what a head does; ablating the class and random heads of the same layers tests it
+(REFERENCE.md: validate every label causally). On a causal LM the test is the in-context gain on repeated random
+tokens ``[BOS, x, x]``: the first copy's loss minus the second's, which induction heads make (Olsson et al. 2022).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import torch
+
+from ..ablation import ablate_heads
+from ..metrics import first_copy_loss, second_copy_loss
+from ..scores import LABEL_ORDER
+from ..toy import repeated_sequences
+
+__all__ = ["class_ablation", "findings", "model_name", "model_size"]
+
+_PROPERTY = "sink"  # most heads of a large model are sinks: a property shown beside the classes, not a class
+
+
+def model_name(model) -> str:
+    """The name a person knows the model by: the bundled name's description, the folder, or the config's name."""
+    bundled = getattr(model, "source_name", None)
+    if bundled:
+        return bundled
+    path = getattr(model.hf.config, "name_or_path", "") or ""
+    return Path(path).name if path else type(model.hf).__name__
+
+
+def model_size(model) -> str:
+    """'135M parameters, 30 layers x 9 heads (3 key/value heads), d_model 576' and the class."""
+    c = model.cfg
+    n = sum(p.numel() for p in model.hf.parameters())
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+    heads = f"{c.n_heads} heads" + (f" ({c.n_kv_heads} key/value heads)" if c.n_kv_heads != c.n_heads else "")
+    return (f"{size} parameters, {c.n_layers} layers x {heads}, d_model {c.d_model}; {type(model.hf).__name__}, "
+            f"{'causal' if c.causal else 'bidirectional'}")
+
+
+def class_ablation(model, heads, seed: int = 0, n: int = 16, length: int = 20, draws: int = 5,
+                   per_class: int = 8) -> dict | None:
+    """Each class's strongest heads (primary label, at most ``per_class``) zero-ablated together, against ``draws``
+    sets of as many random heads from the same layers (from other layers where the class leaves too few), on ``n`` repeated random sequences ``[BOS, x, x]``
+    (``|x| = length``): the second copy's loss, and the share of the in-context gain (first-copy loss minus
+    second-copy loss) that the ablation removes. None for a model that is not a causal LM (no copy task)."""
+    if not model.cfg.causal or getattr(model.hf, "get_output_embeddings", lambda: None)() is None:
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    ids = repeated_sequences(n, length, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)
+    batch = {"input_ids": ids.to(model.device)}
+
+    def second(chosen=()):
+        with torch.no_grad(), ablate_heads(model, list(chosen)):
+            return float(second_copy_loss(model(batch["input_ids"]), batch))
+
+    with torch.no_grad():
+        clean = model(batch["input_ids"])
+    first, clean_second = float(first_copy_loss(clean, batch)), float(second_copy_loss(clean, batch))
+    gain = first - clean_second
+    share = (lambda value: (value - clean_second) / gain if gain > 0 else float("nan"))
+    per_layer = model.cfg.heads_per_layer
+    rows = []
+    for kind in LABEL_ORDER:
+        if kind == _PROPERTY:
+            continue
+        column = "positional_fraction" if kind == "positional" else kind
+        members = heads[heads["label"] == kind]
+        if not len(members) or column not in members:
+            continue
+        top = members.sort_values(column, ascending=False).head(per_class)
+        chosen = [(int(l), int(h)) for l, h in zip(top["layer"], top["head"])]
+        taken = set(chosen)
+        random_values = []
+        for d in range(draws):
+            g = torch.Generator().manual_seed(seed + 1 + d)
+            pick = []
+            for layer, _ in chosen:  # a head of the same layer; where the class fills it, of any layer
+                free = lambda ls: [(l, h) for l in ls for h in range(per_layer[l])  # noqa: E731
+                                   if (l, h) not in taken and (l, h) not in pick]
+                others = free([layer]) or free(range(len(per_layer)))
+                if others:
+                    pick.append(others[int(torch.randint(len(others), (1,), generator=g))])
+            random_values.append(second(pick))
+        value = second(chosen)
+        rows.append({"class": kind, "heads": [f"{l}.{h}" for l, h in chosen], "ablated": value,
+                     "random": random_values, "share": share(value), "random_share": [share(v) for v in random_values]})
+    return {"task": f"{n} repeated random sequences [BOS, x, x], |x| = {length}", "first_copy_loss": first,
+            "second_copy_loss": clean_second, "draws": draws, "rows": rows}
+
+
+def _span(values) -> str:
+    return f"{min(values) * 100:.0f} to {max(values) * 100:.0f}%" if values else "n/a"
+
+
+def findings(summary: dict, heads) -> list[str]:
+    """The page's first list: one line per finding, in HTML, each with a link to the section that shows it."""
+    esc = html.escape
+    lines = []
+    ablated = {r["class"]: r for r in ((summary.get("class_ablation") or {}).get("rows") or [])}
+    strongest = {}
+    for r in summary["strongest_heads"]:
+        strongest.setdefault(r["class"], r)
+    for kind in LABEL_ORDER:
+        if kind == _PROPERTY:
+            continue
+        members = heads[heads["label"] == kind]
+        if not len(members) or kind not in strongest:
+            continue
+        top = strongest[kind]
+        layers = sorted(set(int(l) for l in members["layer"]))
+        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        interval = f", 95% interval {top['lo']:.2f}-{top['hi']:.2f}" if top["lo"] == top["lo"] else ""
+        line = (f"<b>{len(members)} {esc(kind.replace('_', '-'))} head{'s' if len(members) > 1 else ''}</b> in "
+                f"{where}; strongest {top['layer']}.{top['head']} ({top['score']:.2f}{interval})")
+        if kind in ablated and ablated[kind]["share"] == ablated[kind]["share"]:
+            r = ablated[kind]
+            line += (f"; ablating {'them' if len(r['heads']) > 1 else 'it'} ({len(r['heads'])}) removes "
+                     f"<b>{r['share'] * 100:.0f}%</b> of the in-context gain (as many random heads, same layers "
+                     f"where possible: {_span(r['random_share'])}) <a href=\"#classes-causal\">evidence</a>")
+        else:
+            line += ' <a href="#classes">evidence</a>'
+        lines.append(line)
+    if not lines:
+        lines.append('No head clears a class threshold (<a href="#classes">scores</a>).')
+    n_sinks = int(heads["labels"].str.split("+").apply(lambda labels: _PROPERTY in labels).sum())
+    if n_sinks:
+        lines.append(f"{n_sinks} of {len(heads)} heads are attention sinks (they park most weight on the first "
+                     "token): a property shown beside the classes, not a class of its own.")
+    top = summary["most_important_by_ablation"]
+    if top:
+        t = top[0]
+        lines.append(f"Ablating a single head changes <code>{esc(summary['metric'])}</code> most for "
+                     f"{t['layer']}.{t['head']} ({t['delta']:+.3f} from {summary['baseline']:.3f}) "
+                     '<a href="#ablation">evidence</a>')
+    circuits = summary.get("circuits")
+    if circuits and circuits["top_heads"]:
+        best = max(circuits["top_heads"], key=lambda r: abs(r["effect"]))
+        lines.append(f"On the induction task, patching head {best['layer']}.{best['head']}'s clean output alone moves "
+                     f"the model {best['effect'] * 100:.0f}% of the way from corrupted to clean "
+                     '<a href="#circuits">evidence</a>')
+    pruning = {r["order"]: r for r in summary.get("pruning", [])}
+    if "importance" in pruning and "random" in pruning:
+        better = summary.get("higher_is_better")
+        a, b = pruning["importance"]["area"], pruning["random"]["area"]
+        if better is not None:
+            verdict = "better" if (a > b) == bool(better) else "worse"
+            lines.append(f"Pruning heads in order of importance keeps the metric {verdict} than random orders "
+                         f"(area {a:.3f} against {b:.3f}; {'higher' if better else 'lower'} is better) "
+                         '<a href="#pruning">evidence</a>')
+    return lines
