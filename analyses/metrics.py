@@ -13,6 +13,7 @@ scan compares them copy by copy) and a differentiable per-example ``loss`` for `
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -63,10 +64,49 @@ def _mask(inputs: Batch) -> torch.Tensor:
     return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
 
 
+def _arguments(metric, output, inputs) -> tuple[Any, Mapping]:
+    """``(output, inputs)`` as every metric reads them: inputs as a batch ``{"input_ids": (b, p), ...}`` (token ids
+    ``(b, p)`` or ``(p,)`` are wrapped), output as the model's output (a hooked model in its place is run on the
+    inputs). A wrong argument is named, with the call that works."""
+    call = f"{metric.name}(output, inputs)"
+    if isinstance(inputs, Mapping):
+        if "input_ids" not in inputs:
+            swapped = "logits" in inputs or "last_hidden_state" in inputs
+            raise TypeError(f"{call}: " + ("the second argument looks like the model's output; the output goes "
+                                           f"first: {metric.name}(model(tokens), tokens)." if swapped else
+                                           f"a batch needs input_ids; this one has keys {sorted(map(str, inputs))}."))
+        ids = inputs["input_ids"]
+        if isinstance(ids, torch.Tensor) and ids.ndim == 1:
+            inputs = {**inputs, "input_ids": ids[None]}
+    elif isinstance(inputs, torch.Tensor) or (isinstance(inputs, (list, tuple)) and inputs
+                                              and not isinstance(inputs[0], str)):
+        ids = torch.as_tensor(inputs)
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.ndim not in (1, 2):
+            raise TypeError(f"{call}: inputs must be token ids (batch, pos) or (pos,), or a batch dict; got a "
+                            f"{str(ids.dtype).removeprefix('torch.')} tensor of shape {tuple(ids.shape)}. (Logits go "
+                            "first: metric(model(tokens), tokens).)")
+        inputs = {"input_ids": ids if ids.ndim == 2 else ids[None], "attention_mask": None}
+    else:
+        raise TypeError(f"{call}: inputs must be token ids (a tensor) or a batch dict with input_ids, as the model "
+                        f"ran on; got {type(inputs).__name__}. Tokenize text with model.to_tokens first.")
+    if hasattr(output, "hf") and hasattr(output, "run_with_cache"):  # the model itself: run it on the inputs
+        ids = inputs["input_ids"].to(output.device)
+        mask = inputs.get("attention_mask")
+        with torch.no_grad():
+            output = output(ids, None if mask is None else mask.to(output.device))
+    elif isinstance(output, torch.Tensor) and not output.is_floating_point():
+        raise TypeError(f"{call}: output must be the model's output (logits or hidden states); got an integer "
+                        f"tensor of shape {tuple(output.shape)}, which looks like token ids. Call "
+                        f"{metric.name}(model(tokens), tokens) or {metric.name}(model, tokens).")
+    return output, inputs
+
+
 class Metric:
     """A metric with a per-example form.
 
-    ``per_example(output, inputs) -> (b,)``; calling the metric gives the mean as a float.
+    ``per_example(output, inputs) -> (b,)``; calling the metric gives the mean as a float. ``output`` is the
+    model's output (or the model itself, which is then run on ``inputs``); ``inputs`` a batch dict or token ids
+    ``(b, p)``: every subclass's ``per_example``, ``loss`` and ``__call__`` take both forms (``__init_subclass__``).
     ``higher_is_better`` says which way is good (the ablation order of pruning needs it).
     ``loss(output, inputs) -> (b,)`` is what ``head_importance`` differentiates: by default the metric
     itself, negated when higher is better.
@@ -74,6 +114,12 @@ class Metric:
 
     name = "metric"
     higher_is_better = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for method in ("per_example", "loss", "__call__"):
+            if method in cls.__dict__:
+                setattr(cls, method, _normalised(cls.__dict__[method]))
 
     def per_example(self, output, inputs: Batch) -> torch.Tensor:
         raise NotImplementedError
@@ -83,7 +129,7 @@ class Metric:
         return -value if self.higher_is_better else value
 
     def __call__(self, output, inputs: Batch) -> float:
-        return float(self.per_example(output, inputs).float().mean())
+        return float(self.per_example(output, inputs).detach().float().mean())
 
     def rows(self, index: torch.Tensor) -> Metric:
         """The metric for rows ``index`` of the batch it is used on (a study split across processes runs each
@@ -93,6 +139,15 @@ class Metric:
 
     def __repr__(self) -> str:
         return f"<metric {self.name}>"
+
+
+def _normalised(method):
+    @functools.wraps(method)
+    def wrapper(self, output, inputs, *args, **kwargs):
+        return method(self, *_arguments(self, output, inputs), *args, **kwargs)
+
+    wrapper.__wrapped_metric__ = True
+    return wrapper
 
 
 class _Callable(Metric):

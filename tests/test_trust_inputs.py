@@ -281,3 +281,47 @@ def test_score_grids_mark_heads_with_non_finite_attention():
     marked = [(p.get_x(), p.get_y()) for p in ax.patches if isinstance(p, Rectangle) and p.get_gid() == "nan-head"]
     assert marked == [(2, 1)]  # head 2 of layer 1
     assert [t.get_position() for t in ax.texts if t.get_text() == "NaN"] == [(2.5, 1.5)]
+
+
+# -- issue 27 item 6: metrics take a tensor or a batch, and the model or its output -------------------------------
+def test_metrics_take_token_ids_a_batch_or_the_model_and_name_a_wrong_argument():
+    import interp
+    from analyses import lm_loss, second_copy_loss
+
+    model = interp.load_model("toy-induction")
+    x = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    tokens = torch.cat([torch.zeros(2, 1, dtype=torch.long), x, x], 1)
+    with torch.no_grad():
+        out = model(tokens)
+    want = second_copy_loss(out, {"input_ids": tokens, "attention_mask": None})
+    assert second_copy_loss(out, tokens) == want  # a tensor of ids (was: IndexError "too many indices")
+    assert second_copy_loss(model, tokens) == want  # the model, run on the ids (was: TypeError)
+    assert second_copy_loss.per_example(out, tokens).shape == (2,)
+    assert lm_loss(model, tokens[0]) == pytest.approx(lm_loss(model(tokens[:1]), tokens[:1]))
+    with pytest.raises(TypeError, match="looks like the model's output; the output goes first"):
+        second_copy_loss(tokens, out)
+    with pytest.raises(TypeError, match="looks like token ids"):
+        second_copy_loss(tokens, tokens)
+    with pytest.raises(TypeError, match="Tokenize text with model.to_tokens"):
+        second_copy_loss(out, "some text")
+    with pytest.raises(TypeError, match=r"has keys \['ids'\]"):
+        second_copy_loss(out, {"ids": tokens})
+
+
+def test_attention_heatmap_takes_the_model_first_order_and_names_a_wrong_argument():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import interp
+    from analyses.views.plots import attention_heatmap
+
+    model = interp.load_model("toy-induction")
+    tokens = torch.arange(1, 12)
+    old = attention_heatmap(model, 1, 3, tokens).collections[0].get_array()
+    new = attention_heatmap(model, tokens, 1, 3).collections[0].get_array()  # as head_view(model, text, ...)
+    assert torch.equal(torch.as_tensor(old), torch.as_tensor(new))
+    with pytest.raises(TypeError, match="head must be an integer; got str 'x'"):
+        attention_heatmap(model, tokens, 1, "x")
+    plt.close("all")

@@ -55,6 +55,10 @@ def clean_token(token: str) -> str:
     return visible_token(token).replace("$", r"\$")
 
 
+def _is_index(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def attention_heatmap(source, layer: int | None = None, head: int | None = None, text=None, *,
                       tokens: Sequence[str] | None = None, batch: int = 0, window: tuple[int, int] | None = None,
                       ax=None, cmap: str = "viridis", title: str | None = None):
@@ -63,7 +67,8 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     source: what to read the pattern from:
       - an ``ActivationCache`` from ``model.run_with_cache`` (either attention path: on flash the head's
         pattern is rebuilt from the cached q and k); ``batch`` picks the sequence, padding is dropped;
-      - a ``HookedModel`` together with ``text`` (a string, or token ids ``(p,)``): it runs the text once;
+      - a ``HookedModel`` together with ``text`` (a string, or token ids ``(p,)``): it runs the text once; the
+        model-first order of the other views works too, ``attention_heatmap(model, text, layer, head)``;
       - a pattern tensor ``(q, k)`` (``layer``/``head`` then only name the title).
     tokens: tick labels (default: the model's token strings; position numbers for a cache or tensor).
     window: ``(start, stop)``: show only queries and keys in positions ``start .. stop - 1`` (Python slice
@@ -71,6 +76,13 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     Returns the Axes. Attention from a query row to keys outside the window is not shown, so rows of a
     window need not sum to 1.
     """
+    if layer is not None and not _is_index(layer):  # the model-first order of head_view: (model, text, layer, head)
+        text, layer, head = layer, head, text
+    for what, value in (("layer", layer), ("head", head)):
+        if value is not None and not _is_index(value):
+            shown = repr(value) if len(repr(value)) < 60 else repr(value)[:57] + "..."
+            raise TypeError(f"attention_heatmap(source, text, layer, head) or (source, layer, head, text=...): {what} "
+                            f"must be an integer; got {type(value).__name__} {shown}.")
     pattern, tokens, name = _pattern_of(source, layer, head, text, tokens, batch)
     if not bool(torch.isfinite(pattern).all()):
         raise ValueError(f"The attention pattern of {name} holds NaN or inf: the model computed non-finite values "
