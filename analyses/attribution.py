@@ -20,6 +20,7 @@ import pandas as pd
 
 from interp.distributed import onloaded
 from interp.inputs import encode
+from interp.tokens import display_tokens
 
 from .ablation import check_heads
 from .engine import Shard, _arguments, _run
@@ -333,7 +334,7 @@ def logit_lens(model, inputs, answer=None, position: int = -1, k: int = 5) -> pd
             top = mean.topk(k)
             tokens = top.indices.tolist()
             if model.tokenizer is not None:
-                tokens = model.tokenizer.convert_ids_to_tokens(tokens)
+                tokens = display_tokens(model.tokenizer, tokens)
             row = {"layer": layer, "top_tokens": tokens, "top_prob": float(top.values[0])}
             if answer is not None:
                 chosen = probs[torch.arange(n), answer]

@@ -117,13 +117,18 @@ def _id_line(line: str, where: str) -> list[int]:
                         f"'0 5 17 5'; got {line[:40]!r}") from None
 
 
+def _number(v: float) -> str:
+    """A table's float: an integer value as an integer (a rank), else 4 decimals."""
+    return f"{v:.0f}" if float(v).is_integer() and abs(v) < 1e15 else f"{v:.4f}"
+
+
 def _emit(df, fmt: str) -> None:
     if fmt == "csv":
         print(df.to_csv(index=False), end="")
     elif fmt == "json":
         print(df.to_json(orient="records", indent=2))
     else:
-        print(df.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+        print(df.to_string(index=False, float_format=_number))
 
 
 class _Progress:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from interp.tokens import display_tokens, visible
 
 __all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
 
@@ -49,8 +50,16 @@ _SCORE_KIND = {"positional_fraction": "positional", "source_positional_fraction"
 
 
 def visible_token(token) -> str:
-    """A token string with BPE markers made visible: ``Ġ``/``▁`` (a leading space) as ``␣``, newlines as ``\\n``."""
-    return str(token).replace("Ġ", "␣").replace("▁", "␣").replace("Ċ", "\\n").replace("\n", "\\n")
+    """A token string with its whitespace visible (``interp.tokens.visible``): ``Ġ``/``▁``/spaces as ``␣``, newlines
+    as ``\\n``."""
+    return visible(token)
+
+
+def model_tokens(model, ids) -> list[str]:
+    """The display form of ``ids`` (``interp.tokens.display_tokens``), or their numbers without a tokenizer."""
+    if model.tokenizer is None:
+        return [str(int(i)) for i in ids]
+    return display_tokens(model.tokenizer, ids)
 
 
 # -- the views -------------------------------------------------------------------------------------------
@@ -262,7 +271,7 @@ class _Run:
         names = [f"blocks.{l}.attn.hook_{kind}" for l in layers for kind in ("q", "k")]
         with model.studying(), torch.no_grad():
             _, cache = model.run_with_cache(row[None], names=names)
-        return cls(cache, 0, None, [visible_token(t) for t in model.to_str_tokens(row)],
+        return cls(cache, 0, None, model_tokens(model, row),
                    list(model.cfg.heads_per_layer), list(layers), f"{type(model.hf).__name__} ({model.attn} path)",
                    model)
 

@@ -33,7 +33,7 @@ import torch
 from matplotlib.figure import FigureBase
 from matplotlib.patches import Rectangle
 
-from .attention import _window, visible_token
+from .attention import _window, model_tokens, visible_token
 
 __all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
            "clean_token", "save_figure"]
@@ -144,7 +144,7 @@ def _pattern_of(source, layer, head, text, tokens, batch) -> tuple[torch.Tensor,
             _, cache = source.run_with_cache(ids, names=names)
         pattern = cache.pattern(layer, head)[0, 0].float().cpu()
         if tokens is None:
-            tokens = source.to_str_tokens(ids[0])
+            tokens = model_tokens(source, ids[0])
         return pattern, _labels(tokens, pattern.shape[0]), f"head {layer}.{head}"
     if isinstance(source, ActivationCache):
         if text is not None:

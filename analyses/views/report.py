@@ -36,7 +36,7 @@ from ..pruning import curve_summary, pruning_curve  # noqa: E402
 from ..scores import strongest_heads  # noqa: E402
 from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
-from .attention import attention_grid, head_view  # noqa: E402
+from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import (FORMATS, ablation_heatmap, attention_heatmap, dla_bars, head_score_grid,  # noqa: E402
                     patching_heatmap, pruning_curve_plot)
 from .report_page import page  # noqa: E402
@@ -334,7 +334,7 @@ def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tupl
         if what not in shown:
             prompt = repeated if what == _REPEATED else text
             cache = model.run_with_cache(prompt, names=lambda n: n.endswith(("hook_q", "hook_k")))[1]
-            shown[what] = cache, model.to_str_tokens(_ids_of(model, prompt))
+            shown[what] = cache, model_tokens(model, _ids_of(model, prompt))
         return shown[what]
 
     run(_REPEATED)

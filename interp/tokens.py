@@ -1,0 +1,68 @@
+"""One display of tokens everywhere (tables, the logit lens, views, plots): the token's text as a person reads it,
+with whitespace made visible.
+
+Byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM2) store each byte as a printable stand-in (``Ġ`` a space, ``Ċ`` a
+newline, ``âĢľ`` the three bytes of ``“``); they are mapped back to the bytes and decoded (bytes of an incomplete
+character show as ``\\xNN``). SentencePiece's ``▁`` and any space show as ``␣``, newlines as ``\\n``, tabs as
+``\\t``; byte-fallback tokens ``<0xNN>`` as the character, or ``\\xNN`` when it is not one on its own.
+
+>>> visible("Ġsaid"), visible("▁said"), visible(" said\\n")
+('␣said', '␣said', '␣said\\\\n')
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+__all__ = ["display_tokens", "visible"]
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> printable character table (GPT-2's): printable Latin-1 bytes stand for
+    themselves, the others are shifted to code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shift = {b: b for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = 256 + shift
+            shift += 1
+    return {chr(c): b for b, c in table.items()}
+
+
+def _byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+
+
+def _from_bytes(token: str) -> str:
+    decoder = _byte_decoder()
+    if not all(c in decoder for c in token):  # added tokens are kept as they were written
+        return token
+    return bytes(decoder[c] for c in token).decode("utf-8", errors="backslashreplace")
+
+
+def visible(token: str) -> str:
+    """A token string with its whitespace visible: spaces (and ``Ġ``, ``▁``) as ``␣``, newlines (and ``Ċ``) as ``\\n``,
+    tabs as ``\\t``; a byte-fallback token ``<0xNN>`` as its character or ``\\xNN``."""
+    token = str(token)
+    byte = _BYTE_TOKEN.match(token)
+    if byte:
+        value = int(byte.group(1), 16)
+        token = chr(value) if value < 0x80 else f"\\x{value:02x}"
+    for raw, shown in ((" ", "␣"), ("\u00a0", "␣"), ("Ġ", "␣"), ("▁", "␣"), ("\n", "\\n"), ("Ċ", "\\n"),
+                       ("\t", "\\t"), ("ĉ", "\\t")):
+        token = token.replace(raw, shown)
+    return token
+
+
+def display_tokens(tokenizer, ids) -> list[str]:
+    """The display form (``visible``) of each token of ``ids``: decoded text for byte-level BPE, else the tokenizer's
+    own token strings."""
+    tokens = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    if _byte_level(tokenizer):
+        return [visible(_from_bytes(t)) for t in tokens]
+    return [visible(t) for t in tokens]

@@ -1,0 +1,43 @@
+"""One token display everywhere (issue 27 item 7): decoded text with visible whitespace, never raw BPE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import interp
+from interp.bundled import bundled_folder
+from interp.tokens import display_tokens, visible
+
+TEXT = "He said “hi”\u00a0there\n\tok"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return AutoTokenizer.from_pretrained(bundled_folder("smollm2"), local_files_only=True)
+
+
+def test_byte_level_bpe_is_decoded_with_visible_spaces(smollm2_tokenizer):
+    ids = smollm2_tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    raw = smollm2_tokenizer.convert_ids_to_tokens(ids)
+    assert "ĠâĢľ" in raw and "Âł" in raw  # what the tables used to print
+    shown = display_tokens(smollm2_tokenizer, ids)
+    assert shown == ["He", "␣said", "␣“", "hi", "”", "␣", "there", "\\n", "\\t", "ok"]
+    assert "".join(shown).replace("␣", " ").replace("\\n", "\n").replace("\\t", "\t") == TEXT.replace("\u00a0", " ")
+
+
+def test_sentencepiece_and_byte_fallback_tokens():
+    assert visible("▁said") == "␣said" and visible("<0x0A>") == "\\n" and visible("<0xC2>") == "\\xc2"
+
+
+def test_logit_lens_and_views_show_the_display_form():
+    from analyses import logit_lens
+    from analyses.views.attention import model_tokens
+
+    model = interp.load_model("smollm2")
+    tokens = model.to_tokens(["The cat sat on the mat. The cat"])
+    lens = logit_lens(model, tokens, k=3)
+    shown = [t for row in lens["top_tokens"] for t in row]
+    assert shown and not any("Ġ" in t or "Ċ" in t for t in shown)
+    assert "␣cat" in model_tokens(model, tokens["input_ids"][0])
