@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from interp import distributed
+from interp.progress import progress
 
 from .metrics import Batch, Metric, _main_output
 
@@ -39,7 +40,8 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
         with model.hooks(list(base_hooks)), prefix.recording():
             baseline = metric(_run(model, batch), batch)
         b = batch["input_ids"].shape[0]
-        for start in range(0, len(items), per_forward):
+        starts = range(0, len(items), per_forward)
+        for start in progress(starts, total=len(starts), desc=f"{len(items)} heads", unit="forward"):
             group = list(items[start:start + per_forward])
             copies = len(group)
             first = min(first_layer(item) for item in group)

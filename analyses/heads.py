@@ -18,6 +18,7 @@ import torch
 
 from interp import distributed
 from interp.inputs import encode, pad_ids, tokenize
+from interp.progress import progress
 
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
                      label_heads,
@@ -148,7 +149,8 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
         distributed.check_same([len(prompts), int(lengths.sum()), checksum], "prompts")
     mine = distributed.shard(len(starts), strided=True)  # this rank's batches (the same batches as one process's)
     with distributed.failing_together(), torch.no_grad():
-        for start in starts if mine is None else [starts[i] for i in mine]:
+        batches = starts if mine is None else [starts[i] for i in mine]
+        for start in progress(batches, total=len(batches), desc=f"heads: {len(prompts)} prompts", unit="batch"):
             index = order[start:start + batch_size]
             ids, mask = pad_ids([prompts[i] for i in index], left=cfg.causal, pad_id=model.pad_token_id)
             targets = build_targets(ids, mask, cfg.causal, kinds)

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from interp import HookedModel, distributed
+from interp.progress import progress
 from interp.pruning import kept_heads, plan_layer, slice_heads
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
@@ -202,6 +203,7 @@ def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, 
             normalize) -> pd.DataFrame:
     heads = all_heads(model)
     rows = []
+    bar = progress(desc=f"pruning curve ({order})", unit="step")
     for seed in (seeds if order == "random" else [None]):
         rng = np.random.default_rng(seed)
         pruned: list[Head] = []
@@ -220,6 +222,8 @@ def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, 
             if not chosen:
                 break
             pruned += chosen
+            bar.update()
+    bar.close()
     df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
     df["seed"] = df["seed"].astype("Int64")
     return df

@@ -13,6 +13,7 @@ import io
 import json
 import platform
 import struct
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 from interp.inputs import pad_ids  # noqa: E402
+from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
 from ..ablation import ablation_scan  # noqa: E402
@@ -187,7 +189,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figures = _Figures(out / "figures", formats)
-    step = progress or (lambda stage: None)
+    step = progress or _print_stage
     stages: list[tuple[str, float]] = []  # (stage, start time)
     t_start = time.perf_counter()
     n_heads = len(model.cfg.heads())
@@ -368,6 +370,12 @@ def _views(heads, strongest, shown) -> dict:
             html_parts.append(head_view(cache, tokens, heads=pairs, title=f"strongest heads on {what}: {named}").html)
             head_views.append({"prompt": what, "heads": [f"{l}.{h}" for l, h in pairs]})
     return {"grid": grid.html, "grid_prompt": _REPEATED, "head_views": head_views, "head_views_html": html_parts}
+
+
+def _print_stage(stage: str) -> None:
+    """The report's stages on stderr, where progress is shown (``interp.progress``)."""
+    if progress_enabled():
+        print(f"interp report: {stage}", file=sys.stderr, flush=True)
 
 
 def _ids_of(model, text):
