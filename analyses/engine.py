@@ -48,8 +48,11 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
             with model.hooks(hooks_for(group, copies)):
                 with prefix.replaying(first, copies):
                     output = _run(model, batch, copies)
-                if start == 0 and first > 0:  # check the replay once against a full forward
-                    prefix.enabled = _same_output(output, _run(model, batch, copies))
+                if start == 0 and first > 0 and prefix.enabled:  # check the replay once against a full forward
+                    full = _run(model, batch, copies)
+                    prefix.enabled = _same_output(output, full)
+                    if not prefix.enabled:  # the replay is off for every later group, and this one's values
+                        output = full       # come from the full forward too
             values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), batch) for i in range(copies)]
             del output
     return baseline, values
@@ -95,6 +98,11 @@ def _run(model, batch: Batch, copies: int = 1):
     return model(*args, **kwargs)
 
 
+# torch's per-module hook tables: emptied on a replayed block so that none of its hooks fires on the replayed output
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs")
+
+
 class Prefix:
     """The block outputs of one run, replayed instead of recomputed for the blocks before the first ablated layer:
     a head's ablation changes nothing before its layer, so a scan of layer l's heads only needs layers l.. again
@@ -122,22 +130,33 @@ class Prefix:
 
     @contextmanager
     def replaying(self, first_layer: int, copies: int):
-        """Blocks 0..first_layer-1 return block first_layer-1's recorded output (only the last one is read)."""
+        """Blocks 0..first_layer-1 return block first_layer-1's recorded output (only the last one is read).
+
+        The recorded output is what the block's forward hooks left (ours, such as hook_resid_post, and any torch
+        hook of the user's; the recording hook runs after them), so the skipped blocks' hooks must not run again
+        on it: their hook tables are emptied for the replay and put back after, and a steering hook is applied
+        once, as in a direct run."""
         skipped = self.blocks[:first_layer] if self.enabled else []
         # a block dispatched by accelerate (device_map) has its own forward on the instance: put it back after
         own = [block.__dict__.get("forward") for block in skipped]
+        tables = [{name: getattr(block, name) for name in _HOOK_TABLES if hasattr(block, name)} for block in skipped]
         if skipped:
             out = _repeat(self.outputs[first_layer - 1], copies, self.model.device)
             for block in skipped:
                 block.forward = lambda *args, **kwargs: out
+                for name in _HOOK_TABLES:
+                    if hasattr(block, name):
+                        setattr(block, name, type(getattr(block, name))())
         try:
             yield
         finally:
-            for block, forward in zip(skipped, own):
+            for block, forward, table in zip(skipped, own, tables):
                 if forward is None:
                     block.__dict__.pop("forward", None)
                 else:
                     block.forward = forward
+                for name, hooks in table.items():
+                    setattr(block, name, hooks)
 
 
 def _repeat(value, copies: int, device):
