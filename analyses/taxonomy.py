@@ -40,8 +40,10 @@ from interp.distributed import onloaded
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
+from .scores import TAXONOMY_SCORES
 
-__all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS"]
+__all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",
+           "TAXONOMY_SCORES"]
 
 ORDINAL_LISTS = Path(__file__).resolve().parent / "data" / "ordinal_lists.json"
 
@@ -237,4 +239,53 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
             hits[layer] = layer_hits
     df = _frame(model, "copy_suppression", hits, n_bootstrap, seed)
     df.attrs.update(tokens=len(tokens), k=k)
+    return df
+
+
+# -- detect_heads's dispatch -------------------------------------------------------------------------------------
+CHEAP_SCORES = ("successor", "copy_suppression")  # weights only: seconds on a 135M model
+TASK_SCORES = ("name_mover", "s_inhibition", "function_vector")  # forward passes per head: minutes
+
+
+def split_scores(names) -> tuple[object, list[str]]:
+    """``names`` (detect_heads's ``scores``/``kinds``) as (the attention-pattern kinds, or None for their default
+    when no name was given; the taxonomy scores asked for, in canonical order)."""
+    if names is None:
+        return None, []
+    names = [names] if isinstance(names, str) else list(names)
+    extra = [n for n in TAXONOMY_SCORES if n in names]
+    return [n for n in names if n not in TAXONOMY_SCORES], extra
+
+
+def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 1000,
+                   thresholds: dict[str, float] | None = None) -> pd.DataFrame:
+    """The taxonomy scores ``names`` of every head, merged on (layer, head); ``io_attention`` comes with
+    ``name_mover`` (its label needs it), and ``s_inhibition`` brings ``name_mover`` along (its receivers)."""
+    refuse_stacks(model, f"The score(s) {names}")
+    frames = []
+    if "successor" in names:
+        frames.append(successor_scores(model, n_bootstrap=n_bootstrap, seed=seed))
+    if "copy_suppression" in names:
+        frames.append(copy_suppression_scores(model, n_bootstrap=n_bootstrap, seed=seed))
+    if "name_mover" in names or "s_inhibition" in names:
+        from .taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
+
+        task = _ioi(model, 32, seed)[:3]
+        movers = name_mover_scores(model, seed=seed, n_bootstrap=n_bootstrap, task=task)
+        frames.append(movers)
+        if "s_inhibition" in names:
+            frames.append(s_inhibition_scores(model, seed=seed, n_bootstrap=n_bootstrap, task=task,
+                                              name_movers=movers, thresholds=thresholds))
+    if "function_vector" in names:
+        from .function_vectors import function_vector_scores
+
+        fv = function_vector_scores(model, seed=seed, n_bootstrap=n_bootstrap)
+        frames.append(fv)
+    df = frames[0]
+    for other in frames[1:]:
+        df = df.merge(other, on=["layer", "head"], how="outer")
+    attrs = {}
+    for frame in frames:
+        attrs.update({k: v for k, v in frame.attrs.items() if k != "mean_z"})
+    df.attrs.update(taxonomy=attrs)
     return df

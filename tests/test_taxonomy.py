@@ -4,6 +4,7 @@ detect_heads(scores=...) dispatch; the validation script's quick mode runs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,3 +100,92 @@ def test_weight_scores_check_their_input():
         successor_scores(model)  # no tokenizer: the bundled lists cannot be tokenized
     with pytest.raises(ValueError, match="k must be"):
         copy_suppression_scores(model, tokens=[1, 2], k=0)
+
+
+def test_detect_heads_scores_dispatch_and_kinds_alias():
+    import pytest
+
+    from analyses import detect_heads
+
+    model = interp.load_model(_planted())
+    both = detect_heads(model, scores=["induction", "copy_suppression"], n_prompts=4, n_bootstrap=20)
+    assert {"induction", "induction_lo", "copy_suppression", "copy_suppression_lo", "copy_suppression_hi"} <= set(both)
+    assert len(both) == 8
+    planted = both[(both.layer == 1) & (both["head"] == 1)].iloc[0]
+    assert "copy_suppression" in planted["labels"].split("+")  # token sample: 200 ordinary ids of 99 -> all of them
+    old = detect_heads(model, kinds=["induction"], n_prompts=4, n_bootstrap=20)
+    new = detect_heads(model, scores=["induction"], n_prompts=4, n_bootstrap=20)
+    assert old.equals(new) and "copy_suppression" not in old
+    only = detect_heads(model, scores="copy_suppression", n_bootstrap=20)
+    assert list(only.columns[:3]) == ["layer", "head", "copy_suppression"] and "induction" not in only
+    assert only["copy_suppression"].tolist() == both["copy_suppression"].tolist()
+    with pytest.raises(ValueError, match="not both"):
+        detect_heads(model, kinds=["induction"], scores=["induction"])
+    with pytest.raises(ValueError, match="successor"):
+        detect_heads(model, scores=["sucessor"])
+
+
+def test_encoder_decoder_is_refused_for_residual_stream_scores():
+    import pytest
+    from test_seq2seq import _tiny
+
+    from analyses import detect_heads
+
+    model = interp.load_model(_tiny("t5"))
+    for score in ("successor", "name_mover", "function_vector"):
+        with pytest.raises(TypeError, match="encoder-decoder"):
+            detect_heads(model, scores=[score])
+
+
+def _tiny_with_tokenizer():
+    """A tiny random Llama with SmolLM2's tokenizer (49,152 tokens), so the text tasks run in a second."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    folder = next((Path.home() / ".cache" / "interp").glob("smollm2-*"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+    return interp.load_model(LlamaForCausalLM(cfg).eval(), tokenizer=tok)
+
+
+@torch.no_grad()
+def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
+    from analyses import direct_logit_attribution, path_patching
+    from analyses.function_vectors import _mean_z, function_vector_scores, icl_prompts, icl_tasks
+    from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
+
+    model = _tiny_with_tokenizer()
+    clean, corrupted, metric, io, s = _ioi(model, 8, 0)
+    nm = name_mover_scores(model, task=(clean, corrupted, metric), n_bootstrap=50)
+    dla = direct_logit_attribution(model, clean, io, s)
+    heads = dla[dla.component == "head"]
+    assert np.allclose(nm["name_mover"] * nm.attrs["logit_difference"], heads["attribution"].to_numpy(), atol=1e-5)
+    assert nm["io_attention"].abs().le(1).all()
+    si = s_inhibition_scores(model, receivers=[(1, 0)], task=(clean, corrupted, metric), n_bootstrap=50)
+    pp = path_patching(model, clean, corrupted, [(1, 0)], metric, via="q")
+    assert np.allclose(si[si.layer == 0]["s_inhibition"].to_numpy(), pp["effect"].to_numpy(), atol=1e-6)
+    assert (si[si.layer == 1]["s_inhibition"] == 0).all()
+    pairs = icl_tasks()["antonyms"]
+    fv = function_vector_scores(model, tasks=["antonyms"], n_prompts=4, n_shots=2, n_bootstrap=50)
+    # head (1, 2) by hand: its z at the final token set to its few-shot mean on the shuffled prompts
+    clean_b, answers = icl_prompts(model, pairs, 4, 2, 0)
+    shuffled, _ = icl_prompts(model, pairs, 4, 2, 0, shuffled=True)
+    mean = _mean_z(model, clean_b)[1][2]
+
+    def patch(z, hook):
+        z = z.clone()
+        z[:, -1, 2] = mean
+        return z
+
+    def p_answer(hooks=()):
+        with model.hooks(hooks):
+            logits = model(shuffled["input_ids"], shuffled["attention_mask"]).logits[:, -1].float()
+        return logits.softmax(-1)[torch.arange(4), answers]
+
+    expected = float((p_answer([("blocks.1.attn.hook_z", patch)]) - p_answer()).mean())
+    got = float(fv[(fv.layer == 1) & (fv["head"] == 2)]["function_vector"].iloc[0])
+    assert abs(got - expected) < 1e-7 and abs(expected) > 0
