@@ -81,9 +81,12 @@ def ordinal_lists(model) -> dict[str, list[tuple[int, int]]]:
 
 
 def _as_pairs(lists) -> dict[str, list[tuple[int, int]]]:
-    """User lists ``{name: [id, id, ...]}`` (in order) as successor pairs."""
+    """User lists ``{name: [id, id, ...]}`` (in order), or ``{name: [(id, successor id), ...]}``, as pairs."""
     out = {}
     for name, ids in dict(lists).items():
+        if all(isinstance(i, (tuple, list)) and len(i) == 2 for i in ids):  # already (token, successor) pairs
+            out[name] = [(int(a), int(b)) for a, b in ids]
+            continue
         ids = [int(i) for i in ids]
         if len(ids) < 2 or len(set(ids)) != len(ids):
             raise ValueError(f"list {name!r} must hold at least 2 distinct token ids in order; got {ids}.")
@@ -173,8 +176,8 @@ def successor_scores(model, lists=None, n_bootstrap: int = 1000, seed: int = 0) 
     """Every head's successor score (Gould et al. 2023; module docstring): one row per (layer, head) with
     ``successor``, ``successor_lo``, ``successor_hi``.
 
-    lists: None (the bundled ordinal lists in the model's tokenizer, ``ordinal_lists``) or ``{name: [token ids in
-    order]}``. ``df.attrs["items"]`` holds the number of scored items, ``df.attrs["lists"]`` the list names.
+    lists: None (the bundled ordinal lists in the model's tokenizer, ``ordinal_lists``), ``{name: [token ids in
+    order]}`` or ``{name: [(token, successor), ...]}``. ``df.attrs["items"]`` holds the number of scored items, ``df.attrs["lists"]`` the list names.
     """
     refuse_stacks(model, "The successor score")
     pairs = ordinal_lists(model) if lists is None else _as_pairs(lists)

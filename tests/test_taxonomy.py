@@ -189,3 +189,32 @@ def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
     expected = float((p_answer([("blocks.1.attn.hook_z", patch)]) - p_answer()).mean())
     got = float(fv[(fv.layer == 1) & (fv["head"] == 2)]["function_vector"].iloc[0])
     assert abs(got - expected) < 1e-7 and abs(expected) > 0
+
+
+def test_validation_script_quick_mode_runs(tmp_path, capsys):
+    """benchmarks/validate_taxonomy.py --quick on a tiny random model (about 6 s): every class gets its row."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_taxonomy.py"
+    spec = importlib.util.spec_from_file_location("validate_taxonomy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "results.json"
+    threads = torch.get_num_threads()
+    try:
+        script.main(["--quick", "--draws", "2", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the script pins one thread
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    classes = ["successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector"]
+    assert list(results) == classes
+    for name in classes:
+        assert any(line.startswith(name) for line in printed.splitlines())
+        r = results[name]
+        assert len(r["top"]) == 4 and 0 <= r["stability"] <= 1
+        assert r["class_lo"] <= r["class_delta"] <= r["class_hi"]
+        assert r["random_delta_min"] <= r["random_delta_mean"] <= r["random_delta_max"]
+    assert set(results["function_vector"]["steering"]) == {"antonyms"}
