@@ -5,6 +5,7 @@ detect_heads(scores=...) dispatch; the validation script's quick mode runs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -92,7 +93,6 @@ def test_planted_successor_and_copy_suppression_heads_match_plain_torch():
 
 def test_weight_scores_check_their_input():
     model = interp.load_model(_planted())
-    import pytest
 
     with pytest.raises(ValueError, match="at least 2 distinct"):
         successor_scores(model, lists={"bad": [5, 5]})
@@ -103,7 +103,6 @@ def test_weight_scores_check_their_input():
 
 
 def test_detect_heads_scores_dispatch_and_kinds_alias():
-    import pytest
 
     from analyses import detect_heads
 
@@ -126,7 +125,6 @@ def test_detect_heads_scores_dispatch_and_kinds_alias():
 
 
 def test_encoder_decoder_is_refused_for_residual_stream_scores():
-    import pytest
     from test_seq2seq import _tiny
 
     from analyses import detect_heads
@@ -218,3 +216,23 @@ def test_validation_script_quick_mode_runs(tmp_path, capsys):
         assert r["class_lo"] <= r["class_delta"] <= r["class_hi"]
         assert r["random_delta_min"] <= r["random_delta_mean"] <= r["random_delta_max"]
     assert set(results["function_vector"]["steering"]) == {"antonyms"}
+
+
+@pytest.mark.slow  # a CLI subprocess: about 11 s on the loaded 2-core machine
+def test_cli_heads_takes_scores(tmp_path):
+    import io
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    folder = tmp_path / "planted"
+    _planted().save_pretrained(folder)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "analyses.cli", "heads", "--model", str(folder), "--scores", "copy_suppression",
+                          "--format", "csv"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    df = pd.read_csv(io.StringIO(run.stdout))
+    row = df[(df.layer == 1) & (df["head"] == 1)].iloc[0]
+    assert row["copy_suppression"] == 1.0 and row["label"] == "copy_suppression"
