@@ -236,7 +236,9 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
             values = _head_inputs(model, norm_in, eff) @ w_v  # (h, n, e)
             layer_hits = torch.zeros(len(tokens), w_v.shape[0], dtype=torch.bool)
             for head in range(w_v.shape[0]):
-                logits = values[head] @ (w_o[head] @ w_u.T)  # (n, vocab)
+                # (n, vocab), multiplied in the cheaper order
+                logits = (values[head] @ w_o[head] @ w_u.T if len(tokens) < w_o.shape[1]
+                          else values[head] @ (w_o[head] @ w_u.T))
                 own = logits[rows, tokens]
                 layer_hits[:, head] = (logits < own[:, None]).sum(-1) < k
             hits[layer] = layer_hits

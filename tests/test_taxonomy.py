@@ -89,6 +89,12 @@ def test_planted_successor_and_copy_suppression_heads_match_plain_torch():
         expected = float(((logits < own[:, None]).sum(-1) < 3).double().mean())
         assert abs(row.copy_suppression - expected) < 1e-12, (row.layer, row.head)
     assert succ.successor.drop(index=top_succ.name).max() < 1.0
+    few = torch.arange(1, 11)  # fewer tokens than d_head: the other multiplication order
+    small = copy_suppression_scores(model, tokens=few, k=3, n_bootstrap=20)
+    for row in small.itertuples():
+        logits = _plain_logits(hf, row.layer, row.head, few)
+        own = logits[torch.arange(len(few)), few]
+        assert abs(row.copy_suppression - float(((logits < own[:, None]).sum(-1) < 3).double().mean())) < 1e-12
 
 
 def test_weight_scores_check_their_input():
