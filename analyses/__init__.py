@@ -30,6 +30,15 @@ __all__ += ["LowRank", "activation_patching", "attribution_patching", "compositi
             "direct_logit_attribution", "induction_task", "logit_lens", "next_token_loss", "ov_circuit",
             "path_patching", "qk_circuit"]
 
+# The head taxonomy of the literature (issue 24): successor, copy-suppression, name-mover, S-inhibition and
+# function-vector heads (also through detect_heads(model, scores=[...]))
+from .function_vectors import function_vector, function_vector_scores, fv_accuracy, icl_tasks  # noqa: E402
+from .taxonomy import copy_suppression_scores, effective_embedding, successor_scores  # noqa: E402
+from .taxonomy_ioi import name_mover_scores, s_inhibition_scores  # noqa: E402
+
+__all__ += ["copy_suppression_scores", "effective_embedding", "function_vector", "function_vector_scores",
+            "fv_accuracy", "icl_tasks", "name_mover_scores", "s_inhibition_scores", "successor_scores"]
+
 # Views (issues 5 and 14: analyses/views/): plots, interactive views and the HTML report, loaded on first use so
 # that `import analyses` does not import matplotlib
 _LAZY = {"attention_heatmap": "views.plots", "head_score_grid": "views.plots", "ablation_heatmap": "views.plots",

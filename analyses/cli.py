@@ -610,7 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("heads", help="classify every head (previous-token, induction, ...)")
     _model_options(p)
     _format_option(p)
-    p.add_argument("--kinds", default=None, help="comma-separated score kinds (default: all that apply)")
+    p.add_argument("--kinds", "--scores", dest="kinds", default=None,
+                   help="comma-separated score kinds (default: all attention-pattern kinds that apply); on request also "
+                        "successor, copy_suppression, name_mover, s_inhibition, function_vector")
     p.add_argument("--n-prompts", type=int, default=100)
     p.set_defaults(func=cmd_heads)
 

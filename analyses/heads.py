@@ -32,8 +32,14 @@ _REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random to
 
 def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
-                 n_bootstrap: int = 1000) -> pd.DataFrame:
+                 n_bootstrap: int = 1000, scores=None) -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per (layer, head).
+
+    scores: the issue's name for ``kinds`` (give one of the two). Besides the attention-pattern kinds below it
+        takes the literature's classes, computed only on request (``analyses.taxonomy``): ``successor`` and
+        ``copy_suppression`` (from weights, seconds), ``name_mover``, ``s_inhibition`` (IOI task) and
+        ``function_vector`` (ICL tasks; forward passes per head, minutes on a 135M model). Asking only for these
+        computes no attention-pattern score; ``prompts`` and ``n_prompts`` do not apply to them.
 
     kinds: score kinds to compute (None: all that apply): ``previous_token``, ``next_token`` (bidirectional
         models only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions
@@ -61,12 +67,22 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     previous_token, next_token, positional, self, sink; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
     """
+    if scores is not None and kinds is not None:
+        raise ValueError("Give scores= or kinds= (the same argument under two names), not both.")
+    from .taxonomy import refuse_stacks, split_scores, taxonomy_frame
+
+    kinds, extra = split_scores(scores if scores is not None else kinds)
     if getattr(model, "sites", None) is not None:  # an encoder-decoder model: per stack, and cross-attention
         from .seq2seq import seq2seq_heads
 
+        if extra:
+            refuse_stacks(model, f"The score(s) {extra}")
         return seq2seq_heads(model, batch=prompts, n_prompts=n_prompts, seq_len=seq_len or 12, seed=seed,
                              thresholds=thresholds, n_bootstrap=n_bootstrap)
     cfg = model.cfg
+    if extra and not kinds:  # only the literature's classes: no attention-pattern pass
+        df = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
+        return _labelled(model, df, resolve_thresholds(thresholds), {k: "analyses.taxonomy" for k in extra})
     kinds = check_kinds(kinds, cfg.causal)
     limits = resolve_thresholds(thresholds)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
@@ -101,12 +117,22 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     df = pd.concat(frames, axis=1).reset_index()
     real = set(cfg.heads())  # an emptied layer's placeholder head is not scored
     df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
+    inputs = {k: what for set_kinds, _, what in sets for k in set_kinds}
+    if extra:
+        more = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
+        df = df.merge(more, on=["layer", "head"], how="left")
+        df.attrs.update(more.attrs)
+        inputs.update({k: "analyses.taxonomy" for k in extra})
+    return _labelled(model, df, limits, inputs)
+
+
+def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict) -> pd.DataFrame:
+    attrs = dict(df.attrs)
     df["label"] = label_heads(df, limits)
     df["labels"] = head_labels(df, limits)
     _mark_nonfinite(df, nonfinite)
     df = order_columns(df)
-    df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
-                    attn=model.attn)
+    df.attrs.update(attrs, inputs=inputs, thresholds=limits, attn=model.attn)
     return df
 
 

@@ -44,7 +44,14 @@ DEFAULT_THRESHOLDS = {
     "duplicate_token": 0.4,
     "induction": 0.4,
     "positional": 0.9,
+    # the literature's head taxonomy (analyses.taxonomy, taxonomy_ioi, function_vectors); Gould et al.'s 0.4
+    "successor": 0.4,
+    "copy_suppression": 0.4,
+    "name_mover": 0.1,  # a tenth of the IOI logit difference written directly, and END->IO > END->S attention
+    "s_inhibition": 0.1,  # a tenth of the clean-corrupted gap through the name movers' queries
+    "function_vector": 0.02,  # two points of P(answer) on shuffled-label prompts
 }
+TAXONOMY_SCORES = ("successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector")
 
 _PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
 _TILE_BUDGET = 1 << 22  # elements of one (batch, head, query tile, key) score block for the argmax
@@ -325,11 +332,22 @@ SCORE_DEFINITIONS = {
                   "(Voita et al. 2019); the offset is positional_offset",
     "self": "the weight a token puts on itself",
     "sink": "the weight a token puts on the first token of the sequence (Gu et al. 2024)",
+    "successor": "the share of ordinal items whose effective embedding the head's OV maps to the next item's logit, "
+                 "highest among its list (Gould et al. 2023)",
+    "copy_suppression": "the share of tokens whose effective embedding the head's OV maps to that token among the "
+                        "10 most negative logits (McDougall et al. 2023)",
+    "name_mover": "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also attends "
+                  "END->IO more than END->S (io_attention > 0; Wang et al. 2022)",
+    "s_inhibition": "on IOI prompts, the share of the clean-corrupted logit difference the head carries through the "
+                    "name movers' queries (path patching; Wang et al. 2022)",
+    "function_vector": "the rise in P(answer) when the head's mean few-shot output replaces its output on "
+                       "shuffled-label prompts, averaged over ICL tasks (Todd et al. 2024)",
 }
 
 # Most specific first: a real induction head also puts most of its attention on the first token (a sink) and a
 # previous-token head is also positional (offset -1); the primary label names what is special about the head.
-LABEL_ORDER = ("induction", "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
+LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "copy_suppression", "induction",
+               "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
 
 
 def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
@@ -342,6 +360,8 @@ def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) ->
         column = "positional_fraction" if kind == "positional" else kind
         if column in df:
             cleared[kind] = df[column].astype(float) >= limits[kind]
+            if kind == "name_mover" and "io_attention" in df:
+                cleared[kind] &= df["io_attention"].astype(float) > 0
     table = pd.DataFrame(cleared, index=df.index)
     return table.apply(lambda row: "+".join(k for k, hit in row.items() if hit), axis=1).rename("labels") \
         if len(table.columns) else pd.Series("", index=df.index, name="labels")
@@ -409,9 +429,10 @@ def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
         raise ValueError(f"kinds is empty; pass None for all, or some of {list(KINDS)}.")
     for k in kinds:
         if k not in KINDS:
-            close = difflib.get_close_matches(str(k), KINDS, n=2)
+            close = difflib.get_close_matches(str(k), KINDS + TAXONOMY_SCORES, n=2)
             hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"Unknown score kind {k!r}.{hint} Kinds are {list(KINDS)}.")
+            raise ValueError(f"Unknown score kind {k!r}.{hint} Kinds are {list(KINDS)}, and on request "
+                             f"{list(TAXONOMY_SCORES)}.")
     if causal and "next_token" in kinds:
         raise ValueError("next_token needs a bidirectional model: under causal masking no row sees the next token.")
     return [k for k in KINDS if k in kinds]
@@ -419,9 +440,10 @@ def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
 
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     """layer, head, the scores, positional_offset/fraction, label, then the interval columns."""
-    main = ["layer", "head", *[s for s in WEIGHT_SCORES if s in df], "positional_offset", "positional_fraction", "label",
+    scores = WEIGHT_SCORES + TAXONOMY_SCORES
+    main = ["layer", "head", *[s for s in scores if s in df], "positional_offset", "positional_fraction", "label",
             "labels"]
-    intervals = [f"{s}_{end}" for s in WEIGHT_SCORES for end in ("lo", "hi")]
+    intervals = [f"{s}_{end}" for s in scores for end in ("lo", "hi")]
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
 

@@ -1,0 +1,181 @@
+"""Function-vector heads (Todd et al. 2024, "Function Vectors in Large Language Models").
+
+In-context-learning tasks (``data/icl_tasks.json``: antonyms, country-capital, English-French, written for this
+project; ``uppercase`` generated from the bundled corpus's words) are shown as few-shot prompts
+``"Q: x1\\nA: y1\\n\\nQ: x2\\nA: y2\\n\\n...Q: x\\nA:"``; the answer is the first token of ``" y"`` (multi-token
+answers are judged by their first token).
+
+- Each head's **mean output** ``z`` at the final token over the task's few-shot prompts.
+- **Causal indirect effect** (CIE): on prompts whose demonstrations have their labels shuffled (the same inputs,
+  answers permuted among them), the head's ``z`` at the final token is set to its mean; CIE = P(answer) patched -
+  P(answer) on the shuffled prompt. ``function_vector`` = the CIE averaged over prompts and tasks (Todd et al.
+  average over tasks too); intervals are a 95% bootstrap over the pooled prompts. Label threshold 0.02 (a rise of
+  two points of probability).
+- **The function vector** of a task: the sum over the top heads of their mean ``z`` through ``W_O``; added to the
+  residual stream (``hook_resid_pre`` of one layer, Todd et al. use about a third of the depth) at the final
+  position of zero-shot prompts ``"Q: x\\nA:"``, it should raise the accuracy (``fv_accuracy``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .composition import head_weights
+from .engine import copies_per_forward, scan
+from .metrics import _main_output, batch_of
+from .taxonomy import bootstrap, refuse_stacks
+
+__all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
+
+ICL_TASKS = Path(__file__).resolve().parent / "data" / "icl_tasks.json"
+
+
+@cache
+def icl_tasks() -> dict[str, tuple[tuple[str, str], ...]]:
+    """The bundled tasks: name -> (input, answer) pairs; ``uppercase`` from the corpus's lowercase words."""
+    from .heads import corpus_sentences
+
+    tasks = {k: tuple(tuple(p) for p in v) for k, v in json.loads(ICL_TASKS.read_text(encoding="utf-8"))["tasks"].items()}
+    words = sorted({w for s in corpus_sentences() for w in re.findall(r"\b[a-z]{3,}\b", s)})
+    tasks["uppercase"] = tuple((w, w.upper()) for w in words[:400])
+    return tasks
+
+
+def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int = 0,
+                shuffled: bool = False) -> tuple[dict, torch.Tensor]:
+    """``(batch, answers)``: ``n_prompts`` prompts of ``n_shots`` demonstrations then a query (``n_shots=0``:
+    zero-shot), and the first token of each query's answer. ``shuffled``: the demonstrations' answers permuted
+    among them (the same draw as unshuffled with the same seed)."""
+    if model.tokenizer is None:
+        raise ValueError("Function-vector prompts are text: this model has no tokenizer.")
+    pairs = list(pairs)
+    if len(pairs) < n_shots + 1:
+        raise ValueError(f"a task needs at least n_shots + 1 = {n_shots + 1} pairs; got {len(pairs)}.")
+    g = torch.Generator().manual_seed(seed)
+    texts, answers = [], []
+    for _ in range(n_prompts):
+        pick = [pairs[i] for i in torch.randperm(len(pairs), generator=g)[:n_shots + 1].tolist()]
+        demos, (x, y) = pick[:-1], pick[-1]
+        labels = [b for _, b in demos]
+        if shuffled and n_shots > 1:
+            order = torch.randperm(n_shots, generator=g).tolist()
+            if order == list(range(n_shots)):
+                order = order[1:] + order[:1]
+            labels = [labels[i] for i in order]
+        texts.append("".join(f"Q: {a}\nA: {b}\n\n" for (a, _), b in zip(demos, labels)) + f"Q: {x}\nA:")
+        answers.append(model.tokenizer(" " + y, add_special_tokens=False)["input_ids"][0])
+    return model.to_tokens(texts), torch.tensor(answers)
+
+
+def _probabilities(output, answers: torch.Tensor) -> torch.Tensor:
+    logits = _main_output(output)[:, -1].float()
+    return logits.softmax(-1)[torch.arange(len(answers)), answers.to(logits.device)].cpu()
+
+
+def _mean_z(model, batch) -> dict[int, torch.Tensor]:
+    """Each layer's mean z at the final position: ``{layer: (h, d)}``."""
+    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    with model.studying(), torch.no_grad():
+        _, cache_ = model.run_with_cache(batch["input_ids"], batch["attention_mask"],
+                                         names=[f"blocks.{l}.attn.hook_z" for l in layers])
+    return {l: cache_["z", l][:, -1].float().mean(0).cpu() for l in layers}
+
+
+def function_vector_scores(model, tasks=None, n_prompts: int = 16, n_shots: int = 5, seed: int = 0,
+                           n_bootstrap: int = 1000) -> pd.DataFrame:
+    """Every head's ``function_vector`` score (mean causal indirect effect; module docstring) with its interval;
+    one row per (layer, head). tasks: names of bundled tasks or ``{name: [(input, answer), ...]}`` (default: all
+    bundled). ``df.attrs["mean_z"]`` holds each task's mean z per layer (for ``function_vector``),
+    ``df.attrs["shuffled_probability"]`` each task's P(answer) on the shuffled prompts."""
+    refuse_stacks(model, "The function-vector score")
+    tasks = _resolve(tasks)
+    heads = model.cfg.heads()
+    effects, mean_zs, base = [], {}, {}
+    for name, pairs in tasks.items():
+        clean, answers = icl_prompts(model, pairs, n_prompts, n_shots, seed)
+        shuffled, _ = icl_prompts(model, pairs, n_prompts, n_shots, seed, shuffled=True)
+        shuffled = batch_of(model, shuffled)
+        mean_zs[name] = means = _mean_z(model, clean)
+        calls = []
+
+        def metric(output, batch):
+            calls.append(_probabilities(output, answers))
+            return float(calls[-1].mean())
+
+        def hooks_for(group, copies):
+            b = shuffled["input_ids"].shape[0]
+
+            def hook(z, point):
+                z = z.clone()
+                for i, (l, h) in enumerate(group):
+                    if l == point.layer:
+                        z[i * b:(i + 1) * b, -1, h] = means[l][h].to(z.dtype)
+                return z
+
+            return [(f"blocks.{l}.attn.hook_z", hook) for l in sorted({l for l, _ in group})]
+
+        scan(model, shuffled, heads, lambda head: head[0], hooks_for, metric,
+             copies_per_forward(model, shuffled, None))
+        p0, *patched = calls
+        base[name] = float(p0.mean())
+        effects.append(torch.stack([p - p0 for p in patched], 1))  # (n_prompts, heads)
+    value, lo, hi = bootstrap(torch.cat(effects), n_bootstrap, seed)
+    df = pd.DataFrame({"layer": [l for l, _ in heads], "head": [h for _, h in heads],
+                       "function_vector": value.numpy(), "function_vector_lo": lo.numpy(),
+                       "function_vector_hi": hi.numpy()})
+    df.attrs.update(mean_z=mean_zs, shuffled_probability=base, tasks=list(tasks), n_shots=n_shots)
+    return df
+
+
+def _resolve(tasks) -> dict[str, list]:
+    bundled = icl_tasks()
+    if tasks is None:
+        return {k: list(v) for k, v in bundled.items()}
+    if isinstance(tasks, str):
+        tasks = [tasks]
+    if isinstance(tasks, dict):
+        return {k: list(v) for k, v in tasks.items()}
+    unknown = [t for t in tasks if t not in bundled]
+    if unknown:
+        raise ValueError(f"Unknown ICL task(s) {unknown}; bundled tasks are {sorted(bundled)}, or give "
+                         "{name: [(input, answer), ...]}.")
+    return {t: list(bundled[t]) for t in tasks}
+
+
+def function_vector(model, mean_z: dict[int, torch.Tensor], heads) -> torch.Tensor:
+    """The sum over ``heads`` of each head's mean z (``mean_z``: ``{layer: (h, d)}``) through its W_O: ``(d_model,)``."""
+    total = None
+    for l, h in heads:
+        w_o = head_weights(model, l, fold_norms=False)["W_O"][h].float().cpu()  # (e, m)
+        part = mean_z[l][h] @ w_o
+        total = part if total is None else total + part
+    return total
+
+
+def task_accuracy(model, batch, answers: torch.Tensor, hooks=()) -> torch.Tensor:
+    """Per prompt: 1.0 where the argmax at the final position is the answer's first token (under ``hooks``)."""
+    batch = batch_of(model, batch)
+    with model.studying(), torch.no_grad(), model.hooks(list(hooks)):
+        logits = _main_output(model(batch["input_ids"], batch["attention_mask"]))[:, -1].float().cpu()
+    return (logits.argmax(-1) == answers).double()
+
+
+def fv_accuracy(model, pairs, vector: torch.Tensor, layer: int, n_prompts: int = 50, seed: int = 1) -> dict:
+    """Zero-shot accuracy with and without ``vector`` added at ``blocks.{layer}.hook_resid_pre``, final position:
+    ``{"zero_shot": ..., "with_fv": ...}`` (and per-prompt tensors under ``"per_prompt"``)."""
+    batch, answers = icl_prompts(model, pairs, n_prompts, 0, seed)
+
+    def add(resid, hook):
+        resid = resid.clone()
+        resid[:, -1] += vector.to(resid.device, resid.dtype)
+        return resid
+
+    plain = task_accuracy(model, batch, answers)
+    steered = task_accuracy(model, batch, answers, [(f"blocks.{layer}.hook_resid_pre", add)])
+    return {"zero_shot": float(plain.mean()), "with_fv": float(steered.mean()), "per_prompt": (plain, steered)}

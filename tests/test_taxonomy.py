@@ -1,0 +1,244 @@
+"""Head taxonomy (issue 24): weight-based successor and copy-suppression scores find heads planted in a tiny
+Llama and equal the same scores recomputed from the HF weights with plain torch; the task-based scores and
+detect_heads(scores=...) dispatch; the validation script's quick mode runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import interp
+from analyses.taxonomy import copy_suppression_scores, successor_scores
+
+ITEMS = list(range(10, 18))  # an ordinal list of 8 token ids: succ(10) = 11, ...
+D = 32
+
+
+def _planted():
+    """Layer 1 head 0 maps each item to its successor, head 1 maps every token to minus itself (both read
+    through a random input-norm weight and write through a random final-norm weight)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=99, hidden_size=D, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, head_dim=D, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=0, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        layers = hf.model.layers
+        layers[0].mlp.down_proj.weight.mul_(5.0)  # MLP0 matters
+        layers[1].input_layernorm.weight.copy_(torch.rand(D) + 0.5)
+        hf.model.norm.weight.copy_(torch.rand(D) + 0.5)
+        inputs = _plain_head_inputs(hf, 1)  # (vocab, D): what layer 1's heads read for each token
+        hf.lm_head.weight.copy_(inputs)  # W_U rows = those inputs: a head's own-token logit is easy to reason about
+        gain = 1.0 / hf.model.norm.weight
+        v, o = layers[1].self_attn.v_proj.weight, layers[1].self_attn.o_proj.weight
+        for head in (0, 1):
+            v[head * D:(head + 1) * D] = torch.eye(D)
+        w_succ = torch.linalg.lstsq(inputs[ITEMS[:-1]], inputs[ITEMS[1:]]).solution * gain  # (D, D), x @ W
+        o[:, 0:D] = w_succ.T
+        o[:, D:2 * D] = -torch.diag(gain)
+    return hf
+
+
+def _plain_eff(hf, ids):
+    """W_E t + MLP0(norm(W_E t)): block 0 with its attention removed (Llama: no o_proj bias), plain torch."""
+    x = hf.model.embed_tokens.weight[ids]
+    block = hf.model.layers[0]
+    return x + block.mlp(block.post_attention_layernorm(x))
+
+
+def _plain_head_inputs(hf, layer, ids=None):
+    ids = torch.arange(hf.config.vocab_size) if ids is None else torch.as_tensor(ids)
+    return hf.model.layers[layer].input_layernorm(_plain_eff(hf, ids))
+
+
+def _plain_logits(hf, layer, head, ids):
+    """(n, vocab) logits of one head on eff(t), from HF weights: frozen final-norm scale dropped (it is one
+    positive number per row)."""
+    attn = hf.model.layers[layer].self_attn
+    w_v = attn.v_proj.weight[head * D:(head + 1) * D]  # (d, m)
+    w_o = attn.o_proj.weight[:, head * D:(head + 1) * D]  # (m, d)
+    out = _plain_head_inputs(hf, layer, ids) @ w_v.T @ w_o.T
+    return (out * hf.model.norm.weight) @ hf.lm_head.weight.T
+
+
+@torch.no_grad()
+def test_planted_successor_and_copy_suppression_heads_match_plain_torch():
+    hf = _planted()
+    model = interp.load_model(hf)
+    succ = successor_scores(model, lists={"planted": ITEMS}, n_bootstrap=50)
+    tokens = list(range(1, 99))
+    copy = copy_suppression_scores(model, tokens=tokens, k=3, n_bootstrap=50)
+    for df, column in ((succ, "successor"), (copy, "copy_suppression")):
+        assert len(df) == 8 and df[column].between(0, 1).all()
+        assert (df[f"{column}_lo"] <= df[column] + 1e-12).all() and (df[column] <= df[f"{column}_hi"] + 1e-12).all()
+    top_succ = succ.sort_values("successor", ascending=False).iloc[0]
+    top_copy = copy.sort_values("copy_suppression", ascending=False).iloc[0]
+    assert (top_succ["layer"], top_succ["head"], top_succ["successor"]) == (1, 0, 1.0)
+    assert (top_copy["layer"], top_copy["head"], top_copy["copy_suppression"]) == (1, 1, 1.0)
+    # every head's score, recomputed from the HF weights with plain torch
+    for row in succ.itertuples():
+        logits = _plain_logits(hf, row.layer, row.head, ITEMS[:-1])[:, ITEMS]  # (7, 8)
+        expected = float((logits.argmax(-1) == torch.arange(1, 8)).double().mean())
+        assert abs(row.successor - expected) < 1e-12, (row.layer, row.head)
+    ids = torch.tensor(tokens)
+    for row in copy.itertuples():
+        logits = _plain_logits(hf, row.layer, row.head, ids)
+        own = logits[torch.arange(len(ids)), ids]
+        expected = float(((logits < own[:, None]).sum(-1) < 3).double().mean())
+        assert abs(row.copy_suppression - expected) < 1e-12, (row.layer, row.head)
+    assert succ.successor.drop(index=top_succ.name).max() < 1.0
+    few = torch.arange(1, 11)  # fewer tokens than d_head: the other multiplication order
+    small = copy_suppression_scores(model, tokens=few, k=3, n_bootstrap=20)
+    for row in small.itertuples():
+        logits = _plain_logits(hf, row.layer, row.head, few)
+        own = logits[torch.arange(len(few)), few]
+        assert abs(row.copy_suppression - float(((logits < own[:, None]).sum(-1) < 3).double().mean())) < 1e-12
+
+
+def test_weight_scores_check_their_input():
+    model = interp.load_model(_planted())
+
+    with pytest.raises(ValueError, match="at least 2 distinct"):
+        successor_scores(model, lists={"bad": [5, 5]})
+    with pytest.raises(ValueError, match="tokenizer"):
+        successor_scores(model)  # no tokenizer: the bundled lists cannot be tokenized
+    with pytest.raises(ValueError, match="k must be"):
+        copy_suppression_scores(model, tokens=[1, 2], k=0)
+
+
+def test_detect_heads_scores_dispatch_and_kinds_alias():
+
+    from analyses import detect_heads
+
+    model = interp.load_model(_planted())
+    both = detect_heads(model, scores=["induction", "copy_suppression"], n_prompts=4, n_bootstrap=20)
+    assert {"induction", "induction_lo", "copy_suppression", "copy_suppression_lo", "copy_suppression_hi"} <= set(both)
+    assert len(both) == 8
+    planted = both[(both.layer == 1) & (both["head"] == 1)].iloc[0]
+    assert "copy_suppression" in planted["labels"].split("+")  # token sample: 200 ordinary ids of 99 -> all of them
+    old = detect_heads(model, kinds=["induction"], n_prompts=4, n_bootstrap=20)
+    new = detect_heads(model, scores=["induction"], n_prompts=4, n_bootstrap=20)
+    assert old.equals(new) and "copy_suppression" not in old
+    only = detect_heads(model, scores="copy_suppression", n_bootstrap=20)
+    assert list(only.columns[:3]) == ["layer", "head", "copy_suppression"] and "induction" not in only
+    assert only["copy_suppression"].tolist() == both["copy_suppression"].tolist()
+    with pytest.raises(ValueError, match="not both"):
+        detect_heads(model, kinds=["induction"], scores=["induction"])
+    with pytest.raises(ValueError, match="successor"):
+        detect_heads(model, scores=["sucessor"])
+
+
+def test_encoder_decoder_is_refused_for_residual_stream_scores():
+    from test_seq2seq import _tiny
+
+    from analyses import detect_heads
+
+    model = interp.load_model(_tiny("t5"))
+    for score in ("successor", "name_mover", "function_vector"):
+        with pytest.raises(TypeError, match="encoder-decoder"):
+            detect_heads(model, scores=[score])
+
+
+def _tiny_with_tokenizer():
+    """A tiny random Llama with SmolLM2's tokenizer (49,152 tokens), so the text tasks run in a second."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    folder = next((Path.home() / ".cache" / "interp").glob("smollm2-*"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+    return interp.load_model(LlamaForCausalLM(cfg).eval(), tokenizer=tok)
+
+
+@torch.no_grad()
+def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
+    from analyses import direct_logit_attribution, path_patching
+    from analyses.function_vectors import _mean_z, function_vector_scores, icl_prompts, icl_tasks
+    from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
+
+    model = _tiny_with_tokenizer()
+    clean, corrupted, metric, io, s = _ioi(model, 8, 0)
+    nm = name_mover_scores(model, task=(clean, corrupted, metric), n_bootstrap=50)
+    dla = direct_logit_attribution(model, clean, io, s)
+    heads = dla[dla.component == "head"]
+    assert np.allclose(nm["name_mover"] * nm.attrs["logit_difference"], heads["attribution"].to_numpy(), atol=1e-5)
+    assert nm["io_attention"].abs().le(1).all()
+    si = s_inhibition_scores(model, receivers=[(1, 0)], task=(clean, corrupted, metric), n_bootstrap=50)
+    pp = path_patching(model, clean, corrupted, [(1, 0)], metric, via="q")
+    assert np.allclose(si[si.layer == 0]["s_inhibition"].to_numpy(), pp["effect"].to_numpy(), atol=1e-6)
+    assert (si[si.layer == 1]["s_inhibition"] == 0).all()
+    pairs = icl_tasks()["antonyms"]
+    fv = function_vector_scores(model, tasks=["antonyms"], n_prompts=4, n_shots=2, n_bootstrap=50)
+    # head (1, 2) by hand: its z at the final token set to its few-shot mean on the shuffled prompts
+    clean_b, answers = icl_prompts(model, pairs, 4, 2, 0)
+    shuffled, _ = icl_prompts(model, pairs, 4, 2, 0, shuffled=True)
+    mean = _mean_z(model, clean_b)[1][2]
+
+    def patch(z, hook):
+        z = z.clone()
+        z[:, -1, 2] = mean
+        return z
+
+    def p_answer(hooks=()):
+        with model.hooks(hooks):
+            logits = model(shuffled["input_ids"], shuffled["attention_mask"]).logits[:, -1].float()
+        return logits.softmax(-1)[torch.arange(4), answers]
+
+    expected = float((p_answer([("blocks.1.attn.hook_z", patch)]) - p_answer()).mean())
+    got = float(fv[(fv.layer == 1) & (fv["head"] == 2)]["function_vector"].iloc[0])
+    assert abs(got - expected) < 1e-7 and abs(expected) > 0
+
+
+def test_validation_script_quick_mode_runs(tmp_path, capsys):
+    """benchmarks/validate_taxonomy.py --quick on a tiny random model (about 6 s): every class gets its row."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_taxonomy.py"
+    spec = importlib.util.spec_from_file_location("validate_taxonomy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "results.json"
+    threads = torch.get_num_threads()
+    try:
+        script.main(["--quick", "--draws", "2", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the script pins one thread
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    classes = ["successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector"]
+    assert list(results) == classes
+    for name in classes:
+        assert any(line.startswith(name) for line in printed.splitlines())
+        r = results[name]
+        assert len(r["top"]) == 4 and 0 <= r["stability"] <= 1
+        assert r["class_lo"] <= r["class_delta"] <= r["class_hi"]
+        assert r["random_delta_min"] <= r["random_delta_mean"] <= r["random_delta_max"]
+    assert set(results["function_vector"]["steering"]) == {"antonyms"}
+
+
+@pytest.mark.slow  # a CLI subprocess: about 11 s on the loaded 2-core machine
+def test_cli_heads_takes_scores(tmp_path):
+    import io
+    import os
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    folder = tmp_path / "planted"
+    _planted().save_pretrained(folder)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "analyses.cli", "heads", "--model", str(folder), "--scores", "copy_suppression",
+                          "--format", "csv"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    df = pd.read_csv(io.StringIO(run.stdout))
+    row = df[(df.layer == 1) & (df["head"] == 1)].iloc[0]
+    assert row["copy_suppression"] == 1.0 and row["label"] == "copy_suppression"
