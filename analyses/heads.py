@@ -123,14 +123,16 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         df = df.merge(more, on=["layer", "head"], how="left")
         df.attrs.update(more.attrs)
         inputs.update({k: "analyses.taxonomy" for k in extra})
-    return _labelled(model, df, limits, inputs)
+    return _labelled(model, df, limits, inputs, nonfinite)
 
 
-def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict) -> pd.DataFrame:
+def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict,
+              nonfinite: torch.Tensor | None = None) -> pd.DataFrame:
     attrs = dict(df.attrs)
     df["label"] = label_heads(df, limits)
     df["labels"] = head_labels(df, limits)
-    _mark_nonfinite(df, nonfinite)
+    if nonfinite is not None:  # heads whose attention held NaN or inf: labelled "nan", with a warning
+        _mark_nonfinite(df, nonfinite)
     df = order_columns(df)
     df.attrs.update(attrs, inputs=inputs, thresholds=limits, attn=model.attn)
     return df
