@@ -20,7 +20,7 @@ from .distributed import input_device, onloaded
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, position_limit, texts_of, tokenize
 from .pruning import CONFIG_KEY, check_head_counts, save_pruned
-from .structure import Structure, discover, set_attention_key
+from .structure import Structure, attention_keys, discover, set_attention_key
 
 __all__ = ["HookedModel", "ModelConfig"]
 
@@ -194,7 +194,7 @@ class _Wrapper:
     def hook_names(self) -> list[str]:
         return self._registry.names()
 
-    def _check_attached(self) -> None:
+    def _check_attached(self, key: bool = True) -> None:
         """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
         this one silently without them."""
         if not self._owns_hf():
@@ -203,11 +203,31 @@ class _Wrapper:
                 "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
                 "interp.load_model(copy.deepcopy(hf))."
             )
+        if key:
+            self._check_attention_key()
+
+    def _check_attention_key(self) -> None:
+        """Our attention must be the one that runs: after ``model.hf.set_attn_implementation("sdpa")`` a study would
+        see no hook fire (every ablation delta 0.0, a cache without q, k or z) and say nothing."""
+        key = ATTN_KEYS.get(getattr(self, "attn", None))
+        if key is None:  # still being built
+            return
+        holders = self.__dict__.get("_attn_holders")
+        if holders is None:  # the model and each sub-model with a config of its own (attention_keys)
+            holders = self.__dict__["_attn_holders"] = [m for m, _ in attention_keys(self.hf)]
+        for holder in holders:
+            found = holder.config._attn_implementation
+            if found != key:
+                raise RuntimeError(
+                    f"The HF model's attention implementation is {found!r}, not interp's {key!r}: it was switched "
+                    f"behind the wrapper (model.hf.set_attn_implementation), so interp's attention, hooks, caches "
+                    f"and studies would not run. Call model.set_attn({self.attn!r}) (or 'eager'/'flash') to switch "
+                    "back; for HF's own attention, load a separate copy of the model.")
 
     def _switch_attn(self, attn: str) -> None:
         """Set the attention implementation of the HF model to our eager or flash path (refusing hooks that the
         flash path cannot fire); the caller checks that every attention then calls it."""
-        self._check_attached()
+        self._check_attached(key=False)  # switching back from an implementation set behind the wrapper is the fix
         if attn not in ATTN_KEYS:
             raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
         if attn == "flash":

@@ -73,3 +73,17 @@ def test_activation_patching_equals_direct_patching_under_a_steering_hook(llama4
             with llama4.hooks([(f"blocks.{layer}.attn.hook_z", patch)]), torch.no_grad():
                 direct.append(_metric(llama4(corrupted), None))
     assert patched["metric"].tolist() == pytest.approx(direct, abs=1e-5)
+
+
+# -- 3: our attention must be the one that runs ------------------------------------------------------------------
+def test_a_study_refuses_an_attention_switched_behind_the_wrapper():
+    model = interp.load_model(tiny_model("llama", num_hidden_layers=2))
+    ids = _ids()
+    model.hf.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match=r"set_attn\('flash'\)"):
+        ablation_scan(model, ids, _metric)  # before the fix: every delta 0.0
+    with pytest.raises(RuntimeError, match="switched behind the wrapper"):
+        model.run_with_cache(ids)  # before the fix: a cache without q, k or z
+    model.set_attn("flash")
+    _, cache = model.run_with_cache(ids)
+    assert "blocks.0.attn.hook_z" in cache and (ablation_scan(model, ids, _metric)["delta"] != 0).any()
