@@ -30,7 +30,7 @@ _REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random to
 
 def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
-                 n_bootstrap: int = 1000) -> pd.DataFrame:
+                 n_bootstrap: int = 1000, scores=None, context: int | None = None) -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per (layer, head).
 
     kinds: score kinds to compute (None: all that apply): ``previous_token``, ``next_token`` (bidirectional
@@ -49,6 +49,9 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     thresholds: per kind, the score a head needs for that label (``positional`` reads
         ``positional_fraction``); defaults ``scores.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
+    scores: another name for ``kinds`` (give one of them). ``"retrieval"`` (causal models) adds retrieval heads
+        (Wu et al. 2024, ``analyses.retrieval``), read while the model copies a needle out of haystacks of up to
+        ``context`` tokens (default: its positions, at most 8192); ``prompts`` does not apply to it.
 
     Under torch.distributed (``torchrun``, ``accelerate launch``) the batches are split across ranks and each
     prompt's sums and row counts are added up over ranks (float64, one contributor each), so the bootstrap runs on
@@ -65,6 +68,9 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         return seq2seq_heads(model, batch=prompts, n_prompts=n_prompts, seq_len=seq_len or 12, seed=seed,
                              thresholds=thresholds, n_bootstrap=n_bootstrap)
     cfg = model.cfg
+    kinds, retrieval = _split_retrieval(kinds, scores)
+    if retrieval and kinds == []:
+        return _with_retrieval(model, None, context, seed, n_bootstrap, thresholds)
     kinds = check_kinds(kinds, cfg.causal)
     limits = resolve_thresholds(thresholds)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
@@ -101,7 +107,35 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     df = order_columns(df)
     df.attrs.update(inputs={k: what for set_kinds, _, what in sets for k in set_kinds}, thresholds=limits,
                     attn=model.attn)
-    return df
+    return _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) if retrieval else df
+
+
+def _split_retrieval(kinds, scores) -> tuple[list[str] | None, bool]:
+    """(the other kinds, whether retrieval was asked for); ``scores`` is the issue's name for ``kinds``."""
+    if scores is not None:
+        if kinds is not None:
+            raise ValueError("Give kinds or scores, not both: scores is another name for kinds.")
+        kinds = scores
+    if kinds is None:
+        return None, False
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    return [k for k in kinds if k != "retrieval"], "retrieval" in kinds
+
+
+def _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) -> pd.DataFrame:
+    from .retrieval import retrieval_heads  # noqa: PLC0415  (it imports this module)
+
+    with model.studying():
+        found = retrieval_heads(model, context=context, seed=seed, n_bootstrap=n_bootstrap)
+    limits = resolve_thresholds(thresholds)
+    merged = found if df is None else df.drop(columns=["label", "labels"]).merge(found, on=["layer", "head"])
+    merged["label"], merged["labels"] = label_heads(merged, limits), head_labels(merged, limits)
+    merged = order_columns(merged)
+    before = df.attrs if df is not None else {"attn": model.attn}
+    merged.attrs = {**before, "thresholds": limits, "inputs": {**before.get("inputs", {}),
+                                                                "retrieval": found.attrs["inputs"]},
+                    "retrieval_trials": found.attrs["trials"]}
+    return merged
 
 
 # -- running ---------------------------------------------------------------------------------------------

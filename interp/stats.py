@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HeadStats", "attention_stats", "offset_buckets", "bucket_labels"]
+__all__ = ["FIELDS", "HeadStats", "attention_stats", "offset_buckets", "bucket_labels"]
 
+FIELDS = ("top_index", "top_weight", "sink", "offsets", "entropy", "total")
 _BUDGET = 1 << 22  # elements of one (b, h, query tile, key tile) block: 16 MiB in fp32
 
 
@@ -36,14 +37,15 @@ class HeadStats:
     sink: weight on the first ``n_sink`` real keys. offsets: ``(b, h, q, n_buckets)`` weight per distance bucket.
     entropy: ``-sum w log w`` in nats. total: the row's weight on keys (1 without sinks; 0 when fully masked).
     key_sets: name -> weight on that set of keys. pairs: name -> ``(n_pairs, h)`` weight of each pair.
+    A field not asked for (``attention_stats(fields=...)``) is None.
     """
 
     top_index: torch.Tensor
-    top_weight: torch.Tensor
-    sink: torch.Tensor
-    offsets: torch.Tensor
-    entropy: torch.Tensor
-    total: torch.Tensor
+    top_weight: torch.Tensor | None
+    sink: torch.Tensor | None
+    offsets: torch.Tensor | None
+    entropy: torch.Tensor | None
+    total: torch.Tensor | None
     key_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     pairs: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -67,7 +69,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                     sinks: torch.Tensor | None = None, bias: torch.Tensor | None = None, n_sink: int = 1,
                     n_buckets: int = 16, key_sets: dict[str, torch.Tensor] | None = None,
                     pairs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                    budget: int = _BUDGET) -> HeadStats:
+                    fields: tuple[str, ...] = FIELDS, budget: int | None = None) -> HeadStats:
     """Statistics of ``softmax(cap(scale * q k^T) + bias + mask)`` (a sink column joining the softmax) per row.
 
     query: (b, h, q, d); key: (b, g, k, d). lse: (b, h, q) the rows' logsumexp as the flash path's ``hook_lse``
@@ -76,8 +78,15 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     softcap: ``tanh(s / cap) * cap`` on the scaled scores. sinks: (h,) sink logits (GPT-OSS ``s_aux``).
     bias: additive position bias broadcastable to (b, h, q, k) (T5), sliced per tile. n_sink: how many of the
     first real keys count as the sink. key_sets: name -> (b, k) booleans. pairs: name -> (batch, query, key)
-    index tensors, query indices counted among the ``q`` rows.
+    index tensors, query indices counted among the ``q`` rows. fields: which of ``FIELDS`` to compute (the others
+    are None); ``("top_index",)`` alone needs no logsumexp, so it is one pass over the scores. budget: elements of one
+    block (default ``_BUDGET``, 2^22).
     """
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown field(s) {unknown}; attention_stats computes {list(FIELDS)}.")
+    want = set(fields)
+    budget = _BUDGET if budget is None else budget
     b, h, n_q, d = query.shape
     g, n_k = key.shape[1], key.shape[2]
     if h % g or key.shape[0] != b or key.shape[3] != d:
@@ -120,43 +129,50 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                 allowed = allowed & (dist <= after)
             yield ks, ke, dist, scores.masked_fill(~allowed, float("-inf"))
 
+    def zeros(*shape):
+        return torch.zeros(b, h, n_q, *shape, device=device)
+
     top_index = torch.full((b, h, n_q), -1, dtype=torch.long, device=device)
-    top_weight = torch.zeros(b, h, n_q, device=device)
-    sink = torch.zeros(b, h, n_q, device=device)
-    offsets = torch.zeros(b, h, n_q, n_buckets, device=device)
-    entropy = torch.zeros(b, h, n_q, device=device)
-    total = torch.zeros(b, h, n_q, device=device)
-    set_out = {name: torch.zeros(b, h, n_q, device=device) for name in sets}
+    top_weight, sink, entropy, total = zeros(), zeros(), zeros(), zeros()
+    offsets = zeros(n_buckets) if "offsets" in want else None
+    set_out = {name: zeros() for name in sets}
     pair_idx = {name: tuple(t.to(device).long() for t in p) for name, p in (pairs or {}).items()}
     pair_out = {name: torch.zeros(len(p[0]), h, device=device) for name, p in pair_idx.items()}
     sink_logits = None if sinks is None else sinks.float().to(device).reshape(1, h, 1)
+    weighted = bool(want - {"top_index"} or sets or pair_idx)  # anything that needs the weights, hence the lse
 
     for s in range(0, n_q, t_q):
         e = min(n_q, s + t_q)
-        if lse is None:  # first pass: online logsumexp over the key tiles
+        if lse is not None:
+            row_lse = lse[:, :, s:e].float().to(device)
+        elif weighted:  # first pass: online logsumexp over the key tiles
             row_lse = torch.full((b, h, e - s), float("-inf"), device=device)
             for _, _, _, scores in blocks(s, e):
                 row_lse = torch.logaddexp(row_lse, torch.logsumexp(scores, dim=-1))
             if sink_logits is not None:
                 row_lse = torch.logaddexp(row_lse, sink_logits.expand_as(row_lse))
             row_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)  # fully masked: 0
-        else:
-            row_lse = lse[:, :, s:e].float().to(device)
         best = torch.full((b, h, e - s), float("-inf"), device=device)
         best_at = torch.full((b, h, e - s), -1, dtype=torch.long, device=device)
         for ks, ke, dist, scores in blocks(s, e):
-            w = torch.exp(scores - row_lse[..., None])  # (b, h, t, tk), 0 where masked
-            total[:, :, s:e] += w.sum(-1)
-            entropy[:, :, s:e] -= torch.where(w > 0, w * (scores - row_lse[..., None]), 0.0).sum(-1)
             value, at = scores.max(dim=-1)
             better = value > best  # ties keep the earlier key, as argmax does
             best, best_at = torch.where(better, value, best), torch.where(better, at + ks, best_at)
-            bucket = offset_buckets(dist, n_buckets)  # (t, tk)
-            offsets[:, :, s:e] += torch.zeros(b, h, e - s, n_buckets, device=device).scatter_add_(
-                3, bucket.expand_as(w), w)
-            keys = torch.arange(ks, ke, device=device)
-            in_sink = (keys[None] >= first[:, None]) & (keys[None] < first[:, None] + n_sink)  # (b, tk)
-            sink[:, :, s:e] += (w * in_sink[:, None, None]).sum(-1)
+            if not weighted:
+                continue
+            w = torch.exp(scores - row_lse[..., None])  # (b, h, t, tk), 0 where masked
+            if "total" in want:
+                total[:, :, s:e] += w.sum(-1)
+            if "entropy" in want:
+                entropy[:, :, s:e] -= torch.where(w > 0, w * (scores - row_lse[..., None]), 0.0).sum(-1)
+            if offsets is not None:
+                bucket = offset_buckets(dist, n_buckets)  # (t, tk)
+                offsets[:, :, s:e] += torch.zeros(b, h, e - s, n_buckets, device=device).scatter_add_(
+                    3, bucket.expand_as(w), w)
+            if "sink" in want:
+                keys = torch.arange(ks, ke, device=device)
+                in_sink = (keys[None] >= first[:, None]) & (keys[None] < first[:, None] + n_sink)  # (b, tk)
+                sink[:, :, s:e] += (w * in_sink[:, None, None]).sum(-1)
             for name, key_set in sets.items():
                 set_out[name][:, :, s:e] += (w * key_set[:, None, None, ks:ke]).sum(-1)
             for name, (pb, pq, pk) in pair_idx.items():
@@ -165,5 +181,11 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                     pair_out[name][hit] = w[pb[hit], :, pq[hit] - s, pk[hit] - ks]
         masked = torch.isinf(best)
         top_index[:, :, s:e] = torch.where(masked, -1, best_at)
-        top_weight[:, :, s:e] = torch.where(masked, 0.0, torch.exp(best - row_lse))
-    return HeadStats(top_index, top_weight, sink, offsets, entropy, total, set_out, pair_out)
+        if weighted:
+            top_weight[:, :, s:e] = torch.where(masked, 0.0, torch.exp(best - row_lse))
+
+    def kept(name, value):
+        return value if name in want else None
+
+    return HeadStats(top_index, kept("top_weight", top_weight), kept("sink", sink), offsets,
+                     kept("entropy", entropy), kept("total", total), set_out, pair_out)
