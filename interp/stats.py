@@ -100,34 +100,45 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     first = valid.int().argmax(dim=1)  # (b,) first real key
     sets = {name: s.to(device).bool() for name, s in (key_sets or {}).items()}
     r = h // g
-    q_f = query.float().reshape(b, g, r, n_q, d)
-    k_f = key.float()
     t_q = max(1, min(n_q, int(math.isqrt(budget // (b * h)))))
     t_k = max(1, min(n_k, budget // (b * h * t_q)))
+    q_f = query.float().reshape(b, g, r, n_q, d)
+    k_t = key.float().transpose(2, 3).reshape(b * g, d, n_k)  # (b g, d, k), one O(n) copy
     before, after = window
     if causal:
         after = 0 if after is None else min(after, 0)
+    padded = not bool(valid.all())
+    # Blocks live in buffers allocated once per call and are edited in place: fresh blocks of changing sizes would
+    # fragment the C allocator's heap, and its peak would grow with n (argmax_from_qk measured +0.85 GiB at 8k).
+    buffer = torch.empty(b * h * t_q * t_k, device=device)
 
     def blocks(s, e):
-        """Key tiles a query tile may see, with the (b, h, t, tk) scores (masked to -inf) of each."""
+        """Key tiles a query tile may see, with the (b, h, t, tk) scores of each (-inf where masked)."""
         lo = 0 if before is None else max(0, s + offset - before)
         hi = n_k if after is None else min(n_k, e + offset + after)
-        rows = torch.arange(s, e, device=device) + offset
+        q_tile = q_f[:, :, :, s:e].reshape(b * g, r * (e - s), d)
         for ks in range(lo, hi, t_k):
             ke = min(hi, ks + t_k)
-            scores = torch.einsum("bgrqd,bgkd->bgrqk", q_f[:, :, :, s:e], k_f[:, :, ks:ke]).reshape(b, h, e - s, -1)
-            scores = scores * scale
+            scores = buffer[: b * h * (e - s) * (ke - ks)].view(b * g, r * (e - s), ke - ks)
+            torch.bmm(q_tile, k_t[:, :, ks:ke], out=scores)
+            scores = scores.view(b, h, e - s, ke - ks)  # head h = g * r + j reads key head g
+            if scale != 1.0:
+                scores.mul_(scale)
             if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
+                scores.div_(softcap).tanh_().mul_(softcap)
             if bias is not None:
-                scores = scores + bias[..., s:e, ks:ke].float()
-            dist = torch.arange(ks, ke, device=device)[None] - rows[:, None]  # (t, tk) key - query
-            allowed = valid[:, None, None, ks:ke].expand(b, 1, e - s, ke - ks)
-            if before is not None:
-                allowed = allowed & (dist >= -before)
-            if after is not None:
-                allowed = allowed & (dist <= after)
-            yield ks, ke, dist, scores.masked_fill(~allowed, float("-inf"))
+                scores.add_(bias[..., s:e, ks:ke])
+            dist = torch.arange(ks, ke, device=device)[None] - (torch.arange(s, e, device=device) + offset)[:, None]
+            band = None  # (t, tk): only tiles that cross the window's edges need masking
+            if before is not None and ks - (e - 1 + offset) < -before:
+                band = dist >= -before
+            if after is not None and ke - 1 - (s + offset) > after:
+                band = dist <= after if band is None else band & (dist <= after)
+            if band is not None:
+                scores.masked_fill_(~band, float("-inf"))
+            if padded:
+                scores.masked_fill_(~valid[:, None, None, ks:ke], float("-inf"))
+            yield ks, ke, dist, scores
 
     def zeros(*shape):
         return torch.zeros(b, h, n_q, *shape, device=device)
@@ -136,10 +147,17 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     top_weight, sink, entropy, total = zeros(), zeros(), zeros(), zeros()
     offsets = zeros(n_buckets) if "offsets" in want else None
     set_out = {name: zeros() for name in sets}
+    set_keys = {name: key_set.float() for name, key_set in sets.items()}  # (b, k)
     pair_idx = {name: tuple(t.to(device).long() for t in p) for name, p in (pairs or {}).items()}
     pair_out = {name: torch.zeros(len(p[0]), h, device=device) for name, p in pair_idx.items()}
     sink_logits = None if sinks is None else sinks.float().to(device).reshape(1, h, 1)
     weighted = bool(want - {"top_index"} or sets or pair_idx)  # anything that needs the weights, hence the lse
+    keys = torch.arange(n_k, device=device)
+    in_sink = ((keys[None] >= first[:, None]) & (keys[None] < first[:, None] + n_sink)).float()  # (b, k)
+    w_buffer = torch.empty_like(buffer) if weighted else None
+
+    def row_sum(w, x):  # (b, h, t, tk) . (b, tk) -> (b, h, t), without a block-sized temporary
+        return torch.einsum("bhtk,bk->bht", w, x)
 
     for s in range(0, n_q, t_q):
         e = min(n_q, s + t_q)
@@ -160,21 +178,19 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
             best, best_at = torch.where(better, value, best), torch.where(better, at + ks, best_at)
             if not weighted:
                 continue
-            w = torch.exp(scores - row_lse[..., None])  # (b, h, t, tk), 0 where masked
+            log_w = scores.sub_(row_lse[..., None])  # in place: log weights, -inf where masked
+            w = torch.exp(log_w, out=w_buffer[: scores.numel()].view_as(scores))
             if "total" in want:
                 total[:, :, s:e] += w.sum(-1)
-            if "entropy" in want:
-                entropy[:, :, s:e] -= torch.where(w > 0, w * (scores - row_lse[..., None]), 0.0).sum(-1)
+            if "entropy" in want:  # -sum w log w; a masked key's 0 * -inf would be NaN, so clamp log w first
+                entropy[:, :, s:e] -= torch.einsum("bhtk,bhtk->bht", w, log_w.clamp_(min=-1e30))
             if offsets is not None:
                 bucket = offset_buckets(dist, n_buckets)  # (t, tk)
-                offsets[:, :, s:e] += torch.zeros(b, h, e - s, n_buckets, device=device).scatter_add_(
-                    3, bucket.expand_as(w), w)
+                offsets[:, :, s:e].scatter_add_(3, bucket.expand_as(w), w)
             if "sink" in want:
-                keys = torch.arange(ks, ke, device=device)
-                in_sink = (keys[None] >= first[:, None]) & (keys[None] < first[:, None] + n_sink)  # (b, tk)
-                sink[:, :, s:e] += (w * in_sink[:, None, None]).sum(-1)
-            for name, key_set in sets.items():
-                set_out[name][:, :, s:e] += (w * key_set[:, None, None, ks:ke]).sum(-1)
+                sink[:, :, s:e] += row_sum(w, in_sink[:, ks:ke])
+            for name, key_set in set_keys.items():
+                set_out[name][:, :, s:e] += row_sum(w, key_set[:, ks:ke])
             for name, (pb, pq, pk) in pair_idx.items():
                 hit = (pq >= s) & (pq < e) & (pk >= ks) & (pk < ke)
                 if hit.any():
