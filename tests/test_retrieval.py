@@ -75,3 +75,23 @@ def test_bad_arguments_are_refused(toy):
     with pytest.raises(ValueError, match="depths are fractions"):
         needle_prompts(toy, [40], [1.5])
     assert isinstance(NeedlePrompt(torch.arange(5), (1, 3), 5, 0.5).answer, torch.Tensor)
+
+
+@pytest.mark.slow  # about 4 minutes on a 2-core CPU: two fresh processes, each an 8k-token SmolLM2 run
+@pytest.mark.parametrize("task", ["scores", "retrieval"])
+def test_smollm2_at_8k_in_linear_memory(task):
+    """detect_heads' O(n) scores and one retrieval trial at 8192 tokens grow the process by far less than one
+    layer's eager pattern (9 x 8192^2 fp32 = 2.25 GiB), measured in a fresh process as the benchmark does."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_long_context.py"), "--child", "smollm2",
+                           "8192", task], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["grew_mib"] < 1024
+    if task == "retrieval":
+        assert row["trial"]["counted"] and row["top"][0][2] > 0.1
