@@ -44,8 +44,11 @@ def test_view_numbers_equal_the_eager_pattern(toy):
 
 
 def test_page_grows_linearly_and_is_self_contained(toy, tmp_path):
-    small, big = long_view(toy, _ids(32), layer=1), long_view(toy, _ids(64), layer=1)
-    assert len(big.html) < 1.7 * len(small.html)  # an n x n page would grow 4x
+    small, big = long_view(toy, _ids(32), layer=1, zoom=(24, 32)), long_view(toy, _ids(64), layer=1, zoom=(56, 64))
+    per_row = [len(v.data["top"][0]) + len(v.data["weight"][0]) for v in (small, big)]
+    assert abs(per_row[1] / per_row[0] - 2) < 0.1  # per-row data doubles with n; nothing n x n
+    zoom = big.data["zoom"]
+    assert (zoom["rows"][1] - zoom["rows"][0]) * (zoom["keys"][1] - zoom["keys"][0]) <= 8 * 64
     path = big.save(tmp_path / "long.html")
     text = path.read_text()
     assert 'data-view="long"' in text and "http" not in text.replace("http-equiv", "")

@@ -48,7 +48,11 @@ class LongView:
                 f'<div class="interp-long" data-view="long"><h3>{html.escape(self.data["title"])}</h3>'
                 f'<div class="heads">{heads}</div><div class="row"><canvas data-role="top1" width="480" height="480">'
                 f'</canvas><canvas data-role="offsets" width="480" height="480"></canvas>'
-                f'<canvas data-role="zoom" width="480" height="480"></canvas></div><p data-role="info"></p></div>'
+                f'<canvas data-role="zoom" width="480" height="480"></canvas></div><div class="row caption">'
+                f'<span>top-1 key of each row (query across, key down)</span><span>weight by distance |q - k| '
+                f'(across) for bands of rows (down)</span><span>exact weights: rows {self.data["zoom"]["rows"][0]}-'
+                f'{self.data["zoom"]["rows"][1] - 1} (down), keys {self.data["zoom"]["keys"][0]}-'
+                f'{self.data["zoom"]["keys"][1] - 1} (across)</span></div><p data-role="info"></p></div>'
                 f'<script type="application/json" id="long-data">{payload}</script><script>{_JS}</script>'
                 f"</body></html>")
 
@@ -61,13 +65,15 @@ class LongView:
         return path
 
 
-def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int = 16) -> LongView:
+def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None) -> LongView:
     """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path.
 
-    zoom: (start, stop) query rows shown exactly, at most 256 (default: the last 64 rows).
+    zoom: (start, stop) query rows shown exactly, at most 256 (default: the last 64 rows). n_buckets: distance
+    buckets (default: enough for the prompt's length).
     """
     ids = torch.as_tensor(ids).reshape(-1)
     n = len(ids)
+    n_buckets = max(2, n - 1).bit_length() + 1 if n_buckets is None else n_buckets
     if not 0 <= layer < model.cfg.n_layers:
         raise ValueError(f"layer must be in 0..{model.cfg.n_layers - 1}; got {layer}.")
     start, stop = zoom if zoom is not None else (max(0, n - 64), n)
@@ -138,7 +144,7 @@ def _b64(array: np.ndarray) -> str:
 
 
 _CSS = """body{font:13px sans-serif;margin:12px}.row{display:flex;gap:8px;flex-wrap:wrap}
-canvas{border:1px solid #ccc;background:#fff}button{margin:2px}button.on{background:#246;color:#fff}"""
+canvas{border:1px solid #ccc;background:#fff}.caption span{width:482px;color:#444}button{margin:2px}button.on{background:#246;color:#fff}"""
 
 _JS = r"""
 (function () {
@@ -150,12 +156,11 @@ _JS = r"""
   function top1(h) {  // each row's top-1 key as a point: query across, key down
     const c = canvas("top1"), g = c.getContext("2d"), n = data.n, top = u32(data.top[h]), w = bytes(data.weight[h]);
     g.clearRect(0, 0, c.width, c.height);
-    const img = g.createImageData(c.width, c.height);
+    const size = Math.max(2, c.width / n);
     for (let q = 0; q < n; q++) {
-      const x = Math.floor(q * c.width / n), y = Math.floor(top[q] * c.height / n), i = 4 * (y * c.width + x);
-      img.data[i + 2] = 160; img.data[i + 3] = Math.max(img.data[i + 3], 40 + w[q] * 0.84);
+      g.fillStyle = `rgba(20,20,160,${(40 + w[q] * 0.84) / 255})`;
+      g.fillRect(q * c.width / n, top[q] * c.height / n, size, size);
     }
-    g.putImageData(img, 0, 0);
   }
   function offsets(h) {  // rows in bands (down) x distance buckets (across), darker = more weight
     const c = canvas("offsets"), g = c.getContext("2d"), bands = data.bands[h], nb = data.buckets.length;
