@@ -31,7 +31,8 @@ _INTRO, _QUESTION = " The secret code is", "\n\nQuestion: What is the secret cod
 
 @dataclass
 class NeedlePrompt:
-    """ids: (p,) the prompt. needle: (start, end) positions of the needle's random tokens, ``answer`` = ids[start:end]."""
+    """ids: (p,) the prompt. needle: (start, end) positions of the needle's random tokens; ``answer`` is
+    ``ids[start:end]``."""
 
     ids: torch.Tensor
     needle: tuple[int, int]

@@ -42,7 +42,8 @@ class LongView:
     @property
     def html(self) -> str:
         payload = json.dumps(self.data, separators=(",", ":")).replace("</", "<\\/")
-        heads = "".join(f'<button data-role="head" data-head="{h}">head {h}</button>' for h in range(self.data["n_heads"]))
+        heads = "".join(f'<button data-role="head" data-head="{h}">head {h}</button>'
+                        for h in range(self.data["n_heads"]))
         return (f'<!doctype html><html><head><meta charset="utf-8"><title>layer {self.data["layer"]}: '
                 f'{self.data["n"]} tokens</title><style>{_CSS}</style></head><body>'
                 f'<div class="interp-long" data-view="long"><h3>{html.escape(self.data["title"])}</h3>'
@@ -144,7 +145,8 @@ def _b64(array: np.ndarray) -> str:
 
 
 _CSS = """body{font:13px sans-serif;margin:12px}.row{display:flex;gap:8px;flex-wrap:wrap}
-canvas{border:1px solid #ccc;background:#fff}.caption span{width:482px;color:#444}button{margin:2px}button.on{background:#246;color:#fff}"""
+canvas{border:1px solid #ccc;background:#fff}.caption span{width:482px;color:#444}
+button{margin:2px}button.on{background:#246;color:#fff}"""
 
 _JS = r"""
 (function () {
