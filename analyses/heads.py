@@ -32,7 +32,7 @@ _REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random to
 
 def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
-                 n_bootstrap: int = 1000, scores=None) -> pd.DataFrame:
+                 n_bootstrap: int = 1000, scores=None, context: int | None = None) -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per (layer, head).
 
     scores: the issue's name for ``kinds`` (give one of the two). Besides the attention-pattern kinds below it
@@ -57,6 +57,9 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     thresholds: per kind, the score a head needs for that label (``positional`` reads
         ``positional_fraction``); defaults ``scores.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
+    scores: another name for ``kinds`` (give one of them). ``"retrieval"`` (causal models) adds retrieval heads
+        (Wu et al. 2024, ``analyses.retrieval``), read while the model copies a needle out of haystacks of up to
+        ``context`` tokens (default: its positions, at most 8192); ``prompts`` does not apply to it.
 
     Under torch.distributed (``torchrun``, ``accelerate launch``) the batches are split across ranks and each
     prompt's sums and row counts are added up over ranks (float64, one contributor each), so the bootstrap runs on
@@ -80,9 +83,15 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         return seq2seq_heads(model, batch=prompts, n_prompts=n_prompts, seq_len=seq_len or 12, seed=seed,
                              thresholds=thresholds, n_bootstrap=n_bootstrap)
     cfg = model.cfg
-    if extra and not kinds:  # only the literature's classes: no attention-pattern pass
-        df = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
-        return _labelled(model, df, resolve_thresholds(thresholds), {k: "analyses.taxonomy" for k in extra})
+    retrieval = kinds is not None and "retrieval" in kinds  # long-context decoding: analyses.retrieval
+    if retrieval:
+        kinds = [k for k in kinds if k != "retrieval"]
+    if (extra or retrieval) and kinds == []:  # only classes computed apart: no attention-pattern pass
+        df = None
+        if extra:
+            df = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
+            df = _labelled(model, df, resolve_thresholds(thresholds), {k: "analyses.taxonomy" for k in extra})
+        return _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) if retrieval else df
     kinds = check_kinds(kinds, cfg.causal)
     limits = resolve_thresholds(thresholds)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
@@ -123,7 +132,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         df = df.merge(more, on=["layer", "head"], how="left")
         df.attrs.update(more.attrs)
         inputs.update({k: "analyses.taxonomy" for k in extra})
-    return _labelled(model, df, limits, inputs, nonfinite)
+    df = _labelled(model, df, limits, inputs, nonfinite)
+    return _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) if retrieval else df
 
 
 def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict,
@@ -136,6 +146,22 @@ def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict,
     df = order_columns(df)
     df.attrs.update(attrs, inputs=inputs, thresholds=limits, attn=model.attn)
     return df
+
+
+def _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) -> pd.DataFrame:
+    from .retrieval import retrieval_heads  # noqa: PLC0415  (it imports this module)
+
+    with model.studying():
+        found = retrieval_heads(model, context=context, seed=seed, n_bootstrap=n_bootstrap)
+    limits = resolve_thresholds(thresholds)
+    merged = found if df is None else df.drop(columns=["label", "labels"]).merge(found, on=["layer", "head"])
+    merged["label"], merged["labels"] = label_heads(merged, limits), head_labels(merged, limits)
+    merged = order_columns(merged)
+    before = df.attrs if df is not None else {"attn": model.attn}
+    merged.attrs = {**before, "thresholds": limits, "inputs": {**before.get("inputs", {}),
+                                                                "retrieval": found.attrs["inputs"]},
+                    "retrieval_trials": found.attrs["trials"]}
+    return merged
 
 
 # -- running ---------------------------------------------------------------------------------------------

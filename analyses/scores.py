@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from interp.stats import attention_stats
+
 __all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
            "label_heads", "head_labels", "strongest_heads"]
 
@@ -50,11 +52,11 @@ DEFAULT_THRESHOLDS = {
     "name_mover": 0.1,  # a tenth of the IOI logit difference written directly, and END->IO > END->S attention
     "s_inhibition": 0.1,  # a tenth of the clean-corrupted gap through the name movers' queries
     "function_vector": 0.02,  # two points of P(answer) on shuffled-label prompts
+    "retrieval": 0.1,  # Wu et al. 2024: fewer than 5% of heads score above 0.1
 }
 TAXONOMY_SCORES = ("successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector")
 
 _PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
-_TILE_BUDGET = 1 << 22  # elements of one (batch, head, query tile, key) score block for the argmax
 
 
 @dataclass
@@ -193,32 +195,12 @@ def argmax_from_pattern(pattern: torch.Tensor, targets: Targets, window=(None, N
 
 
 def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets, window=(None, None)) -> torch.Tensor:
-    """The same from q (b, p, h, d) and k (b, p, g, d), over query tiles: O(tile x p) memory per head.
-
-    The scale, the soft-cap and the logsumexp do not move a row's argmax, so raw dot products suffice. Every
-    tile's scores go into one buffer allocated once: causal tiles see more keys as they go, and fresh blocks of
-    growing size would fragment the allocator's heap until its peak grows like p^2 (measured: +0.85 GiB at 8k
-    tokens).
-    """
-    n_batch, n_pos, n_heads, d_head = q.shape
-    n_kv = k.shape[2]
-    tile = max(1, min(n_pos, _TILE_BUDGET // (n_batch * n_heads * n_pos)))
-    k_t = k.permute(0, 2, 3, 1).reshape(n_batch * n_kv, d_head, n_pos)  # (b g, d, k), one O(p) copy
-    buffer = torch.empty(n_batch * n_heads * tile * n_pos, dtype=torch.promote_types(q.dtype, k.dtype),
-                         device=q.device)
-    padded = ~targets.valid.to(q.device)[:, None, None, :]  # (b, 1, 1, k)
-    out = torch.empty(n_batch, n_heads, n_pos, dtype=torch.long, device=q.device)
-    for s in range(0, n_pos, tile):
-        e = min(n_pos, s + tile)
-        t, n_keys = e - s, e if targets.causal else n_pos  # causal rows s..e-1 cannot see keys >= e
-        q_t = q[:, s:e].permute(0, 2, 1, 3).reshape(n_batch * n_kv, (n_heads // n_kv) * t, d_head)  # (b g, r t, d)
-        scores = buffer[: n_batch * n_heads * t * n_keys].view(n_batch * n_kv, -1, n_keys)
-        torch.bmm(q_t, k_t[:, :, :n_keys], out=scores)
-        scores = scores.view(n_batch, n_heads, t, n_keys)  # head h = g * r + j reads key/value head g
-        scores.masked_fill_(padded[..., :n_keys], float("-inf"))
-        scores.masked_fill_(~_band(s, e, n_keys, targets.causal, window, q.device), float("-inf"))
-        out[:, :, s:e] = scores.argmax(dim=-1)
-    return out
+    """The same from q (b, p, h, d) and k (b, p, g, d): ``interp.stats``'s top-1 key, one tile of the scores at a
+    time (O(p) memory). The scale, the soft-cap and the logsumexp do not move a row's argmax, so raw dot products
+    suffice."""
+    stats = attention_stats(q.transpose(1, 2), k.transpose(1, 2), 1.0, causal=targets.causal, window=window,
+                            key_valid=targets.valid, fields=("top_index",))
+    return stats.top_index.clamp(min=0)  # a row with no key to see (padding) is never a positional row
 
 
 def _band(start: int, end: int, n_keys: int, causal: bool, window, device) -> torch.Tensor:
@@ -342,12 +324,14 @@ SCORE_DEFINITIONS = {
                     "name movers' queries (path patching; Wang et al. 2022)",
     "function_vector": "the rise in P(answer) when the head's mean few-shot output replaces its output on "
                        "shuffled-label prompts, averaged over ICL tasks (Todd et al. 2024)",
+    "retrieval": "while the model copies a random needle out of a long haystack, the share of generated tokens for "
+                 "which the head's top-1 key is the needle token being copied (Wu et al. 2024)",
 }
 
 # Most specific first: a real induction head also puts most of its attention on the first token (a sink) and a
 # previous-token head is also positional (offset -1); the primary label names what is special about the head.
-LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "copy_suppression", "induction",
-               "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
+LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "copy_suppression", "retrieval",
+               "induction", "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
 
 
 def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
@@ -441,9 +425,9 @@ def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     """layer, head, the scores, positional_offset/fraction, label, then the interval columns."""
     scores = WEIGHT_SCORES + TAXONOMY_SCORES
-    main = ["layer", "head", *[s for s in scores if s in df], "positional_offset", "positional_fraction", "label",
-            "labels"]
-    intervals = [f"{s}_{end}" for s in scores for end in ("lo", "hi")]
+    main = ["layer", "head", *[s for s in scores if s in df], "positional_offset", "positional_fraction", "retrieval",
+            "label", "labels"]
+    intervals = [f"{s}_{end}" for s in (*scores, "retrieval") for end in ("lo", "hi")]
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
 

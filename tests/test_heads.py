@@ -169,14 +169,14 @@ def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
     for s, pairs in targets.pairs.items():
         torch.testing.assert_close(weights_from_qk(q, k, lse, scale, pairs), weights_from_pattern(pattern, pairs),
                                    atol=1e-6, rtol=0, msg=s)
-    import analyses.scores as scores_module
+    import interp.stats as stats_module
 
-    budget = scores_module._TILE_BUDGET
-    scores_module._TILE_BUDGET = b * h * n * 7  # tiles of 7 query rows
+    budget = stats_module._BUDGET
+    stats_module._BUDGET = b * h * 7 * 5  # tiles of 7 query rows by 5 keys
     try:
         tiled = argmax_from_qk(q, k, targets)
     finally:
-        scores_module._TILE_BUDGET = budget
+        stats_module._BUDGET = budget
     rows = targets.positional_rows
     assert torch.equal(tiled.transpose(1, 2)[rows], argmax_from_pattern(pattern, targets).transpose(1, 2)[rows])
 

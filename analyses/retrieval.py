@@ -1,0 +1,190 @@
+"""Retrieval heads (Wu et al. 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality").
+
+A needle sentence carrying a random token sequence is placed at a depth of a long haystack, a question follows,
+and the model reproduces the sequence by greedy decoding with its KV cache. At each generated token, each head's
+top-1 attended key comes from ``interp.stats`` on that step's single query row (O(n), never n x n); the head
+scores ``1 / |needle|`` when that key lies inside the needle and holds the token being generated. A head's
+retrieval score is its mean over trials (lengths x depths), counting, as Wu et al. do, only the trials the model
+answered (at least ``min_recall`` of the needle's tokens generated); 95% intervals resample the trials.
+
+Prompts come from the project's own text (``analyses/data/sentences.txt``, sentences shuffled and repeated to
+the length) and a needle "The secret code is 7 3 9 ...". A model without a tokenizer gets random ordinary tokens
+as haystack and a needle ``key + random tokens``, the question being the key again: copying the sequence is then
+what an induction head does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from interp.stats import attention_stats
+
+from .heads import _ordinary_ids, _special_frame, corpus_sentences
+
+__all__ = ["NeedlePrompt", "needle_prompts", "run_needle", "retrieval_step_hits", "retrieval_heads"]
+
+_INTRO, _QUESTION = " The secret code is", "\n\nQuestion: What is the secret code? Answer: The secret code is"
+
+
+@dataclass
+class NeedlePrompt:
+    """ids: (p,) the prompt. needle: (start, end) positions of the needle's random tokens; ``answer`` is
+    ``ids[start:end]``."""
+
+    ids: torch.Tensor
+    needle: tuple[int, int]
+    length: int
+    depth: float
+
+    @property
+    def answer(self) -> torch.Tensor:
+        return self.ids[self.needle[0]:self.needle[1]]
+
+
+def needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0) -> list[NeedlePrompt]:
+    """One prompt of each length (tokens) at each depth (0 = start of the haystack, 1 = its end), a fresh random
+    needle each."""
+    g = torch.Generator().manual_seed(seed)
+    prefix, _ = _special_frame(model)
+    tok = model.tokenizer
+    out = []
+    for length in lengths:
+        if length > model.cfg.max_positions:
+            raise ValueError(f"length {length} is more than the model's {model.cfg.max_positions} positions.")
+        for depth in depths:
+            if not 0.0 <= depth <= 1.0:
+                raise ValueError(f"depths are fractions of the haystack in [0, 1]; got {depth}.")
+            if tok is None:
+                pool = _ordinary_ids(model)
+                picked = pool[torch.randperm(len(pool), generator=g)[: needle_len + 2]]
+                key, code = picked[:2].tolist(), picked[2:].tolist()
+                intro, question = key, key
+                filler = lambda n: pool[torch.randint(len(pool), (n,), generator=g)].tolist()  # noqa: E731
+            else:
+                digits = torch.randint(10, (needle_len,), generator=g).tolist()
+                code = tok(" " + " ".join(map(str, digits)), add_special_tokens=False)["input_ids"]
+                intro = tok(_INTRO, add_special_tokens=False)["input_ids"]
+                question = tok(_QUESTION, add_special_tokens=False)["input_ids"]
+                filler = lambda n: _haystack(tok, n, g)  # noqa: E731
+            n_hay = length - len(prefix) - len(intro) - len(code) - 1 - len(question)
+            if n_hay < 1:
+                raise ValueError(f"length {length} leaves no room for a haystack around a needle of {needle_len}.")
+            hay = filler(n_hay)
+            at = round(depth * n_hay)
+            stop = [] if tok is None else tok(".", add_special_tokens=False)["input_ids"][:1]
+            tail = stop or filler(1)
+            start = len(prefix) + at + len(intro)
+            ids = prefix + hay[:at] + intro + code + tail + hay[at:] + question
+            out.append(NeedlePrompt(torch.tensor(ids), (start, start + len(code)), length, float(depth)))
+    return out
+
+
+def _haystack(tok, n: int, g: torch.Generator) -> list[int]:
+    """n tokens of corpus sentences, shuffled and repeated as needed (cut at n)."""
+    sentences = corpus_sentences()
+    ids: list[int] = []
+    while len(ids) < n:
+        for i in torch.randperm(len(sentences), generator=g).tolist():
+            ids += tok(" " + sentences[i], add_special_tokens=False)["input_ids"]
+            if len(ids) >= n:
+                break
+    return ids[:n]
+
+
+def retrieval_step_hits(top: torch.Tensor, token: int, ids: torch.Tensor, needle: tuple[int, int]) -> torch.Tensor:
+    """top: (l, h) absolute key positions of each head's top-1 weight at one generation step; token: the token that
+    step generated. Returns (l, h) booleans: the position lies inside the needle and holds ``token``."""
+    inside = (top >= needle[0]) & (top < needle[1])
+    held = ids[top.clamp(0, len(ids) - 1)]
+    return inside & (held == token)
+
+
+def run_needle(model, prompt: NeedlePrompt, n_steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of ``n_steps`` (default |needle|) tokens with the KV cache; returns the generated ids
+    ``(n_steps,)`` and each head's top-1 absolute key position at each step ``(n_steps, l, h)`` (-1 for a pruned
+    model's missing heads)."""
+    cfg = model.cfg
+    n_steps = len(prompt.answer) if n_steps is None else n_steps
+    n_layers, n_heads = cfg.n_layers, max(cfg.heads_per_layer)
+    top = torch.full((n_steps, n_layers, n_heads), -1, dtype=torch.long)
+    held: dict[int, torch.Tensor] = {}
+    step = [0, len(prompt.ids)]  # step, positions seen including the current query
+
+    def hold_q(q, hook):  # (b, p, h, d): only the last row generates the next token
+        held[hook.layer] = q[:, -1:]
+
+    def on_k(k, hook):  # (b, k, g, d): the whole cache (a sliding layer's cache holds its window)
+        q = held.pop(hook.layer)
+        layer = model.structure.layer_attn[hook.layer]
+        stats = attention_stats(q.transpose(1, 2), k.transpose(1, 2), 1.0, causal=True, window=layer.window,
+                                fields=("top_index",))
+        at = stats.top_index[0, :, -1].cpu()  # (h,)
+        top[step[0], hook.layer, : len(at)] = step[1] - k.shape[1] + at
+
+    names = [f"blocks.{l}.attn.hook_{kind}" for l in range(n_layers) for kind in ("q", "k")]
+    generated = []
+    with torch.no_grad(), model.hooks([([n for n in names if n.endswith("_q")], hold_q),
+                                       ([n for n in names if n.endswith("_k")], on_k)]):
+        cache, ids = None, prompt.ids[None].to(model.device)
+        for t in range(n_steps):
+            step[0], step[1] = t, len(prompt.ids) + t
+            out = model(ids, use_cache=True, cache=cache, logits_to_keep=1)
+            cache = out.cache
+            token = out.logits[0, -1].argmax()
+            generated.append(int(token))
+            ids = token.view(1, 1)
+    return torch.tensor(generated), top
+
+
+def retrieval_heads(model, context: int | None = None, lengths=None, depths=(0.1, 0.5, 0.9), needle_len: int = 8,
+                    min_recall: float = 0.5, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Each head's retrieval score: one row per (layer, head) with ``retrieval``, ``retrieval_lo``/``_hi``.
+
+    context: the longest prompt in tokens (default: the model's positions, at most 8192); lengths: prompt lengths
+    (default ``context // 2`` and ``context``); depths: where the needle sits in the haystack (fractions).
+    ``df.attrs["trials"]`` lists each trial's length, depth, recall and whether it counted.
+    """
+    cfg = model.cfg
+    if not cfg.causal:
+        raise ValueError("Retrieval heads are read while a causal model generates; this model is bidirectional.")
+    context = min(cfg.max_positions, 8192) if context is None else context
+    if not isinstance(context, int) or not 16 <= context <= cfg.max_positions:
+        raise ValueError(f"context must be an integer in [16, {cfg.max_positions}] (the model's positions); "
+                         f"got {context!r}.")
+    lengths = (context // 2, context) if lengths is None else tuple(lengths)
+    prompts = needle_prompts(model, lengths, depths, needle_len, seed)
+    n_heads = max(cfg.heads_per_layer)
+    scores, trials = [], []
+    with model.studying():
+        for p in prompts:
+            generated, top = run_needle(model, p)
+            answer = p.answer
+            hits = torch.stack([retrieval_step_hits(top[t], int(generated[t]), p.ids, p.needle)
+                                for t in range(len(generated))])  # (steps, l, h)
+            recall = float(torch.isin(answer, generated).float().mean())
+            counted = recall >= min_recall
+            trials.append({"length": len(p.ids), "depth": p.depth, "recall": recall, "counted": counted,
+                           "exact": bool(torch.equal(generated, answer))})
+            if counted:
+                scores.append(hits.sum(0).double() / len(answer))  # (l, h)
+    layer = torch.arange(cfg.n_layers).repeat_interleave(n_heads)
+    head = torch.arange(n_heads).repeat(cfg.n_layers)
+    if scores:
+        per_trial = torch.stack(scores).flatten(1)  # (trials, l * h)
+        g = torch.Generator().manual_seed(seed)
+        draws = torch.randint(len(scores), (n_bootstrap, len(scores)), generator=g)
+        boot = per_trial[draws].mean(1)  # (n_bootstrap, l * h)
+        mean = per_trial.mean(0)
+        lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
+    else:
+        mean = lo = hi = torch.full((cfg.n_layers * n_heads,), float("nan"), dtype=torch.float64)
+    df = pd.DataFrame({"layer": layer.numpy(), "head": head.numpy(), "retrieval": mean.numpy(),
+                       "retrieval_lo": lo.numpy(), "retrieval_hi": hi.numpy()})
+    real = set(cfg.heads())
+    df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
+    df.attrs.update(trials=trials, inputs=f"needle-in-a-haystack: lengths {list(lengths)}, depths {list(depths)}, "
+                                          f"needles of {needle_len} random tokens", min_recall=min_recall)
+    return df

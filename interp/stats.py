@@ -1,0 +1,207 @@
+"""Per-row attention statistics from q and k, one tile of the n x n weights at a time.
+
+``attention_stats`` walks query tiles and, inside each, key tiles; the block it holds is at most ``budget``
+elements ``(b, h, query tile, key tile)``, so memory is O(n) for any sequence length. The weights are rebuilt
+exactly as the flash path's kernel defines them, ``w = exp(cap(scale * q . k) + bias + mask - lse)``, with the
+row's logsumexp either given (the kernel's ``hook_lse``, which already counts an attention sink) or computed
+in a first pass over the same tiles (online logsumexp, the sink logit added at the end).
+
+Per query row and head it returns: the top-1 key (index and weight), the weight on the first ``n_sink`` real
+keys, the weight per distance bucket (``|q - k|`` = 0, 1, 2-3, 4-7, ..., the last bucket holding everything
+farther), the weight on given key sets (a needle span: ``(b, k)`` booleans), the weight of given
+``(batch, query, key)`` pairs (per-row target sets such as earlier occurrences), the entropy and the row's total
+weight (1, or less with sinks; 0 for a fully masked row).
+
+Shapes: query ``(b, h, q, d)``, key ``(b, g, k, d)`` as the kernels take them (``h`` a multiple of ``g``);
+queries are the last ``q`` of the ``k`` positions (a decode step is one query row against the whole cache).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FIELDS", "HeadStats", "attention_stats", "offset_buckets", "bucket_labels"]
+
+FIELDS = ("top_index", "top_weight", "sink", "offsets", "entropy", "total")
+_BUDGET = 1 << 22  # elements of one (b, h, query tile, key tile) block: 16 MiB in fp32
+
+
+@dataclass
+class HeadStats:
+    """Statistics of every query row: each field ``(b, h, q)`` unless said otherwise.
+
+    top_index: key position of the row's largest weight (-1 for a fully masked row). top_weight: that weight.
+    sink: weight on the first ``n_sink`` real keys. offsets: ``(b, h, q, n_buckets)`` weight per distance bucket.
+    entropy: ``-sum w log w`` in nats. total: the row's weight on keys (1 without sinks; 0 when fully masked).
+    key_sets: name -> weight on that set of keys. pairs: name -> ``(n_pairs, h)`` weight of each pair.
+    A field not asked for (``attention_stats(fields=...)``) is None.
+    """
+
+    top_index: torch.Tensor
+    top_weight: torch.Tensor | None
+    sink: torch.Tensor | None
+    offsets: torch.Tensor | None
+    entropy: torch.Tensor | None
+    total: torch.Tensor | None
+    key_sets: dict[str, torch.Tensor] = field(default_factory=dict)
+    pairs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def offset_buckets(distance: torch.Tensor, n_buckets: int) -> torch.Tensor:
+    """Bucket of each distance ``|q - k|``: 0 -> 0, 1 -> 1, 2-3 -> 2, 4-7 -> 3, ..., capped at ``n_buckets - 1``."""
+    d = distance.abs()
+    bucket = torch.floor(torch.log2(d.clamp(min=1).double())).long() + 1
+    return torch.where(d == 0, 0, bucket).clamp(max=n_buckets - 1)
+
+
+def bucket_labels(n_buckets: int) -> list[str]:
+    """Readable names of the buckets: ``["0", "1", "2-3", "4-7", ..., ">=2^(n-2)"]``."""
+    labels = ["0"] + [f"{2 ** (i - 1)}-{2 ** i - 1}" if i > 1 else "1" for i in range(1, n_buckets - 1)]
+    return labels + [f">={2 ** (n_buckets - 2)}"]
+
+
+def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: torch.Tensor | None = None, *,
+                    causal: bool = True, window: tuple[int | None, int | None] = (None, None),
+                    key_valid: torch.Tensor | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None, bias: torch.Tensor | None = None, n_sink: int = 1,
+                    n_buckets: int = 16, key_sets: dict[str, torch.Tensor] | None = None,
+                    pairs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                    fields: tuple[str, ...] = FIELDS, budget: int | None = None) -> HeadStats:
+    """Statistics of ``softmax(cap(scale * q k^T) + bias + mask)`` (a sink column joining the softmax) per row.
+
+    query: (b, h, q, d); key: (b, g, k, d). lse: (b, h, q) the rows' logsumexp as the flash path's ``hook_lse``
+    gives it (sink included), or None to compute it here. causal and window: which keys a query may see, window
+    being (keys before, keys after), None for unbounded. key_valid: (b, k) real (unpadded) keys, or None.
+    softcap: ``tanh(s / cap) * cap`` on the scaled scores. sinks: (h,) sink logits (GPT-OSS ``s_aux``).
+    bias: additive position bias broadcastable to (b, h, q, k) (T5), sliced per tile. n_sink: how many of the
+    first real keys count as the sink. key_sets: name -> (b, k) booleans. pairs: name -> (batch, query, key)
+    index tensors, query indices counted among the ``q`` rows. fields: which of ``FIELDS`` to compute (the others
+    are None); ``("top_index",)`` alone needs no logsumexp, so it is one pass over the scores. budget: elements of one
+    block (default ``_BUDGET``, 2^22).
+    """
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown field(s) {unknown}; attention_stats computes {list(FIELDS)}.")
+    want = set(fields)
+    budget = _BUDGET if budget is None else budget
+    b, h, n_q, d = query.shape
+    g, n_k = key.shape[1], key.shape[2]
+    if h % g or key.shape[0] != b or key.shape[3] != d:
+        raise ValueError(f"attention_stats expects query (b, h, q, d) and key (b, g, k, d) with h a multiple of g; "
+                         f"got {tuple(query.shape)} and {tuple(key.shape)}.")
+    if n_q > n_k:
+        raise ValueError(f"queries are the last q of the k key positions; got q={n_q} > k={n_k}.")
+    device = query.device
+    offset = n_k - n_q
+    valid = torch.ones(b, n_k, dtype=torch.bool, device=device) if key_valid is None else key_valid.to(device).bool()
+    first = valid.int().argmax(dim=1)  # (b,) first real key
+    sets = {name: s.to(device).bool() for name, s in (key_sets or {}).items()}
+    r = h // g
+    t_q = max(1, min(n_q, int(math.isqrt(budget // (b * h)))))
+    t_k = max(1, min(n_k, budget // (b * h * t_q)))
+    q_f = query.float().reshape(b, g, r, n_q, d)
+    k_t = key.float().transpose(2, 3).reshape(b * g, d, n_k)  # (b g, d, k), one O(n) copy
+    before, after = window
+    if causal:
+        after = 0 if after is None else min(after, 0)
+    padded = not bool(valid.all())
+    # Blocks live in buffers allocated once per call and are edited in place: fresh blocks of changing sizes would
+    # fragment the C allocator's heap, and its peak would grow with n (argmax_from_qk measured +0.85 GiB at 8k).
+    buffer = torch.empty(b * h * t_q * t_k, device=device)
+
+    def blocks(s, e):
+        """Key tiles a query tile may see, with the (b, h, t, tk) scores of each (-inf where masked)."""
+        lo = 0 if before is None else max(0, s + offset - before)
+        hi = n_k if after is None else min(n_k, e + offset + after)
+        q_tile = q_f[:, :, :, s:e].reshape(b * g, r * (e - s), d)
+        for ks in range(lo, hi, t_k):
+            ke = min(hi, ks + t_k)
+            scores = buffer[: b * h * (e - s) * (ke - ks)].view(b * g, r * (e - s), ke - ks)
+            torch.bmm(q_tile, k_t[:, :, ks:ke], out=scores)
+            scores = scores.view(b, h, e - s, ke - ks)  # head h = g * r + j reads key head g
+            if scale != 1.0:
+                scores.mul_(scale)
+            if softcap is not None:
+                scores.div_(softcap).tanh_().mul_(softcap)
+            if bias is not None:
+                scores.add_(bias[..., s:e, ks:ke])
+            dist = torch.arange(ks, ke, device=device)[None] - (torch.arange(s, e, device=device) + offset)[:, None]
+            band = None  # (t, tk): only tiles that cross the window's edges need masking
+            if before is not None and ks - (e - 1 + offset) < -before:
+                band = dist >= -before
+            if after is not None and ke - 1 - (s + offset) > after:
+                band = dist <= after if band is None else band & (dist <= after)
+            if band is not None:
+                scores.masked_fill_(~band, float("-inf"))
+            if padded:
+                scores.masked_fill_(~valid[:, None, None, ks:ke], float("-inf"))
+            yield ks, ke, dist, scores
+
+    def zeros(*shape):
+        return torch.zeros(b, h, n_q, *shape, device=device)
+
+    top_index = torch.full((b, h, n_q), -1, dtype=torch.long, device=device)
+    top_weight, sink, entropy, total = zeros(), zeros(), zeros(), zeros()
+    offsets = zeros(n_buckets) if "offsets" in want else None
+    set_out = {name: zeros() for name in sets}
+    set_keys = {name: key_set.float() for name, key_set in sets.items()}  # (b, k)
+    pair_idx = {name: tuple(t.to(device).long() for t in p) for name, p in (pairs or {}).items()}
+    pair_out = {name: torch.zeros(len(p[0]), h, device=device) for name, p in pair_idx.items()}
+    sink_logits = None if sinks is None else sinks.float().to(device).reshape(1, h, 1)
+    weighted = bool(want - {"top_index"} or sets or pair_idx)  # anything that needs the weights, hence the lse
+    keys = torch.arange(n_k, device=device)
+    in_sink = ((keys[None] >= first[:, None]) & (keys[None] < first[:, None] + n_sink)).float()  # (b, k)
+    w_buffer = torch.empty_like(buffer) if weighted else None
+
+    def row_sum(w, x):  # (b, h, t, tk) . (b, tk) -> (b, h, t), without a block-sized temporary
+        return torch.einsum("bhtk,bk->bht", w, x)
+
+    for s in range(0, n_q, t_q):
+        e = min(n_q, s + t_q)
+        if lse is not None:
+            row_lse = lse[:, :, s:e].float().to(device)
+        elif weighted:  # first pass: online logsumexp over the key tiles
+            row_lse = torch.full((b, h, e - s), float("-inf"), device=device)
+            for _, _, _, scores in blocks(s, e):
+                row_lse = torch.logaddexp(row_lse, torch.logsumexp(scores, dim=-1))
+            if sink_logits is not None:
+                row_lse = torch.logaddexp(row_lse, sink_logits.expand_as(row_lse))
+            row_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)  # fully masked: 0
+        best = torch.full((b, h, e - s), float("-inf"), device=device)
+        best_at = torch.full((b, h, e - s), -1, dtype=torch.long, device=device)
+        for ks, ke, dist, scores in blocks(s, e):
+            value, at = scores.max(dim=-1)
+            better = value > best  # ties keep the earlier key, as argmax does
+            best, best_at = torch.where(better, value, best), torch.where(better, at + ks, best_at)
+            if not weighted:
+                continue
+            log_w = scores.sub_(row_lse[..., None])  # in place: log weights, -inf where masked
+            w = torch.exp(log_w, out=w_buffer[: scores.numel()].view_as(scores))
+            if "total" in want:
+                total[:, :, s:e] += w.sum(-1)
+            if "entropy" in want:  # -sum w log w; a masked key's 0 * -inf would be NaN, so clamp log w first
+                entropy[:, :, s:e] -= torch.einsum("bhtk,bhtk->bht", w, log_w.clamp_(min=-1e30))
+            if offsets is not None:
+                bucket = offset_buckets(dist, n_buckets)  # (t, tk)
+                offsets[:, :, s:e].scatter_add_(3, bucket.expand_as(w), w)
+            if "sink" in want:
+                sink[:, :, s:e] += row_sum(w, in_sink[:, ks:ke])
+            for name, key_set in set_keys.items():
+                set_out[name][:, :, s:e] += row_sum(w, key_set[:, ks:ke])
+            for name, (pb, pq, pk) in pair_idx.items():
+                hit = (pq >= s) & (pq < e) & (pk >= ks) & (pk < ke)
+                if hit.any():
+                    pair_out[name][hit] = w[pb[hit], :, pq[hit] - s, pk[hit] - ks]
+        masked = torch.isinf(best)
+        top_index[:, :, s:e] = torch.where(masked, -1, best_at)
+        if weighted:
+            top_weight[:, :, s:e] = torch.where(masked, 0.0, torch.exp(best - row_lse))
+
+    def kept(name, value):
+        return value if name in want else None
+
+    return HeadStats(top_index, kept("top_weight", top_weight), kept("sink", sink), offsets,
+                     kept("entropy", entropy), kept("total", total), set_out, pair_out)

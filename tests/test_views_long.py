@@ -1,0 +1,62 @@
+"""The long-sequence view (analyses.views.long): its numbers equal the eager pattern's, and the page embeds no
+n x n matrix (its size grows linearly with the prompt)."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+import interp
+from analyses.views.long import long_view
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return interp.load_model("toy-induction")
+
+
+def _ids(n):
+    x = torch.randint(1, 64, (n // 2,), generator=torch.Generator().manual_seed(0))
+    return torch.cat([torch.zeros(1, dtype=torch.long), x, x])[:n]
+
+
+def test_view_numbers_equal_the_eager_pattern(toy):
+    ids = _ids(60)
+    view = long_view(toy, ids, layer=1, zoom=(30, 60))
+    eager = interp.load_model("toy-induction", attn="eager")
+    _, cache = eager.run_with_cache(ids[None])
+    pattern = cache.pattern(1)[0]  # (h, q, k)
+    for h in range(4):
+        top = np.frombuffer(base64.b64decode(view.data["top"][h]), dtype="<u4").copy()
+        assert (pattern[h, torch.arange(60), torch.as_tensor(top, dtype=torch.long)]
+                >= pattern[h].max(-1).values - 1e-6).all()
+        zoom = np.frombuffer(base64.b64decode(view.data["zoom"]["weights"][h]), dtype="u1").reshape(30, -1)
+        lo = view.data["zoom"]["keys"][0]
+        want = (pattern[h, 30:60, lo:60] * 255).round().numpy()
+        assert np.abs(zoom - want).max() <= 1  # 8-bit rounding of the exact weights
+        assert abs(view.data["sink"][h] - float(pattern[h, :, 0].mean())) < 1e-4
+        assert abs(sum(view.data["mean_offsets"][h]) - 1.0) < 1e-3  # every row's weight lands in some bucket
+        prev = float(pattern[h, torch.arange(1, 60), torch.arange(59)].sum()) / 60  # distance 1, row 0 has none
+        assert abs(view.data["mean_offsets"][h][1] - prev) < 1e-4
+
+
+def test_page_grows_linearly_and_is_self_contained(toy, tmp_path):
+    small, big = long_view(toy, _ids(32), layer=1, zoom=(24, 32)), long_view(toy, _ids(64), layer=1, zoom=(56, 64))
+    per_row = [len(v.data["top"][0]) + len(v.data["weight"][0]) for v in (small, big)]
+    assert abs(per_row[1] / per_row[0] - 2) < 0.1  # per-row data doubles with n; nothing n x n
+    zoom = big.data["zoom"]
+    assert (zoom["rows"][1] - zoom["rows"][0]) * (zoom["keys"][1] - zoom["keys"][0]) <= 8 * 64
+    path = big.save(tmp_path / "long.html")
+    text = path.read_text()
+    assert 'data-view="long"' in text and "http" not in text.replace("http-equiv", "")
+    assert text.count('<button data-role="head"') == 4
+
+
+def test_bad_zoom_and_layer_are_refused(toy):
+    with pytest.raises(ValueError, match="zoom is"):
+        long_view(toy, _ids(32), layer=1, zoom=(10, 5))
+    with pytest.raises(ValueError, match="layer must be"):
+        long_view(toy, _ids(32), layer=7)
