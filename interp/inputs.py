@@ -68,6 +68,12 @@ def check_inputs(inputs, attention_mask, vocab_size: int, max_positions: int | N
             attention_mask = attention_mask[None]
         if attention_mask.shape != ids.shape:
             raise ValueError(f"attention_mask must match input_ids {tuple(ids.shape)}; got {tuple(attention_mask.shape)}.")
+        if attention_mask.is_floating_point() or attention_mask.is_complex():
+            if not bool(torch.isfinite(attention_mask).all()):
+                raise ValueError("attention_mask holds NaN or inf; it marks real tokens (nonzero) and padding (0).")
+        # As HF reads it: nonzero attends. A mask of 2s must count positions as a mask of 1s does (position ids are
+        # its cumulative sum), so it becomes 0/1 here, in the dtype it came in.
+        attention_mask = (attention_mask != 0).to(attention_mask.dtype)
         if bool((attention_mask.sum(-1) == 0).any()):
             raise ValueError("attention_mask has a row with no real token; every sequence needs at least one.")
     return ids, attention_mask
@@ -85,8 +91,9 @@ def texts_of(text) -> list[str]:
 
 
 def padded_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids ``(b, p)`` that count only real tokens: ``cumsum(mask) - 1``, 0 on left padding."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+    """Position ids ``(b, p)`` that count only real tokens (any nonzero mask value): ``cumsum(mask != 0) - 1``, 0 on
+    left padding."""
+    return ((mask != 0).long().cumsum(-1) - 1).clamp(min=0)
 
 
 def pad_ids(rows: Sequence[Sequence[int] | torch.Tensor], left: bool, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,3 +87,20 @@ def test_a_study_refuses_an_attention_switched_behind_the_wrapper():
     model.set_attn("flash")
     _, cache = model.run_with_cache(ids)
     assert "blocks.0.attn.hook_z" in cache and (ablation_scan(model, ids, _metric)["delta"] != 0).any()
+
+
+# -- 4: a mask of 2s is a mask of 1s, as HF reads it ---------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_any_nonzero_mask_value_attends_as_in_hf(attn):
+    model = interp.load_model(tiny_model("llama", num_hidden_layers=2), attn=attn)
+    ids = _ids()[:, :5]
+    ones = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = model(ids, ones).logits
+        for mask in (ones * 2, ones.bool(), ones.float() * 0.5):
+            got = model(ids, mask).logits  # before the fix: 4.39 off with 2s (position ids cumsum(mask) - 1)
+            assert torch.equal(got[ones.bool()], want[ones.bool()]), mask
+        from analyses import detect_heads  # a study's batch goes the same way
+        a = detect_heads(model, prompts={"input_ids": ids, "attention_mask": ones}, n_bootstrap=10)
+        b = detect_heads(model, prompts={"input_ids": ids, "attention_mask": ones * 2}, n_bootstrap=10)
+    assert a.drop(columns=["label", "labels"]).equals(b.drop(columns=["label", "labels"]))
