@@ -152,6 +152,26 @@ def _check_kwargs(kwargs: dict) -> None:
         )
 
 
+def _same_batch(query, key, value, mask):
+    """q, k, v and the mask with one batch size, broadcast as HF's eager matmuls broadcast them (a batch of 1 serves
+    every row: a decoder batch of 3 reading one source), else a clear error (HF's eager attention raises there too).
+    The fused kernels do not broadcast: given keys of batch 1 and queries of batch 3 the CPU one reads past the keys."""
+    sizes = {"query": query.shape[0], "key": key.shape[0], "value": value.shape[0]}
+    if mask is not None:
+        sizes["attention mask"] = mask.shape[0]
+    batch = max(sizes.values())
+    if any(n not in (1, batch) for n in sizes.values()):
+        raise ValueError(
+            "The attention's inputs have batch sizes that do not broadcast: "
+            + ", ".join(f"{k} {v}" for k, v in sizes.items()) + ". In an encoder-decoder model the source batch "
+            "(input_ids) and the target batch (decoder_input_ids) must have the same number of rows (or the "
+            "source one row, shared by every target).")
+    if batch == 1 or all(n == batch for n in sizes.values()):
+        return query, key, value, mask
+    grow = lambda t: t if t.shape[0] == batch else t.expand(batch, *t.shape[1:])  # noqa: E731
+    return grow(query), grow(key), grow(value), None if mask is None else grow(mask)
+
+
 def _fire_qkv(hooks: LayerHooks, query, key, value):
     """Hooks see (b, p, h, d) as TransformerLens does; the kernel gets (b, h, p, d) back."""
     if hooks.q:
@@ -181,6 +201,7 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         scaling = query.size(-1) ** -0.5
     if hooks is not None:
         query, key, value = _fire_qkv(hooks, query, key, value)
+    _same_batch(query, key, value, attention_mask)  # a clear error where HF's matmul would raise
 
     n_rep = query.shape[1] // key.shape[1]
     key_states = repeat_kv(key, n_rep)
@@ -265,6 +286,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
         attention_mask = _with_bias(position_bias, attention_mask, causal, query.shape[2], key.shape[2])
         causal = False
 
+    query, key, value, attention_mask = _same_batch(query, key, value, attention_mask)
     need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
     out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
     if s_aux is not None:

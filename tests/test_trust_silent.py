@@ -104,3 +104,29 @@ def test_any_nonzero_mask_value_attends_as_in_hf(attn):
         a = detect_heads(model, prompts={"input_ids": ids, "attention_mask": ones}, n_bootstrap=10)
         b = detect_heads(model, prompts={"input_ids": ids, "attention_mask": ones * 2}, n_bootstrap=10)
     assert a.drop(columns=["label", "labels"]).equals(b.drop(columns=["label", "labels"]))
+
+
+# -- 1: cross-attention with a source batch of 1 and a target batch of 3, both paths -----------------------------
+@pytest.mark.parametrize("family", ["bart", "t5"])
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_cross_attention_batch_sizes_broadcast_as_hf_or_fail_clearly(family, attn):
+    import copy
+
+    from interp.structure import set_attention_key
+    from interp.testing import model_class
+
+    hf = tiny_model(family, cls=model_class(family, seq2seq=True))
+    ref = copy.deepcopy(hf)
+    set_attention_key(ref, "eager")
+    model = interp.load_model(hf, attn=attn)
+    g = torch.Generator().manual_seed(0)
+    src1, tgt3 = torch.randint(4, 90, (1, 9), generator=g), torch.randint(4, 90, (3, 7), generator=g)
+    with torch.no_grad():
+        want = ref(input_ids=src1, decoder_input_ids=tgt3, use_cache=False).logits
+        got = model(src1, decoder_input_ids=tgt3).logits  # flash before the fix: NaN, different on each call
+        again = model(src1, decoder_input_ids=tgt3).logits
+    assert torch.equal(got, again)
+    assert (got - want).abs().max() <= (0 if attn == "eager" else 1e-5 * want.abs().max())
+    src3, tgt2 = torch.randint(4, 90, (3, 9), generator=g), torch.randint(4, 90, (2, 7), generator=g)
+    with pytest.raises(ValueError, match="batch sizes that do not broadcast: query 2, key 3"), torch.no_grad():
+        model(src3, decoder_input_ids=tgt2)  # flash before the fix: a (2, 7, V) tensor and no error
