@@ -40,11 +40,12 @@ def _is_index(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def check_heads(model, heads, allow_empty: bool = False) -> list[Head]:
+def check_heads(model, heads, allow_empty: bool = False, kv: bool = False) -> list[Head]:
     """``heads`` as a sorted list of ``(layer, head)`` pairs of integers; clear errors for anything else.
 
     Only integers are layer and head numbers (Python or NumPy ints, not bools, floats or strings): a float
-    such as 1.9 would otherwise be truncated to another head.
+    such as 1.9 would otherwise be truncated to another head. kv: the pairs name key/value heads (what k and v
+    patching address), checked against each layer's key/value head count.
     """
     if isinstance(heads, tuple) and len(heads) == 2 and all(_is_index(x) for x in heads):
         heads = [heads]
@@ -60,12 +61,17 @@ def check_heads(model, heads, allow_empty: bool = False) -> list[Head]:
     if not pairs and not allow_empty:
         raise ValueError("The head list is empty; give at least one (layer, head) pair.")
     cfg = model.cfg
-    counts = cfg.heads_per_layer
+    counts = cfg.kv_heads_per_layer if kv else cfg.heads_per_layer
     for l, h in pairs:
         if not 0 <= l < len(counts):
             raise ValueError(f"Layer {l} is out of range in {(l, h)}: layers run 0..{len(counts) - 1}.")
         if l in cfg.empty_layers:
             raise ValueError(f"Layer {l} has no heads left (it was pruned empty), so {(l, h)} is not a head.")
+        if not 0 <= h < counts[l] and kv:
+            group = cfg.heads_per_layer[l] // max(1, counts[l])
+            raise ValueError(f"Key/value head {h} is out of range in {(l, h)}: k and v are patched per key/value "
+                             f"head, and layer {l} has {counts[l]} (0..{counts[l] - 1}), each serving {group} query "
+                             f"heads (query head q reads key/value head q // {group}).")
         if not 0 <= h < counts[l]:
             raise ValueError(f"Head {h} is out of range in {(l, h)}: layer {l} has heads 0..{counts[l] - 1}.")
     return sorted(set(pairs))

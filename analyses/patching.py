@@ -85,10 +85,7 @@ def _items(model, what: str, by: str, heads, n_pos: int) -> list[tuple]:
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
     if what in ("k", "v"):  # one key/value head serves several query heads
         units = [(l, g) for l, n in enumerate(model.cfg.kv_heads_per_layer) if l not in model.cfg.empty_layers
-                 for g in range(n)]
-        if heads is not None:
-            wanted = {tuple(h) for h in heads}
-            units = [u for u in units if u in wanted]
+                 for g in range(n)] if heads is None else check_heads(model, heads, kv=True)
     else:
         units = model.cfg.heads() if heads is None else check_heads(model, heads)
     if by == "head":
@@ -214,6 +211,9 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
     receivers = check_heads(model, receivers)
     last = max(l for l, _ in receivers)
     senders = [h for h in model.cfg.heads() if h[0] < last] if senders is None else check_heads(model, senders)
+    if not senders:
+        raise ValueError(f"No head sits before the receivers' last layer {last} ({receivers}), so nothing can send "
+                         "through them: choose receivers in a later layer.")
     late = [s for s in senders if s[0] >= last]
     if late:
         raise ValueError(f"Senders must sit before the receivers' last layer {last}; got {late}.")

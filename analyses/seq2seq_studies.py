@@ -69,8 +69,9 @@ def _is_index(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def check_site_heads(model, heads, allow_empty: bool = False) -> list[tuple[str, int]]:
-    """``heads`` as a list of ``(site, head)`` pairs in the model's site order; clear errors for anything else."""
+def check_site_heads(model, heads, allow_empty: bool = False, kv: bool = False) -> list[tuple[str, int]]:
+    """``heads`` as a list of ``(site, head)`` pairs in the model's site order; clear errors for anything else.
+    kv: the pairs name key/value heads (what k and v patching address)."""
     sites = model.sites
     form = (f"heads of an encoder-decoder model are (site, head) pairs such as ('{model.cfg.sites[-1].name}', 0), "
             f"with a site from model.sites ({', '.join(sites)})")
@@ -88,8 +89,11 @@ def check_site_heads(model, heads, allow_empty: bool = False) -> list[tuple[str,
             close = difflib.get_close_matches(site, list(sites), n=3)
             raise ValueError(f"{site!r} is not an attention site of this model"
                              f"{'; did you mean ' + ' or '.join(map(repr, close)) if close else ''}? {form}.")
-        if not 0 <= head < sites[site].n_heads:
-            raise ValueError(f"Head {head} is out of range in {pair!r}: {site} has heads 0..{sites[site].n_heads - 1}.")
+        count = sites[site].n_kv_heads if kv else sites[site].n_heads
+        if not 0 <= head < count:
+            kind = "Key/value head" if kv else "Head"
+            raise ValueError(f"{kind} {head} is out of range in {pair!r}: {site} has {kind.lower()}s 0..{count - 1}"
+                             + (" (k and v are patched per key/value head)." if kv else "."))
         pairs.append((site, head))
     if not pairs and not allow_empty:
         raise ValueError(f"The head list is empty; give at least one pair. {form}.")
@@ -339,10 +343,8 @@ def seq2seq_activation_patching(model, clean, corrupted, metric, by: str = "head
     metric = scalar_metric(metric)
     clean, corrupted = _paired(model, clean, corrupted)
     if what in ("k", "v"):  # one key/value head serves several query heads
-        units = [(s.name, g) for s in model.cfg.sites for g in range(s.n_kv_heads)]
-        if heads is not None:
-            wanted = set(check_site_heads(model, heads))
-            units = [u for u in units if u in wanted]
+        units = [(s.name, g) for s in model.cfg.sites for g in range(s.n_kv_heads)] if heads is None else \
+            check_site_heads(model, heads, kv=True)
     else:
         units = model.cfg.heads() if heads is None else check_site_heads(model, heads)
     items = units if by == "head" else [(site, h, p) for site, h in units

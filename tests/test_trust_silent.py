@@ -130,3 +130,27 @@ def test_cross_attention_batch_sizes_broadcast_as_hf_or_fail_clearly(family, att
     src3, tgt2 = torch.randint(4, 90, (3, 9), generator=g), torch.randint(4, 90, (2, 7), generator=g)
     with pytest.raises(ValueError, match="batch sizes that do not broadcast: query 2, key 3"), torch.no_grad():
         model(src3, decoder_input_ids=tgt2)  # flash before the fix: a (2, 7, V) tensor and no error
+
+
+# -- 5: no silent empty table ---------------------------------------------------------------------------------------
+def test_patching_refuses_heads_the_model_or_the_patched_activation_does_not_have():
+    from analyses import path_patching
+
+    model = interp.load_model(tiny_model("llama", num_hidden_layers=2))  # 4 query heads on 2 key/value heads
+    clean, corrupted = _ids(1), _ids(2)
+    for what in ("k", "v"):
+        with pytest.raises(ValueError, match="Layer 5 is out of range"):
+            activation_patching(model, clean, corrupted, _metric, what=what, heads=[(5, 0)])
+        with pytest.raises(ValueError, match="Key/value head 3 is out of range.*each serving 2 query heads"):
+            activation_patching(model, clean, corrupted, _metric, what=what, heads=[(0, 3)])
+    assert len(activation_patching(model, clean, corrupted, _metric, what="k", heads=[(0, 1)])) == 1
+    with pytest.raises(ValueError, match="No head sits before the receivers' last layer 0"):
+        path_patching(model, clean, corrupted, [(0, 0)], _metric)
+
+
+def test_cli_path_patching_with_receivers_in_layer_0_exits_2(capsys):
+    from analyses.cli import main
+
+    assert main(["patch", "--method", "path", "--receivers", "0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "No head sits before" in err and len(err.strip().splitlines()) == 1
