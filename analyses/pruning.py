@@ -290,6 +290,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
         raise ValueError(f"This would prune every head of layer(s) {emptied}. Keep at least one head per layer, or "
                          "pass allow_empty_layers=True (the layer's attention output is then only its bias).")
     hf = copy.deepcopy(model.hf)
+    _without_torch_hooks(hf)  # the user's hooks belong to their model: the pruned one starts clean
     slice_heads(hf, model.structure, keep)
     why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
            "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "
@@ -300,6 +301,20 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
         raise NotImplementedError(f"The pruned {model.cfg.family} model does not run ({err}): {why}") from None
     _check_pruned(model, pruned, heads, why)
     return pruned
+
+
+# torch's per-module hook tables; copy.deepcopy copies them along with the module
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _without_torch_hooks(hf) -> None:
+    """Empty every module's forward and backward hook tables (a copy's, never the user's own model)."""
+    for module in hf.modules():
+        for name in _HOOK_TABLES:
+            table = getattr(module, name, None)
+            if table:
+                setattr(module, name, type(table)())
 
 
 def _check_pruned(model, pruned, heads, why: str, tol: float = 1e-4) -> None:

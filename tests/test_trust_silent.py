@@ -154,3 +154,26 @@ def test_cli_path_patching_with_receivers_in_layer_0_exits_2(capsys):
     assert main(["patch", "--method", "path", "--receivers", "0.0"]) == 2
     err = capsys.readouterr().err
     assert "No head sits before" in err and len(err.strip().splitlines()) == 1
+
+
+# -- 13: a pruned model starts without the user's torch hooks -----------------------------------------------------
+def test_prune_model_leaves_the_users_torch_hooks_behind():
+    from analyses import prune_model
+
+    model = interp.load_model(tiny_model("llama", num_hidden_layers=2))
+    calls = []
+    handle = model.hf.model.layers[1].register_forward_hook(lambda m, i, o: calls.append(1))
+    pre = model.hf.lm_head.register_forward_pre_hook(lambda m, i: calls.append(2))
+    try:
+        pruned = prune_model(model, [(0, 1)])
+        calls.clear()
+        with torch.no_grad():
+            pruned(_ids())
+        assert calls == []  # before the fix: the copied hooks fired on the pruned model
+        assert not pruned.hf.model.layers[1]._forward_hooks and not pruned.hf.lm_head._forward_pre_hooks
+        with torch.no_grad():
+            model(_ids())
+        assert calls == [1, 2]  # the user's own model keeps them
+    finally:
+        handle.remove()
+        pre.remove()
