@@ -30,7 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "BUNDLED_NAMES"]
+
+# interp.BUNDLED's names, for the help text without importing torch (tests/test_cli.py checks that they agree)
+BUNDLED_NAMES = ("smollm2", "gemma3", "toy-induction", "minilm")
 
 
 class UserError(Exception):
@@ -46,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
 
 # -- shared pieces ---------------------------------------------------------------------------------------
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="toy-induction", help="bundled name (toy-induction, minilm) or model folder")
+    p.add_argument("--model", default="toy-induction", help=f"bundled name ({', '.join(BUNDLED_NAMES)}) or model "
+                   "folder")
     p.add_argument("--attn", choices=["flash", "eager"], default="flash", help="attention path (default flash)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
@@ -712,9 +716,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a command's output
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -725,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    from transformers.utils import logging as hf_logging  # here, not above: `interp --help` imports no torch
+
+    hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a command's output
     from interp import distributed
 
     with distributed.launched(getattr(args, "device", None)):  # under torchrun: join its process group

@@ -162,3 +162,20 @@ def test_errors_from_the_installed_script_have_no_traceback(tmp_path):
     done = subprocess.run(["interp", "info", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_help_imports_no_heavy_module_and_lists_every_bundled_model():
+    """`interp --help` took 8 s (issue 27): it now imports neither torch nor transformers, pandas or matplotlib, and
+    its --model help names every bundled model."""
+    code = ("import sys; from analyses.cli import main\n"
+            "try:\n    main(['view', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    import interp
+    from analyses.cli import BUNDLED_NAMES
+
+    assert set(BUNDLED_NAMES) == set(interp.BUNDLED)
+    for name in BUNDLED_NAMES:
+        assert name in done.stdout

@@ -17,7 +17,7 @@ _LAZY = {
     "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
     "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
     "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
-    "write_report": "report",
+    "write_report": "report", "long_view": "long", "LongView": "long",
 }
 __all__ = list(_LAZY)
 
