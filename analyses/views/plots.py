@@ -20,10 +20,10 @@ NaN in the table) leaves its cell blank.
 
 from __future__ import annotations
 
+import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
-
-import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -397,15 +397,20 @@ def dla_bars(df: pd.DataFrame, top: int = 20, ax=None, title: str | None = None)
 
 
 # -- files -----------------------------------------------------------------------------------------------
-def save_figure(figure, path, fmt: str | None = None, dpi: int = 200) -> Path:
+def save_figure(figure, path, fmt: str | None = None, dpi: int = 200, overwrite: bool = False) -> Path:
     """Write a figure (or the figure of an Axes) as PNG (``dpi`` pixels per inch), SVG or PDF (vector, for papers).
 
-    fmt: ``"png"``, ``"svg"`` or ``"pdf"``; default the file's suffix. Returns the path written.
+    fmt: ``"png"``, ``"svg"`` or ``"pdf"``; default the file's suffix. Returns the path written. The file is written
+    whole or not at all; an existing one is replaced only with ``overwrite=True``.
     """
     path = Path(path)
     fig = figure if isinstance(figure, FigureBase) else figure.figure  # a figure, or an Axes on one
     fmt = (fmt or path.suffix.lstrip(".")).lower()
     if fmt not in FORMATS:
         raise ValueError(f"Figures are saved as {', '.join(FORMATS)}; got {fmt or 'no suffix'!r} for {str(path)!r}.")
-    fig.savefig(path, format=fmt, dpi=dpi, bbox_inches="tight")
-    return path
+    from interp.files import atomic_write, refuse_overwrite
+
+    refuse_overwrite(path, overwrite)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=dpi, bbox_inches="tight")
+    return atomic_write(path, buffer.getvalue(), overwrite=overwrite)

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
+from interp.files import staged_folder  # noqa: E402
 from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
@@ -167,7 +168,7 @@ _MANY_HEADS = 100
 
 def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
-                 fmt: str | Sequence[str] = "png") -> dict:
+                 fmt: str | Sequence[str] = "png", overwrite: bool = False) -> dict:
     """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
     model gets its own page (``seq2seq_report.write_seq2seq_report``: heads per attention site, on the copy task).
 
@@ -177,7 +178,17 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     more than 100 heads).
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
+    overwrite: replace the report files of an earlier report in ``out`` (other files there are left alone); without
+    it an existing report file is an error. Every file is written into a staging folder first and moved into
+    ``out`` only when all are written (``interp.files.staged_folder``): a full disk or an error midway leaves
+    ``out`` as it was.
     """
+    _formats(fmt)
+    with staged_folder(out, overwrite, names=(*REPORT_FILES, "figures")) as staging:
+        return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt)
+
+
+def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt) -> dict:
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
