@@ -149,3 +149,17 @@ def test_report_on_smollm2(tmp_path):
     assert summary["attention_maps"][0] == {"class": "induction", "layer": 18, "head": 6,
                                             "prompt": "repeated random tokens"}
     assert len(pd.read_csv(tmp_path / "ablation.csv")) == 270 and "first 4" in summary["study_inputs"]
+
+
+def test_importing_the_report_leaves_the_matplotlib_backend_alone(tmp_path):
+    """It switched every user's session to Agg (issue 22): a notebook's inline backend stopped drawing."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import matplotlib; from analyses import write_report; import analyses.views.report; "
+            "print(matplotlib.get_backend())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "svg"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().lower() == "svg"

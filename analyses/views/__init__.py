@@ -6,7 +6,7 @@
 - ``write_report`` (``report.py``): the page ``interp report`` writes.
 
 Names load on first use, so that importing this package imports neither matplotlib nor the report (which
-switches matplotlib to the Agg backend).
+draws with whatever backend is set, saving and closing each figure).
 """
 
 from __future__ import annotations

@@ -18,10 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # noqa: E402  (a report never opens a window)
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402  (the backend stays the user's: figures are saved and closed, never shown)
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
