@@ -40,7 +40,7 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
         with model.hooks(list(base_hooks)), prefix.recording():
             baseline = metric(_run(model, batch), batch)
         b = batch["input_ids"].shape[0]
-        starts = range(0, len(items), per_forward)
+        starts, checked = range(0, len(items), per_forward), False
         for start in progress(starts, total=len(starts), desc=f"{len(items)} heads", unit="forward"):
             group = list(items[start:start + per_forward])
             copies = len(group)
@@ -48,7 +48,8 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
             with model.hooks(hooks_for(group, copies)):
                 with prefix.replaying(first, copies):
                     output = _run(model, batch, copies)
-                if start == 0 and first > 0 and prefix.enabled:  # check the replay once against a full forward
+                if first > 0 and prefix.enabled and not checked:  # the first group that replays: check it once
+                    checked = True                                 # against a full forward
                     full = _run(model, batch, copies)
                     prefix.enabled = _same_output(output, full)
                     if not prefix.enabled:  # the replay is off for every later group, and this one's values

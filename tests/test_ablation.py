@@ -148,11 +148,11 @@ def test_scan_groups_follow_the_memory_budget(monkeypatch):
     assert sizes == [1, 8]  # baseline, then all 8 heads in one forward
     sizes.clear()
     small = ablation_scan(model, inputs, lm_loss, memory_budget=1)
-    assert sizes == [1] * 9
+    assert sizes == [1] * 10  # baseline, 8 heads, and the full forward that checks the first replayed one (1, 0)
     sizes.clear()
     per_copy = 3 * 10 * (99 + 12 * 32) * 4  # (b, p) = (3, 10); logits + 12 x d_model per token, fp32
     ablation_scan(model, inputs, lm_loss, memory_budget=3 * per_copy + 1)
-    assert sizes == [1, 3, 3, 2]
+    assert sizes == [1, 3, 3, 2, 2]  # the last group (layer 1 only) replays layer 0: checked by a full forward
     assert (big.metric - small.metric).abs().max() <= SCAN_TOL
 
 

@@ -177,3 +177,30 @@ def test_prune_model_leaves_the_users_torch_hooks_behind():
     finally:
         handle.remove()
         pre.remove()
+
+
+# -- more for 2 and 3 (from a second implementation of issue 22, kept as tests) ----------------------------------
+def test_path_patching_under_a_steering_hook_equals_no_replay(llama4, monkeypatch):
+    from contextlib import nullcontext
+
+    from analyses import engine, path_patching
+
+    steer, clean, corrupted = _steering(llama4), _ids(1), _ids(2)
+    with llama4.hooks([("blocks.0.hook_resid_post", lambda x, hook: x + steer)]):
+        replayed = path_patching(llama4, clean, corrupted, [(3, 0)], _metric, heads_per_forward=1)
+        monkeypatch.setattr(engine.Prefix, "replaying", lambda self, first, copies: nullcontext())  # never replay
+        recomputed = path_patching(llama4, clean, corrupted, [(3, 0)], _metric, heads_per_forward=1)
+    assert (replayed["metric"] - recomputed["metric"]).abs().max() <= 1e-5
+
+
+def test_attention_switched_on_one_stack_of_an_encoder_decoder_is_refused():
+    from interp.testing import model_class
+
+    model = interp.load_model(tiny_model("t5", cls=model_class("t5", seq2seq=True)), attn="eager")
+    ids = _ids()[:1, :5]
+    for switched in (model.hf, model.hf.get_encoder()):
+        switched.set_attn_implementation("sdpa")
+        with pytest.raises(RuntimeError, match="model.set_attn"):
+            model(ids, decoder_input_ids=ids)
+        model.set_attn("eager")
+        model(ids, decoder_input_ids=ids)
