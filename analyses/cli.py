@@ -295,7 +295,8 @@ def cmd_heads(args) -> int:
         model = _load(args)
         kinds = args.kinds.split(",") if args.kinds else None
         progress("heads")
-        df = detect_heads(model, kinds=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
+        df = detect_heads(model, kinds=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
+                          context=args.context)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]
@@ -681,7 +682,10 @@ def build_parser() -> argparse.ArgumentParser:
     _format_option(p)
     p.add_argument("--kinds", "--scores", dest="kinds", default=None,
                    help="comma-separated score kinds (default: all attention-pattern kinds that apply); on request also "
-                        "successor, copy_suppression, name_mover, s_inhibition, function_vector")
+                        "successor, copy_suppression, name_mover, s_inhibition, function_vector, retrieval")
+    p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
+                   help="with --scores retrieval: the longest needle-in-a-haystack prompt (default: the model's "
+                        "positions, at most 8192)")
     p.add_argument("--n-prompts", type=_positive_int, default=100)
     p.set_defaults(func=cmd_heads)
 

@@ -179,3 +179,13 @@ def test_help_imports_no_heavy_module_and_lists_every_bundled_model():
     assert set(BUNDLED_NAMES) == set(interp.BUNDLED)
     for name in BUNDLED_NAMES:
         assert name in done.stdout
+
+
+def test_heads_takes_retrieval_and_its_context(capsys):
+    """`interp heads --scores retrieval --context N` (issue 25): the retrieval column, or one line for a context
+    the model cannot take."""
+    assert main(["heads", "--scores", "retrieval", "--context", "64", "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("layer,head,retrieval")
+    assert main(["heads", "--scores", "retrieval", "--context", "100000"]) == 2
+    assert "context must be" in capsys.readouterr().err
