@@ -16,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import distributed
 from interp.progress import progress
 
@@ -97,11 +98,6 @@ def _arguments(batch: Batch, copies: int = 1) -> tuple[tuple, dict]:
 def _run(model, batch: Batch, copies: int = 1):
     args, kwargs = _arguments(batch, copies)
     return model(*args, **kwargs)
-
-
-# torch's per-module hook tables: emptied on a replayed block so that none of its hooks fires on the replayed output
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks_with_kwargs")
 
 
 class Prefix:

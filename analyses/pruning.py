@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
 from interp.pruning import kept_heads, plan_layer, slice_heads
@@ -301,11 +302,6 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
         raise NotImplementedError(f"The pruned {model.cfg.family} model does not run ({err}): {why}") from None
     _check_pruned(model, pruned, heads, why)
     return pruned
-
-
-# torch's per-module hook tables; copy.deepcopy copies them along with the module
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _without_torch_hooks(hf) -> None:
