@@ -43,7 +43,7 @@ def model_size(model) -> str:
             f"{'causal' if c.causal else 'bidirectional'}")
 
 
-def class_ablation(model, heads, seed: int = 0, n: int = 16, length: int = 20, draws: int = 5,
+def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, draws: int = 5,
                    per_class: int = 8) -> dict | None:
     """Each class's strongest heads (primary label, at most ``per_class``) zero-ablated together, against ``draws``
     sets of as many random heads from the same layers (from other layers where the class leaves too few), on ``n`` repeated random sequences ``[BOS, x, x]``
