@@ -167,22 +167,28 @@ def _repeat(value, copies: int, device):
 def copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
     """How many copies of the batch fit in ``memory_budget`` bytes of activations (an estimate).
 
-    Per token: the output row (vocab logits or d_model), about 12 x d_model of layer activations alive at once
-    (residual, q/k/v, z, MLP), and on the eager path one row of the n x n pattern per head.
+    Per token: the output row (vocab logits or d_model) on the tokens the model outputs (the last input entry: the
+    target of an encoder-decoder model), about 12 x d_model of layer activations alive at once (residual, q/k/v,
+    z, MLP), and on the eager path one pattern row per head for each key sequence its sites read.
     Default budget: 1 GiB on CUDA, where one large forward beats many small ones; 16 MiB on CPU, where a
     forward is compute-bound beyond a few hundred tokens and larger batches only add memory traffic
     (measured in BENCHMARKS.md: batching pays there only for small forwards).
     """
     if memory_budget is None:
         memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
-    b, p = batch["input_ids"].shape
     cfg = model.cfg
     has_head = getattr(model.hf, "get_output_embeddings", lambda: None)() is not None
-    per_token = (cfg.vocab_size if has_head else cfg.d_model) + 12 * cfg.d_model
-    if model.attn == "eager":
-        per_token += 2 * max(cfg.heads_per_layer) * p
-    per_copy = b * p * per_token * torch.finfo(model.dtype).bits // 8
-    return max(1, int(memory_budget // per_copy))
+    entries = list(dict.fromkeys(s.queries for s in cfg.sites))  # input_ids, then decoder_input_ids if any
+    heads = max(s.n_heads for s in cfg.sites)
+    per_copy = 0
+    for entry in entries:
+        b, p = batch[entry].shape
+        per_token = 12 * cfg.d_model + ((cfg.vocab_size if has_head else cfg.d_model) if entry == entries[-1] else 0)
+        if model.attn == "eager":
+            keys = {s.keys for s in cfg.sites if s.queries == entry}
+            per_token += 2 * heads * sum(batch[k].shape[1] for k in keys)
+        per_copy += b * p * per_token
+    return max(1, int(memory_budget // (per_copy * torch.finfo(model.dtype).bits // 8)))
 
 
 # -- across processes ------------------------------------------------------------------------------------------

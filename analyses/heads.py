@@ -20,6 +20,8 @@ from interp import distributed
 from interp.inputs import encode, pad_ids, tokenize
 from interp.progress import progress
 
+from interp.sites import is_layered
+
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
                      label_heads,
                      order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)
@@ -75,7 +77,7 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     from .taxonomy import refuse_stacks, split_scores, taxonomy_frame
 
     kinds, extra = split_scores(scores if scores is not None else kinds)
-    if getattr(model, "sites", None) is not None:  # an encoder-decoder model: per stack, and cross-attention
+    if not is_layered(model):  # an encoder-decoder model: per stack, and cross-attention
         from .seq2seq import seq2seq_heads
 
         if extra:

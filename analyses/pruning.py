@@ -25,6 +25,7 @@ from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
 from interp.pruning import kept_heads, plan_layer, slice_heads
+from interp.sites import row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .engine import Shard, _arguments
@@ -134,11 +135,6 @@ def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers
     return chosen
 
 
-def _unit(row) -> tuple:
-    """A study row's head: ``(layer, head)``, or ``(site, head)`` for an encoder-decoder model."""
-    return (row.site, row.head) if hasattr(row, "site") else (row.layer, row.head)
-
-
 def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize) -> list[Head]:
     """``candidates`` from least to most important."""
     if order == "random":
@@ -146,11 +142,11 @@ def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher
     if order == "importance":
         df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned)
         column = "importance" if normalize else "importance_raw"
-        score = {_unit(r): getattr(r, column) for r in df.itertuples()}
+        score = {row_head(model, r): getattr(r, column) for r in df.itertuples()}
     else:
         df = ablation_scan(model, inputs, metric, heads=candidates, ablated=pruned)
         sign = 1.0 if higher_is_better else -1.0  # damage: how much worse the metric gets
-        score = {_unit(r): -sign * r.delta for r in df.itertuples()}
+        score = {row_head(model, r): -sign * r.delta for r in df.itertuples()}
     return sorted(candidates, key=lambda head: (score[head], head))
 
 

@@ -16,19 +16,17 @@ They share the engine (``analyses.engine``) and each leaves the model as it foun
 
 from __future__ import annotations
 
-import difflib
-import numbers
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import contextmanager
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .ablation import METHODS
+from interp.sites import check_heads
+
+from .ablation import ablate_heads, ablation_scan
 from .attribution import _first_order
-from .engine import Shard, _arguments, scan
-from .metrics import Metric, _main_output, as_metric
+from .engine import Shard, _arguments, copies_per_forward, scan
+from .metrics import Metric, _main_output, as_metric, batch_of
 from .patching import WHAT, _patch_hooks, scalar_metric
 from .pruning import _gate_gradients, _loss_fn
 from .seq2seq import _FRONT
@@ -39,66 +37,8 @@ __all__ = ["ablate_seq2seq_heads", "check_site_heads", "seq2seq_ablation_scan", 
 
 
 # -- batches, heads and metrics of the studies -----------------------------------------------------------------
-def seq2seq_batch(model, inputs) -> dict:
-    """``inputs`` as an encoder-decoder batch on the model's device: ``input_ids: (b, s)``, ``attention_mask: (b,
-    s)`` or None, ``decoder_input_ids: (b, t)``, ``decoder_attention_mask: (b, t)`` or None, and any other entry
-    (``labels``) as given. Clear errors for anything else (text, bare ids, no decoder inputs)."""
-    if not isinstance(inputs, Mapping) or inputs.get("input_ids") is None or inputs.get("decoder_input_ids") is None:
-        got = f"a mapping with keys {sorted(inputs)}" if isinstance(inputs, Mapping) else type(inputs).__name__
-        raise ValueError("An encoder-decoder study takes a batch {input_ids, attention_mask, decoder_input_ids, "
-                         f"decoder_attention_mask}} (as copy_task(model) returns); got {got}. The teacher-forced "
-                         "decoder inputs are the targets shifted right: model.decoder_inputs(labels).")
-    batch = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    for ids, mask in (("input_ids", "attention_mask"), ("decoder_input_ids", "decoder_attention_mask")):
-        batch[ids] = torch.as_tensor(batch[ids], device=model.device)
-        batch.setdefault(mask, None)
-        if batch[ids].ndim != 2 or batch[ids].numel() == 0:
-            raise ValueError(f"{ids} must be token ids (batch, pos); got shape {tuple(batch[ids].shape)}.")
-        if batch[mask] is not None:
-            batch[mask] = torch.as_tensor(batch[mask], device=model.device)
-            if batch[mask].shape != batch[ids].shape:
-                raise ValueError(f"{mask} must have the shape of {ids} {tuple(batch[ids].shape)}; got "
-                                 f"{tuple(batch[mask].shape)}.")
-    if batch["decoder_input_ids"].shape[0] != batch["input_ids"].shape[0]:
-        raise ValueError(f"input_ids and decoder_input_ids must have one row per example; got "
-                         f"{batch['input_ids'].shape[0]} and {batch['decoder_input_ids'].shape[0]} rows.")
-    return batch
-
-
-def _is_index(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def check_site_heads(model, heads, allow_empty: bool = False, kv: bool = False) -> list[tuple[str, int]]:
-    """``heads`` as a list of ``(site, head)`` pairs in the model's site order; clear errors for anything else.
-    kv: the pairs name key/value heads (what k and v patching address)."""
-    sites = model.sites
-    form = (f"heads of an encoder-decoder model are (site, head) pairs such as ('{model.cfg.sites[-1].name}', 0), "
-            f"with a site from model.sites ({', '.join(sites)})")
-    if isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[0], str):
-        heads = [heads]
-    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
-        raise ValueError(f"{form}; got {heads!r}.")
-    pairs = []
-    for pair in heads:
-        if not (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2
-                and isinstance(pair[0], str) and _is_index(pair[1])):
-            raise ValueError(f"{form}; got {pair!r}.")
-        site, head = pair[0], int(pair[1])
-        if site not in sites:
-            close = difflib.get_close_matches(site, list(sites), n=3)
-            raise ValueError(f"{site!r} is not an attention site of this model"
-                             f"{'; did you mean ' + ' or '.join(map(repr, close)) if close else ''}? {form}.")
-        count = sites[site].n_kv_heads if kv else sites[site].n_heads
-        if not 0 <= head < count:
-            kind = "Key/value head" if kv else "Head"
-            raise ValueError(f"{kind} {head} is out of range in {pair!r}: {site} has {kind.lower()}s 0..{count - 1}"
-                             + (" (k and v are patched per key/value head)." if kv else "."))
-        pairs.append((site, head))
-    if not pairs and not allow_empty:
-        raise ValueError(f"The head list is empty; give at least one pair. {form}.")
-    order = {s.name: i for i, s in enumerate(model.cfg.sites)}
-    return sorted(set(pairs), key=lambda p: (order[p[0]], p[1]))
+seq2seq_batch = batch_of  # one batch reader for every model (analyses.metrics)
+check_site_heads = check_heads  # one reader of head lists for every model (interp.sites)
 
 
 def _columns(model, site: str, head: int) -> dict:
@@ -164,135 +104,7 @@ def target_accuracy(labels=None) -> Metric:
 
 
 # -- ablation ---------------------------------------------------------------------------------------------------
-class _Replacement:
-    """What an ablated head's z becomes, per site: 0, its mean ``(h, e)`` over the real positions of a reference
-    batch (the source's for encoder sites, the target's for decoder and cross sites), or its value on the
-    reference, position by position ``(b, p, h, e)``."""
-
-    def __init__(self, model, method: str, reference=None, sites: Iterable[str] = ()):
-        if method not in METHODS:
-            raise ValueError(f"Unknown ablation method {method!r}; use one of {', '.join(METHODS)}.")
-        if method != "zero" and reference is None:
-            raise ValueError(f"{method} ablation needs reference=... (a batch with decoder_input_ids, as copy_task "
-                             "returns).")
-        self.method, self.values = method, {}
-        sites = list(dict.fromkeys(sites))
-        if method == "zero" or not sites:
-            return
-        reference = seq2seq_batch(model, reference)
-        args, kwargs = _arguments(reference)
-        with model.studying(), torch.no_grad():
-            _, cache = model.run_with_cache(*args, names=[f"{s}.hook_z" for s in sites], **kwargs)
-        for site in sites:
-            z = cache[f"{site}.hook_z"]  # (b, p, h, e)
-            if method == "mean":
-                mask = _query_mask(model, site, reference)
-                weights = (torch.ones(z.shape[:2]) if mask is None else mask).to(device=z.device, dtype=z.dtype)
-                z = (z * weights[:, :, None, None]).sum((0, 1)) / weights.sum()  # (h, e)
-            self.values[site] = z
-
-    def value(self, site: str, z: torch.Tensor, copies: int = 1) -> torch.Tensor:
-        """A tensor broadcastable to ``z: (copies * b, p, h, e)``."""
-        if self.method == "zero":
-            return torch.zeros((), dtype=z.dtype, device=z.device)
-        value = self.values[site].to(device=z.device, dtype=z.dtype)
-        if self.method == "mean":
-            return value
-        if value.shape[0] * copies != z.shape[0] or value.shape[1:] != z.shape[1:]:
-            raise ValueError(f"resample ablation replaces z position by position, so the reference batch must have the "
-                             f"shape of the inputs: at {site} reference z is {tuple(value.shape)}, the model ran on "
-                             f"{(z.shape[0] // copies, *z.shape[1:])} (batch, pos, heads, d_head).")
-        return value.repeat(copies, 1, 1, 1) if copies > 1 else value
-
-
-def _site_masks(model, groups: Sequence[Iterable[tuple[str, int]]]) -> dict[str, torch.Tensor]:
-    """One boolean ``(len(groups), h)`` mask per site that any group touches: row i marks group i's heads."""
-    masks: dict[str, torch.Tensor] = {}
-    for row, heads in enumerate(groups):
-        for site, h in heads:
-            if site not in masks:
-                masks[site] = torch.zeros(len(groups), model.sites[site].n_heads, dtype=torch.bool)
-            masks[site][row, h] = True
-    return masks
-
-
-def _ablation_hooks(masks: dict[str, torch.Tensor], replacement: _Replacement, copies: int = 1) -> list:
-    """Hooks on each site's hook_z that swap in the replacement where ``masks[site]: (rows, h)`` is True (rows: 1,
-    the same heads in every sequence, or the number of copies, a different head per copy)."""
-
-    def hook_for(site):
-        def hook(z, point):
-            mask = masks[site].to(z.device)  # (rows, h)
-            if mask.shape[0] > 1:
-                mask = mask.repeat_interleave(z.shape[0] // mask.shape[0], dim=0)
-            return torch.where(mask[:, None, :, None], replacement.value(site, z, copies), z)
-        return hook
-
-    return [(f"{site}.hook_z", hook_for(site)) for site in masks]
-
-
-@contextmanager
-def ablate_seq2seq_heads(model, heads: Iterable[tuple[str, int]], method: str = "zero", reference: dict | None = None):
-    """Ablate ``(site, head)`` pairs through ``hook_z`` inside a ``with`` block: ``"zero"``; ``"mean"``, the mean
-    over the real positions of ``reference`` (a batch as ``copy_task`` returns: source positions for encoder
-    sites, target positions for decoder self- and cross-attention, whose z lives on the target); or
-    ``"resample"``, z on ``reference`` (of the inputs' shape)."""
-    heads = check_site_heads(model, heads)
-    replacement = _Replacement(model, method, reference, [site for site, _ in heads])
-    with model.hooks(_ablation_hooks(_site_masks(model, [heads]), replacement)):
-        yield model
-
-
-def _copies_per_forward(model, batch: dict, memory_budget: float | None) -> int:
-    """As ``engine.copies_per_forward``, for source and target tokens: the decoder's output rows are vocab logits,
-    each token keeps about 13 x d_model of activations, and on the eager path a pattern row per head and site."""
-    if memory_budget is None:
-        memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
-    (b, s), t = batch["input_ids"].shape, batch["decoder_input_ids"].shape[1]
-    cfg, heads = model.cfg, max(site.n_heads for site in model.cfg.sites)
-    eager = model.attn == "eager"
-    per_copy = b * (s * (13 * cfg.d_model + (2 * heads * s if eager else 0))
-                    + t * (cfg.vocab_size + 13 * cfg.d_model + (2 * heads * (s + t) if eager else 0)))
-    return max(1, int(memory_budget // (per_copy * torch.finfo(model.dtype).bits // 8)))
-
-
-def seq2seq_ablation_scan(model, inputs, metric, method: str = "zero", heads=None, reference=None,
-                          memory_budget: float | None = None, heads_per_forward: int | None = None,
-                          ablated=()) -> pd.DataFrame:
-    """``ablation_scan`` of an encoder-decoder model: the effect of ablating each (site, head) alone.
-
-    inputs: a batch ``{input_ids, attention_mask, decoder_input_ids, decoder_attention_mask[, labels]}``.
-    metric: ``metric(output, batch)`` (e.g. ``target_loss()``, ``target_accuracy()``). method: ``"zero"``,
-    ``"mean"`` (over ``reference``'s real positions) or ``"resample"`` (z on ``reference``, of the inputs' shape).
-    heads, ablated: ``(site, head)`` pairs. Returns ``stack``, ``kind``, ``site``, ``layer`` (the block in its
-    stack), ``head``, ``metric``, ``delta`` (metric - baseline), ``baseline``.
-    """
-    metric = as_metric(metric)
-    batch = seq2seq_batch(model, inputs)
-    heads = model.cfg.heads() if heads is None else check_site_heads(model, heads)
-    ablated = check_site_heads(model, ablated, allow_empty=True)
-    if heads_per_forward is not None and heads_per_forward < 1:
-        raise ValueError(f"heads_per_forward must be >= 1; got {heads_per_forward}.")
-    with Shard(batch, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
-        batch, local = shard.rows(batch), shard.metric(metric)
-        if method == "resample" and reference is not None:  # position by position: the same rows as the inputs
-            reference = shard.rows(seq2seq_batch(model, reference))
-        replacement = _Replacement(model, method, reference, [site for site, _ in heads])
-        zero = _Replacement(model, "zero")
-        base = _site_masks(model, [ablated]) if ablated else {}
-        per_forward = heads_per_forward or _copies_per_forward(model, batch, memory_budget)
-
-        def hooks_for(group, copies):  # the zero-ablated heads first, then each copy's scanned head
-            return (_ablation_hooks(base, zero, copies)
-                    + _ablation_hooks(_site_masks(model, [[head] for head in group]), replacement, copies))
-
-        baseline, values = scan(model, batch, heads, lambda head: 0, hooks_for, local, per_forward,
-                                _ablation_hooks(base, zero))
-        baseline, *values = shard.means([baseline, *values])
-    df = pd.DataFrame([{**_columns(model, *head), "metric": v, "delta": v - baseline, "baseline": baseline}
-                       for head, v in zip(heads, values)], columns=[*_FRONT, "metric", "delta", "baseline"])
-    df.attrs.update(metric=metric.name, method=method)
-    return df
+ablate_seq2seq_heads, seq2seq_ablation_scan = ablate_heads, ablation_scan  # one ablation for every model
 
 
 # -- patching and attribution -----------------------------------------------------------------------------------
@@ -357,7 +169,7 @@ def seq2seq_activation_patching(model, clean, corrupted, metric, by: str = "head
             output, cache = model.run_with_cache(*args, names=names, **kwargs)
             clean_value = local(output, clean)
         sources = {name.rsplit(".", 1)[0]: cache[name] for name in names}
-        per_forward = heads_per_forward or _copies_per_forward(model, corrupted, memory_budget)
+        per_forward = heads_per_forward or copies_per_forward(model, corrupted, memory_budget)
         corrupted_value, values = scan(
             model, corrupted, items, lambda item: 0,
             lambda group, copies: _patch_hooks(what, group, sources, copies, name=lambda s, w: f"{s}.hook_{w}"),

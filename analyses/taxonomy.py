@@ -37,6 +37,8 @@ import torch
 
 from interp.distributed import onloaded
 
+from interp.sites import is_layered
+
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
@@ -50,7 +52,7 @@ ORDINAL_LISTS = Path(__file__).resolve().parent / "data" / "ordinal_lists.json"
 
 def refuse_stacks(model, what: str) -> None:
     """A clear refusal for models with several stacks (encoder-decoder): these scores need one residual stream."""
-    if getattr(model, "sites", None) is not None:
+    if not is_layered(model):
         raise TypeError(f"{what} reads one residual stream and its unembedding; an encoder-decoder model has two "
                         "stacks. Compute it on a decoder-only model, or use the attention-pattern scores "
                         "(detect_heads's defaults), which work per (site, head).")

@@ -112,11 +112,10 @@ def _quiet_loading():
 
 
 def _wrap(hf, tokenizer, attn: str):
-    """A HookedModel, or for an encoder-decoder model (T5, BART, ...) a Seq2SeqHookedModel."""
-    if getattr(hf.config, "is_encoder_decoder", False) and callable(getattr(hf, "get_encoder", None)):
-        from .seq2seq import Seq2SeqHookedModel
+    """A HookedModel (for an encoder-decoder model, T5, BART, ..., one with encoder, decoder and cross-attention
+    sites: ``interp.seq2seq``)."""
+    from . import seq2seq  # noqa: F401  (registers the encoder-decoder feeding with HookedModel)
 
-        return Seq2SeqHookedModel(hf, tokenizer=tokenizer, attn=attn)
     return HookedModel(hf, tokenizer=tokenizer, attn=attn)
 
 

@@ -20,6 +20,7 @@ from .distributed import input_device, onloaded
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, position_limit, texts_of, tokenize
 from .pruning import CONFIG_KEY, check_head_counts, save_pruned
+from .sites import Site
 from .structure import Structure, attention_keys, discover, set_attention_key
 
 __all__ = ["HookedModel", "ModelConfig"]
@@ -55,6 +56,7 @@ class ModelConfig:
     empty_layers: tuple[int, ...] = ()
     d_head_v: int = 0
     block: str = "pre-norm"
+    sites: tuple[Site, ...] = ()  # one per layer, ``blocks.{l}.attn`` (``interp.sites``)
 
     def __post_init__(self):
         if not self.heads_per_layer:
@@ -74,6 +76,10 @@ class ModelConfig:
     def heads(self) -> list[tuple[int, int]]:
         """Every real ``(layer, head)``, layer by layer; an emptied layer's placeholder is not one."""
         return [(l, h) for l, n in enumerate(self.heads_per_layer) if l not in self.empty_layers for h in range(n)]
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.stack for s in self.sites))
 
 
 def _config_of(hf, structure: Structure) -> ModelConfig:
@@ -102,7 +108,15 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
         empty_layers=tuple(sorted(int(l) for l, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept)),
         d_head_v=layers[0].d_head_v,
         block=structure.kind,
+        sites=tuple(_site(l, a, structure.o_proj[l]) for l, a in enumerate(layers)),
     )
+
+
+def _site(layer: int, a, o_proj: str | None) -> Site:
+    """The site of one layer: a causal model's stack is a decoder, a bidirectional one's an encoder."""
+    return Site(name=f"blocks.{layer}.attn", stack="decoder" if a.causal else "encoder", block=layer, kind="self",
+                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_head=a.d_head, d_head_v=a.d_head_v, scale=a.scale,
+                causal=a.causal, o_proj=o_proj, window=a.window, softcap=a.softcap, sinks=a.sinks is not None)
 
 
 def _replace_first(output, fn):
@@ -256,12 +270,30 @@ class _Wrapper:
             self._torch_handles[key] = self._attach(key)
 
 
+_ENCODER_DECODER: list[type] = []  # the encoder-decoder wrapper, registered by interp.seq2seq (no import cycle)
+
+
+def _encoder_decoder(hf) -> bool:
+    return bool(getattr(getattr(hf, "config", None), "is_encoder_decoder", False)) and callable(
+        getattr(hf, "get_encoder", None))
+
+
 class HookedModel(_Wrapper):
-    """A HF model (``.hf``) with our attention, hook points and activation cache.
+    """A HF model (``.hf``) with our attention, hook points and activation cache: the one public class for
+    decoder-only, encoder-only and encoder-decoder models.
 
     ``model(input_ids, attention_mask=None)`` returns the HF model's own output. Inputs may be token ids
-    ``(b, p)`` or ``(p,)``, the mapping ``to_tokens`` returns, or text (tokenized with ``to_tokens``).
+    ``(b, p)`` or ``(p,)``, the mapping ``to_tokens`` returns, or text (tokenized with ``to_tokens``). The model
+    is a list of attention sites (``model.cfg.sites``, ``interp.sites``): one per layer here; an encoder-decoder
+    HF model (T5, BART, ...) gets encoder, decoder and cross-attention sites, and its instance runs the
+    encoder-decoder feeding of ``interp.seq2seq`` (``HookedModel(t5)`` is such an instance; ``isinstance(model,
+    HookedModel)`` holds for every model).
     """
+
+    def __new__(cls, hf=None, *args, **kwargs):
+        if cls is HookedModel and _encoder_decoder(hf) and _ENCODER_DECODER:
+            cls = _ENCODER_DECODER[0]
+        return super().__new__(cls)
 
     def __init__(self, hf: torch.nn.Module, tokenizer=None, attn: str = "flash", structure: Structure | None = None):
         check_supported(hf.config)
@@ -274,6 +306,7 @@ class HookedModel(_Wrapper):
         self._blocks = hf.get_submodule(s.layers)
         self._attn_modules = [block.get_submodule(path) for block, path in zip(self._blocks, s.attn)]
         self.attn_scales = tuple(l.scale for l in s.layer_attn)  # what the model passes, not module.scaling
+        self.sites = {site.name: site for site in self.cfg.sites}
         check_head_counts(self)
 
         points = [HookPoint("hook_embed")]
@@ -315,8 +348,8 @@ class HookedModel(_Wrapper):
     # -- copies ----------------------------------------------------------------------------------------
     def __deepcopy__(self, memo) -> HookedModel:
         """A copy with its own HF model and its own hook points, holding the same hook functions."""
-        clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn,
-                           structure=self.structure)
+        kwargs = {"structure": self.structure} if hasattr(self, "structure") else {}
+        clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn, **kwargs)
         clone._add_hooks(self._hook_functions())
         return clone
 
@@ -549,7 +582,8 @@ class HookedModel(_Wrapper):
     def summary(self) -> dict:
         return {
             "class": type(self.hf).__name__,
-            **asdict(self.cfg),
+            **{k: v for k, v in asdict(self.cfg).items() if k != "sites"},
+            "sites": [site.name for site in self.cfg.sites],
             "attn": self.attn,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

@@ -31,36 +31,14 @@ from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, position_limit, texts_of, tokenize
 from .distributed import input_device
-from .model import _replace_first, _take_over, _Wrapper
+from .model import _ENCODER_DECODER, HookedModel, _replace_first, _take_over
+from .sites import Site
 from .structure import _find_blocks, _is_linear, _ModuleLog, probe
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _SOURCE_LEN, _TARGET_LEN = 7, 5  # probe lengths: different, so that cross-attention shows in its shapes
-
-
-@dataclass(frozen=True)
-class Site:
-    """One attention module: its hook prefix, stack (``"encoder"``/``"decoder"``), block index within the stack,
-    kind (``"self"`` or ``"cross"``), shape and the scale the model passes."""
-
-    name: str
-    stack: str
-    block: int
-    kind: str
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    d_head_v: int
-    scale: float
-    causal: bool
-    o_proj: str | None  # path from the attention module to the linear map that reads z
-
-    @property
-    def label(self) -> str:
-        return {"self": "encoder self-attention" if self.stack == "encoder" else "decoder self-attention",
-                "cross": "cross-attention"}[self.kind]
 
 
 @dataclass(frozen=True)
@@ -79,6 +57,12 @@ class Seq2SeqConfig:
     def heads(self) -> list[tuple[str, int]]:
         """Every ``(site name, head)``."""
         return [(s.name, h) for s in self.sites for h in range(s.n_heads)]
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        return ("encoder", "decoder")
+
+    pruned = False  # structural pruning slices decoder-only and encoder-only models (interp.pruning)
 
 
 def _discover(hf) -> tuple[list[Site], str, str, dict]:
@@ -121,7 +105,9 @@ def _discover(hf) -> tuple[list[Site], str, str, dict]:
                 name=f"{stack}.blocks.{block}.{'cross_attn' if kind == 'cross' else 'attn'}", stack=stack, block=block,
                 kind=kind, n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
                 scale=float(call["scaling"]) if call["scaling"] is not None else q.shape[-1] ** -0.5,
-                causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log)))
+                causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log),
+                queries="input_ids" if stack == "encoder" else "decoder_input_ids",
+                keys="decoder_input_ids" if stack == "decoder" and kind == "self" else "input_ids"))
     order = {("encoder", "self"): 0, ("decoder", "self"): 1, ("decoder", "cross"): 2}
     sites.sort(key=lambda s: (order[(s.stack, s.kind)] > 0, s.block, order[(s.stack, s.kind)]))
     by_name = {}
@@ -154,8 +140,9 @@ def _find_decoder_blocks(decoder, self_modules, cross_modules):
                               "self-attention and one cross-attention module.")
 
 
-class Seq2SeqHookedModel(_Wrapper):
-    """An encoder-decoder HF model (``.hf``) with our attention in every site, hook points and a cache.
+class Seq2SeqHookedModel(HookedModel):
+    """An encoder-decoder HF model (``.hf``) with our attention in every site, hook points and a cache: what
+    ``HookedModel(hf)`` and ``interp.load_model`` build for an encoder-decoder HF model.
 
     ``model(input_ids, attention_mask=None, decoder_input_ids=..., decoder_attention_mask=None)`` returns the
     HF model's output. ``decoder_input_ids`` is required (teacher forcing); ``model.decoder_inputs(labels)``
@@ -425,3 +412,6 @@ class Seq2SeqCache(ActivationCache):
             zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
             scores = scores + torch.where(allowed, zero, torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+
+
+_ENCODER_DECODER.append(Seq2SeqHookedModel)

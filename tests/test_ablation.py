@@ -127,7 +127,7 @@ def test_batched_scan_equals_one_head_at_a_time(family, attn, method):
     metric = lm_loss if model.cfg.causal else embedding_similarity(model, inputs)
     weights = _weights(model)
     batched = ablation_scan(model, inputs, metric, method=method, reference=reference, heads_per_forward=3)
-    assert list(batched.columns) == ["layer", "head", "metric", "delta", "baseline"]
+    assert list(batched.columns) == ["stack", "kind", "site", "layer", "head", "metric", "delta", "baseline"]
     assert list(zip(batched["layer"], batched["head"])) == all_heads(model)
     for row in batched.itertuples():
         with ablate_heads(model, [(row.layer, row.head)], method, reference), torch.no_grad():

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from interp.files import atomic_write
+from interp.sites import one_site_per_layer
 from interp.tokens import display_tokens, visible
 
 __all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
@@ -436,7 +437,7 @@ def _score_table(df, sites=None) -> dict:
         table = "seq2seq_heads (detect_heads of this encoder-decoder model)" if sites is not None else "detect_heads"
         raise ValueError(f"scores must be a {table} table with {where}, head and score columns "
                          f"{columns or GRID_SCORES}; got columns {list(df.columns)}.")
-    if sites is None and "site" in df:
+    if sites is None and not one_site_per_layer(df):
         raise ValueError("These scores are an encoder-decoder model's (they have a site column); this view is of a "
                          "decoder-only or encoder model.")
     index = None if sites is None else {s.name: i for i, s in enumerate(sites)}

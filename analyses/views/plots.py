@@ -33,6 +33,8 @@ import torch
 from matplotlib.figure import FigureBase
 from matplotlib.patches import Rectangle
 
+from interp.sites import one_site_per_layer
+
 from .attention import _window, model_tokens, visible_token
 
 __all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
@@ -196,7 +198,7 @@ def _site_label(site: str) -> str:
 def _grid(df: pd.DataFrame, column: str) -> pd.DataFrame:
     """layers x heads table of ``column`` (NaN where a pruned layer has fewer heads); for a table with a ``site``
     column, sites x heads in the table's order, indexed by ``_site_label``."""
-    where = "site" if "site" in df else "layer"
+    where = "layer" if one_site_per_layer(df) else "site"
     missing = [c for c in (where, "head", column) if c not in df]
     if missing:
         raise ValueError(f"The table needs columns {where}, head and {column!r}; it lacks {missing}. "

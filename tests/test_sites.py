@@ -1,0 +1,74 @@
+"""One model of heads (issue 23): every model is a list of attention sites, every head a (site, head), one public
+class and one version of each study with the same leading columns on every model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_hf
+from test_seq2seq import _tiny
+
+import interp
+from analyses import ablate_heads, ablation_scan, lm_loss
+from analyses.seq2seq import copy_task, target_loss
+from interp.sites import FRONT, check_heads, head_columns
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return interp.HookedModel(tiny_hf("llama"), attn="eager")
+
+
+@pytest.fixture(scope="module")
+def t5():
+    return interp.load_model(_tiny("t5"), attn="eager")
+
+
+def test_every_model_is_one_public_class_with_sites(llama, t5):
+    assert type(llama) is interp.HookedModel and isinstance(t5, interp.HookedModel)
+    assert isinstance(interp.HookedModel(_tiny("bart")), interp.HookedModel)  # the class itself takes seq2seq models
+    assert [s.name for s in llama.cfg.sites] == [f"blocks.{l}.attn" for l in range(llama.cfg.n_layers)]
+    assert {s.stack for s in llama.cfg.sites} == {"decoder"} and all(s.causal for s in llama.cfg.sites)
+    assert llama.sites["blocks.1.attn"].n_heads == llama.cfg.heads_per_layer[1]
+    kinds = {(s.stack, s.kind) for s in t5.cfg.sites}
+    assert kinds == {("encoder", "self"), ("decoder", "self"), ("decoder", "cross")}
+    cross = next(s for s in t5.cfg.sites if s.kind == "cross")
+    assert (cross.queries, cross.keys, cross.query_mask) == ("decoder_input_ids", "input_ids", "decoder_attention_mask")
+    bert = interp.HookedModel(tiny_hf("bert"))
+    assert {s.stack for s in bert.cfg.sites} == {"encoder"} and not any(s.causal for s in bert.cfg.sites)
+
+
+def test_a_layered_model_takes_site_names_wherever_it_takes_layers(llama):
+    assert check_heads(llama, [("blocks.1.attn", 2), (0, 1)]) == [(0, 1), (1, 2)]
+    assert check_heads(llama, ("blocks.0.attn", 1)) == [(0, 1)]
+    ids = torch.randint(1, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    by_layer = ablation_scan(llama, ids, lm_loss, heads=[(0, 1), (1, 2)])
+    by_site = ablation_scan(llama, ids, lm_loss, heads=[("blocks.0.attn", 1), ("blocks.1.attn", 2)])
+    assert by_layer.equals(by_site)
+    with torch.no_grad(), ablate_heads(llama, [("blocks.1.attn", 0)]):
+        a = llama(ids).logits
+    with torch.no_grad(), ablate_heads(llama, [(1, 0)]):
+        b = llama(ids).logits
+    assert torch.equal(a, b) and not torch.equal(a, llama(ids).logits)
+    with pytest.raises(ValueError, match="not an attention site of this model; did you mean 'blocks.1.attn'"):
+        check_heads(llama, [("blocks.1.atn", 0)])
+    with pytest.raises(ValueError, match="Head 99 is out of range"):
+        check_heads(llama, [("blocks.1.attn", 99)])
+
+
+def test_an_encoder_decoder_model_refuses_layer_numbers_with_the_fix(t5):
+    with pytest.raises(ValueError, match=r"ambiguous in a model with several stacks; .*\(site, head\) pairs"):
+        check_heads(t5, [(0, 1)])
+    site = t5.cfg.sites[-1].name
+    assert check_heads(t5, [(site, 1)]) == [(site, 1)]
+
+
+def test_ablation_scan_has_the_same_columns_on_every_model(llama, t5):
+    ids = torch.randint(1, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    decoder = ablation_scan(llama, ids, lm_loss)
+    seq2seq = ablation_scan(t5, copy_task(t5, 4, 6), target_loss())
+    assert list(decoder.columns) == list(seq2seq.columns) == [*FRONT, "metric", "delta", "baseline"]
+    assert decoder[["stack", "kind"]].drop_duplicates().values.tolist() == [["decoder", "self"]]
+    assert set(seq2seq["kind"]) == {"self", "cross"} and set(seq2seq["stack"]) == {"encoder", "decoder"}
+    assert head_columns(llama, (1, 2)) == {"stack": "decoder", "kind": "self", "site": "blocks.1.attn", "layer": 1,
+                                           "head": 2}
