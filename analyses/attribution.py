@@ -20,9 +20,9 @@ import pandas as pd
 
 from interp.distributed import onloaded
 from interp.inputs import encode
+from interp.sites import FRONT, check_heads, head_columns, site_of
 from interp.tokens import display_tokens
 
-from .ablation import check_heads
 from .engine import Shard, _arguments, _run
 from .metrics import _main_output, batch_of
 from .patching import paired_batches, scalar_metric
@@ -37,46 +37,40 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     The estimate of ``patched - corrupted`` is the sum over the batch (and positions, for ``by="head"``) of
     ``(z_clean - z_corrupted) . d metric / d z``, the gradient of the batch metric taken at the corrupted run.
     Exact where the metric is linear in the head's output; worse where a softmax downstream saturates.
-    Returns ``layer``, ``head`` (, ``pos``), ``metric`` (corrupted + estimate), ``effect`` (estimate / (clean -
+    Returns the head's columns (, ``pos``), ``metric`` (corrupted + estimate), ``effect`` (estimate / (clean -
     corrupted)), ``estimate``.
 
     Under torch.distributed (``torchrun``) each rank differentiates the batch mean over its share of the prompts
     and the per-example terms are gathered, so every rank returns the one-process result; a metric that is not a
     mean over examples (a plain callable) runs whole on every rank.
 
-    An encoder-decoder model (``interp.seq2seq``) gets one row per (site, head): see
-    ``analyses.seq2seq.seq2seq_attribution_patching``.
+    Every kind of model (``interp.sites``): one row per (site, head), with the head's columns first (``stack``,
+    ``kind``, ``site``, ``layer``, ``head``); an encoder-decoder model's batches hold ``decoder_input_ids`` too.
     """
-    from .seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        from .seq2seq import seq2seq_attribution_patching
-
-        return seq2seq_attribution_patching(model, clean, corrupted, metric, by=by, heads=heads)
     if by not in ("head", "head_pos"):
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
     heads = model.cfg.heads() if heads is None else check_heads(model, heads)
-    layers = sorted({l for l, _ in heads})
-    names = [f"blocks.{l}.attn.hook_z" for l in layers]
+    sites = list(dict.fromkeys(site_of(model, head).name for head in heads))
+    names = [f"{site}.hook_z" for site in sites]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         *values, estimates = _first_order(model, clean, corrupted, local, names,
                                           None if shard.index is None else shard.n)
         clean_value, corrupted_value = shard.means(values)
-        # layer -> (p, h): the estimate of each head at each position, summed over the batch
-        per_layer = {layer: shard.gather(estimates[name].cpu()).sum(0) for layer, name in zip(layers, names)}
+        # site -> (p, h): the estimate of each head at each position, summed over the batch
+        per_site = {site: shard.gather(estimates[name].cpu()).sum(0) for site, name in zip(sites, names)}
     span = clean_value - corrupted_value
     rows = []
-    for layer, head in heads:
-        per_pos = per_layer[layer][:, head]  # (p,)
+    for head in heads:
+        per_pos = per_site[site_of(model, head).name][:, head[1]]  # (p,)
         parts = [(None, float(per_pos.sum()))] if by == "head" else list(enumerate(per_pos.tolist()))
         for pos, estimate in parts:
-            row = {"layer": layer, "head": head, **({} if pos is None else {"pos": pos})}
-            rows.append({**row, "metric": corrupted_value + estimate,
-                         "effect": estimate / span if span else float("nan"), "estimate": estimate})
-    df = pd.DataFrame(rows)
+            rows.append({**head_columns(model, head), **({} if pos is None else {"pos": pos}),
+                         "metric": corrupted_value + estimate, "effect": estimate / span if span else float("nan"),
+                         "estimate": estimate})
+    df = pd.DataFrame(rows, columns=[*FRONT, *(["pos"] if by == "head_pos" else []), "metric", "effect", "estimate"])
     df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, by=by, what="z")
     return df
 

@@ -21,8 +21,10 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
-from .ablation import check_heads, check_per_forward
-from .engine import Prefix, Shard, _run, copies_per_forward, scan, slice_output
+from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, site_of
+
+from .ablation import check_per_forward
+from .engine import Prefix, Shard, _arguments, _run, copies_per_forward, scan, slice_output
 from .metrics import Batch, Metric, as_metric, batch_of
 
 __all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
@@ -33,17 +35,22 @@ _AXES = {"z": (2, 1), "q": (2, 1), "k": (2, 1), "v": (2, 1), "pattern": (1, 2)}
 
 
 def paired_batches(model, clean, corrupted) -> tuple[Batch, Batch]:
-    """Clean and corrupted inputs as batches of the same shape (position i of one stands for position i of the
-    other) and the same padding."""
+    """Clean and corrupted inputs as batches of the same shapes (position i of one stands for position i of the
+    other; source and target for an encoder-decoder model) and the same padding."""
     clean, corrupted = batch_of(model, clean), batch_of(model, corrupted)
-    a, b = clean["input_ids"], corrupted["input_ids"]
-    if a.shape != b.shape:
-        raise ValueError(f"clean and corrupted inputs must have the same shape (batch, pos), so that each position "
-                         f"of one patches the same position of the other; got {tuple(a.shape)} and {tuple(b.shape)}. "
-                         "Pad or trim them to the same length.")
-    ma, mb = clean["attention_mask"], corrupted["attention_mask"]
-    if (ma is None) != (mb is None) or ma is not None and not torch.equal(ma, mb):
-        raise ValueError("clean and corrupted inputs must have the same padding (attention_mask).")
+    for ids, mask in MASK_OF.items():
+        if ids not in clean:
+            continue
+        a, b = clean[ids], corrupted[ids]
+        if a.shape != b.shape:
+            raise ValueError(f"clean and corrupted {ids} must have the same shape (batch, pos), so that each position "
+                             f"of one patches the same position of the other; got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)}. Pad or trim them to the same length.")
+        ma, mb = clean.get(mask), corrupted.get(mask)
+        ma = None if ma is None or bool(ma.all()) else ma
+        mb = None if mb is None or bool(mb.all()) else mb
+        if (ma is None) != (mb is None) or ma is not None and not torch.equal(ma, mb):
+            raise ValueError(f"clean and corrupted inputs must have the same padding ({mask}).")
     return clean, corrupted
 
 
@@ -80,17 +87,25 @@ def scalar_metric(metric) -> Metric:
     return _Scalar(as_metric(metric))
 
 
-def _items(model, what: str, by: str, heads, n_pos: int) -> list[tuple]:
+def _items(model, what: str, by: str, heads, batch: Batch) -> list[tuple]:
+    """What one patching run patches: ``(site, head[, pos])`` (key/value heads for k and v); ``pos`` runs over the
+    site's query positions, or its key positions for k and v (source positions in cross-attention)."""
     if by not in ("head", "head_pos"):
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
-    if what in ("k", "v"):  # one key/value head serves several query heads
-        units = [(l, g) for l, n in enumerate(model.cfg.kv_heads_per_layer) if l not in model.cfg.empty_layers
-                 for g in range(n)] if heads is None else check_heads(model, heads, kv=True)
+    kv = what in ("k", "v")  # one key/value head serves several query heads
+    if heads is None:
+        units = [u for u in model.cfg.heads()] if not kv else [
+            (l, g) for l, n in enumerate(model.cfg.kv_heads_per_layer) if l not in model.cfg.empty_layers
+            for g in range(n)] if is_layered(model) else [(s.name, g) for s in model.cfg.sites
+                                                           for g in range(s.n_kv_heads)]
     else:
-        units = model.cfg.heads() if heads is None else check_heads(model, heads)
+        units = check_heads(model, heads, kv=kv)
+    units = [(site_of(model, u).name, u[1]) for u in units]
     if by == "head":
         return units
-    return [(l, h, p) for l, h in units for p in range(n_pos)]
+    entry = {name: batch[(model.sites[name].keys if kv else model.sites[name].queries)].shape[1]
+             for name in dict.fromkeys(site for site, _ in units)}
+    return [(site, h, p) for site, h in units for p in range(entry[site])]
 
 
 def _patch_hooks(what: str, group: list[tuple], clean: dict, copies: int,
@@ -131,25 +146,21 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     are key/value heads, each serving several query heads under GQA) or ``"pattern"`` (eager path only).
     heads: the heads to patch (default all). memory_budget, heads_per_forward: as in ``ablation_scan``.
 
-    Returns one row per head (and position): ``layer``, ``head`` (, ``pos``), ``metric``, ``effect``;
-    ``df.attrs`` holds the clean and corrupted metric values.
+    Returns one row per head (and position): the head's columns (``stack``, ``kind``, ``site``, ``layer``,
+    ``head``), ``pos`` (a query position; a key position for k and v, a source position for cross-attention
+    keys), ``metric``, ``effect``; ``df.attrs`` holds the clean and corrupted metric values.
+
+    Every kind of model: an encoder-decoder model's batches hold ``decoder_input_ids`` too (a corrupted source
+    changes encoder and cross-attention heads, a corrupted target decoder heads); the metric is taken on the
+    corrupted batch, so give it fixed targets (``target_loss(clean["labels"])``) when the labels differ.
 
     Under torch.distributed (``torchrun``) each rank patches its share of the prompts and the per-example metric
     values are combined, so every rank returns the one-process result; this needs a metric that is a mean over
     examples (``analyses.metrics``). Any other metric is a function of the whole batch, which cannot be split: the
     study then runs whole on every rank (with a warning).
 
-    An encoder-decoder model (``interp.seq2seq``) is patched per attention site: see
-    ``analyses.seq2seq.seq2seq_activation_patching`` (batches with ``decoder_input_ids``, rows per (site, head)).
     """
-    from .seq2seq import is_seq2seq
-
     check_per_forward(heads_per_forward)
-    if is_seq2seq(model):
-        from .seq2seq import seq2seq_activation_patching
-
-        return seq2seq_activation_patching(model, clean, corrupted, metric, by=by, what=what, heads=heads,
-                                           memory_budget=memory_budget, heads_per_forward=heads_per_forward)
     if what not in WHAT:
         raise ValueError(f"what must be one of {', '.join(WHAT)}; got {what!r}.")
     if what == "pattern" and model.attn != "eager":
@@ -157,29 +168,32 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
                          "model.set_attn('eager') first, or patch 'q' and 'k'.")
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
-    items = _items(model, what, by, heads, clean["input_ids"].shape[1])
-    names = [f"blocks.{l}.attn.hook_{what}" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    items = _items(model, what, by, heads, clean)
+    names = [f"{site}.hook_{what}" for site in dict.fromkeys(item[0] for item in items)]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         with model.studying(), torch.no_grad():
-            output, cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=names)
+            args, kwargs = _arguments(clean)
+            output, cache = model.run_with_cache(*args, names=names, **kwargs)
             clean_value = local(output, clean)
-        sources = {l: cache[what, l] for l in range(model.cfg.n_layers) if f"blocks.{l}.attn.hook_{what}" in cache}
+        sources = {name.rsplit(".", 1)[0]: cache[name] for name in names}
         if heads_per_forward is None:
             heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
-        corrupted_value, values = scan(model, corrupted, items, lambda item: item[0],
-                                       lambda group, copies: _patch_hooks(what, group, sources, copies), local,
-                                       heads_per_forward)
+        corrupted_value, values = scan(
+            model, corrupted, items, lambda item: model.sites[item[0]].block,
+            lambda group, copies: _patch_hooks(what, group, sources, copies, name=lambda s, w: f"{s}.hook_{w}"),
+            local, heads_per_forward)
         clean_value, corrupted_value, *values = shard.means([clean_value, corrupted_value, *values])
-    return _frame(items, values, clean_value, corrupted_value, metric, by, what)
+    return _frame(model, items, values, clean_value, corrupted_value, metric, by, what)
 
 
-def _frame(items, values, clean_value, corrupted_value, metric, by, what) -> pd.DataFrame:
+def _frame(model, items, values, clean_value, corrupted_value, metric, by, what) -> pd.DataFrame:
+    """A head table: the head's columns (``interp.sites.FRONT``; items are (site or layer, head[, pos])), ``pos``
+    for ``by="head_pos"``, ``metric`` and ``effect``."""
     span = clean_value - corrupted_value
-    columns = ["layer", "head", "pos"] if by == "head_pos" else ["layer", "head"]
-    df = pd.DataFrame([dict(zip(columns, item)) for item in items], columns=columns)
-    df["metric"] = values
-    df["effect"] = [(v - corrupted_value) / span if span else float("nan") for v in values]
+    rows = [{**head_columns(model, item[:2]), **({"pos": item[2]} if by == "head_pos" else {}), "metric": v,
+             "effect": (v - corrupted_value) / span if span else float("nan")} for item, v in zip(items, values)]
+    df = pd.DataFrame(rows, columns=[*FRONT, *(["pos"] if by == "head_pos" else []), "metric", "effect"])
     df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, what=what, by=by)
     return df
 
@@ -241,7 +255,7 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
             with model.hooks(hooks), prefix.replaying(min(l for l, _ in targets), copies):
                 output = _run(model, corrupted, copies)
             values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) for i in range(copies)]
-    df = _frame(senders, values, clean_value, corrupted_value, metric, "head", f"z through the receivers' {via}")
+    df = _frame(model, senders, values, clean_value, corrupted_value, metric, "head", f"z through the receivers' {via}")
     df.attrs.update(receivers=receivers, via=via)
     return df
 

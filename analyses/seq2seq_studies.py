@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from interp.sites import check_heads
 
 from .ablation import ablate_heads, ablation_scan
-from .attribution import _first_order
-from .engine import Shard, _arguments, copies_per_forward, scan
+from .attribution import attribution_patching
+from .engine import Shard
 from .metrics import Metric, _main_output, as_metric, batch_of
-from .patching import WHAT, _patch_hooks, scalar_metric
+from .patching import activation_patching, paired_batches
 from .pruning import _gate_gradients, _loss_fn
 from .seq2seq import _FRONT
 
@@ -108,114 +108,11 @@ ablate_seq2seq_heads, seq2seq_ablation_scan = ablate_heads, ablation_scan  # one
 
 
 # -- patching and attribution -----------------------------------------------------------------------------------
-def _paired(model, clean, corrupted) -> tuple[dict, dict]:
-    """Clean and corrupted batches with the same shapes (source and target) and the same padding."""
-    clean, corrupted = seq2seq_batch(model, clean), seq2seq_batch(model, corrupted)
-    for ids, mask in (("input_ids", "attention_mask"), ("decoder_input_ids", "decoder_attention_mask")):
-        a, b = clean[ids], corrupted[ids]
-        if a.shape != b.shape:
-            raise ValueError(f"clean and corrupted {ids} must have the same shape, so that each position of one "
-                             f"patches the same position of the other; got {tuple(a.shape)} and {tuple(b.shape)}.")
-        ma, mb = clean[mask], corrupted[mask]
-        ma = None if ma is None or bool(ma.all()) else ma
-        mb = None if mb is None or bool(mb.all()) else mb
-        if (ma is None) != (mb is None) or ma is not None and not torch.equal(ma, mb):
-            raise ValueError(f"clean and corrupted inputs must have the same padding ({mask}).")
-    return clean, corrupted
+_paired = paired_batches
+seq2seq_activation_patching = activation_patching  # one activation patching for every model
 
 
-def _positions(model, site: str, what: str, batch: dict) -> int:
-    """How many positions a site's ``what`` has: keys (k, v) come from the source in the encoder and in
-    cross-attention; queries (q, z, pattern rows) from the site's own stack."""
-    s = model.sites[site]
-    source = s.stack == "encoder" or (what in ("k", "v") and s.kind == "cross")
-    return batch["input_ids" if source else "decoder_input_ids"].shape[1]
-
-
-def seq2seq_activation_patching(model, clean, corrupted, metric, by: str = "head", what: str = "z", heads=None,
-                                memory_budget: float | None = None,
-                                heads_per_forward: int | None = None) -> pd.DataFrame:
-    """``activation_patching`` of an encoder-decoder model: each (site, head)'s clean activation put into the
-    corrupted run alone.
-
-    clean, corrupted: batches of the same shapes and padding (source and target); the metric is taken on the
-    corrupted batch, so give it fixed targets (``target_loss(clean["labels"])``) when the batches' labels differ.
-    what: ``"z"``, ``"q"``, ``"k"``, ``"v"`` (rows are key/value heads) or ``"pattern"`` (eager path). by:
-    ``"head"`` or ``"head_pos"`` (``pos``: a query position, a key position for k and v; source positions in
-    the encoder and for cross-attention keys, target positions otherwise). Returns ``stack``, ``kind``,
-    ``site``, ``layer``, ``head`` (, ``pos``), ``metric``, ``effect`` (0 corrupted, 1 clean).
-    """
-    if what not in WHAT:
-        raise ValueError(f"what must be one of {', '.join(WHAT)}; got {what!r}.")
-    if by not in ("head", "head_pos"):
-        raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
-    if what == "pattern" and model.attn != "eager":
-        raise ValueError("Patching patterns needs the eager path (the flash path never builds them): call "
-                         "model.set_attn('eager') first, or patch 'q' and 'k'.")
-    metric = scalar_metric(metric)
-    clean, corrupted = _paired(model, clean, corrupted)
-    if what in ("k", "v"):  # one key/value head serves several query heads
-        units = [(s.name, g) for s in model.cfg.sites for g in range(s.n_kv_heads)] if heads is None else \
-            check_site_heads(model, heads, kv=True)
-    else:
-        units = model.cfg.heads() if heads is None else check_site_heads(model, heads)
-    items = units if by == "head" else [(site, h, p) for site, h in units
-                                        for p in range(_positions(model, site, what, clean))]
-    names = [f"{site}.hook_{what}" for site in dict.fromkeys(site for site, _ in units)]
-    with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
-        clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
-        with model.studying(), torch.no_grad():
-            args, kwargs = _arguments(clean)
-            output, cache = model.run_with_cache(*args, names=names, **kwargs)
-            clean_value = local(output, clean)
-        sources = {name.rsplit(".", 1)[0]: cache[name] for name in names}
-        per_forward = heads_per_forward or copies_per_forward(model, corrupted, memory_budget)
-        corrupted_value, values = scan(
-            model, corrupted, items, lambda item: 0,
-            lambda group, copies: _patch_hooks(what, group, sources, copies, name=lambda s, w: f"{s}.hook_{w}"),
-            local, per_forward)
-        clean_value, corrupted_value, *values = shard.means([clean_value, corrupted_value, *values])
-    span = clean_value - corrupted_value
-    rows = [{**_columns(model, item[0], item[1]), **({"pos": item[2]} if by == "head_pos" else {}), "metric": v,
-             "effect": (v - corrupted_value) / span if span else float("nan")} for item, v in zip(items, values)]
-    columns = [*_FRONT, *(["pos"] if by == "head_pos" else []), "metric", "effect"]
-    df = pd.DataFrame(rows, columns=columns)
-    df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, what=what, by=by)
-    return df
-
-
-def seq2seq_attribution_patching(model, clean, corrupted, metric, by: str = "head", heads=None) -> pd.DataFrame:
-    """``attribution_patching`` of an encoder-decoder model: first-order estimates of what="z" activation
-    patching for every (site, head) from one clean forward and one corrupted forward and backward: the sum over
-    the batch (and positions, for ``by="head"``) of ``(z_clean - z_corrupted) . d metric / d z`` at the corrupted
-    run. Returns ``stack``, ``kind``, ``site``, ``layer``, ``head`` (, ``pos``), ``metric`` (corrupted +
-    estimate), ``effect`` (estimate / (clean - corrupted)), ``estimate``.
-    """
-    if by not in ("head", "head_pos"):
-        raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
-    metric = scalar_metric(metric)
-    clean, corrupted = _paired(model, clean, corrupted)
-    heads = model.cfg.heads() if heads is None else check_site_heads(model, heads)
-    sites = list(dict.fromkeys(site for site, _ in heads))
-    with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
-        clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
-        *values, estimates = _first_order(model, clean, corrupted, local, [f"{s}.hook_z" for s in sites],
-                                          None if shard.index is None else shard.n)
-        clean_value, corrupted_value = shard.means(values)
-        # site -> (p, h): the estimate of each head at each position, summed over the batch
-        per_site = {s: shard.gather(estimates[f"{s}.hook_z"].cpu()).sum(0) for s in sites}
-    span = clean_value - corrupted_value
-    rows = []
-    for site, head in heads:
-        per_pos = per_site[site][:, head]  # (p,)
-        parts = [(None, float(per_pos.sum()))] if by == "head" else list(enumerate(per_pos.tolist()))
-        for pos, estimate in parts:
-            rows.append({**_columns(model, site, head), **({} if pos is None else {"pos": pos}),
-                         "metric": corrupted_value + estimate, "effect": estimate / span if span else float("nan"),
-                         "estimate": estimate})
-    df = pd.DataFrame(rows, columns=[*_FRONT, *(["pos"] if by == "head_pos" else []), "metric", "effect", "estimate"])
-    df.attrs.update(metric=metric.name, clean=clean_value, corrupted=corrupted_value, by=by, what="z")
-    return df
+seq2seq_attribution_patching = attribution_patching  # one attribution patching for every model
 
 
 # -- importance -------------------------------------------------------------------------------------------------

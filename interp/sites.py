@@ -75,8 +75,8 @@ def all_heads(model) -> list:
 
 
 def site_of(model, head) -> Site:
-    """The site of a head as ``check_heads`` returns it."""
-    return model.cfg.sites[head[0]] if is_layered(model) else model.sites[head[0]]
+    """The site of a head as ``check_heads`` returns it, or of a ``(site name, head)`` pair on any model."""
+    return model.sites[head[0]] if isinstance(head[0], str) else model.cfg.sites[head[0]]
 
 
 def head_columns(model, head) -> dict:
