@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["Metric", "as_metric", "batch_of", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
-           "embedding_similarity", "mean_pool", "next_token_loss"]
+           "embedding_similarity", "mean_pool", "next_token_loss", "target_accuracy", "target_loss"]
 
 Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
 
@@ -367,3 +367,55 @@ def embedding_similarity(model, inputs, seed: int = 0) -> Metric:
         hidden = _main_output(model(batch["input_ids"], batch["attention_mask"])).float()
     reference = F.normalize(mean_pool(hidden, _mask(batch)), dim=-1)
     return _EmbeddingSimilarity(reference, batch["input_ids"], seed)
+
+
+# -- teacher-forced metrics of encoder-decoder models ------------------------------------------------------------
+class _TargetMetric(Metric):
+    """Teacher-forced: per example, the mean over real target positions (``decoder_attention_mask`` and labels
+    other than -100) of the labels' cross-entropy (``loss``) or of argmax hits (``accuracy``)."""
+
+    def __init__(self, kind: str, labels):
+        self.kind, self.labels = kind, None if labels is None else torch.as_tensor(labels)
+        self.name, self.higher_is_better = f"target_{kind}", kind == "accuracy"
+
+    def per_example(self, output, inputs) -> torch.Tensor:
+        logits = _main_output(output)  # (b, t, vocab)
+        labels = self.labels if self.labels is not None else inputs.get("labels")
+        if labels is None:
+            raise ValueError(f"{self.name} scores the labels (b, t): put 'labels' in the batch (copy_task does) or "
+                             f"build the metric with them, {self.name}(labels).")
+        labels = labels.to(logits.device)
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(f"{self.name}'s labels are {tuple(labels.shape)}; the decoder ran on "
+                             f"{tuple(logits.shape[:2])} (batch, target pos).")
+        valid = labels != -100
+        if inputs.get("decoder_attention_mask") is not None:
+            valid = valid & inputs["decoder_attention_mask"].to(logits.device).bool()
+        if self.kind == "loss":
+            values = F.cross_entropy(logits.transpose(1, 2).float(), labels.clamp(min=0), reduction="none")
+        else:
+            values = (logits.argmax(-1) == labels).float()
+        valid = valid.float()
+        return (values * valid).sum(1) / valid.sum(1).clamp(min=1)  # (b,)
+
+    def loss(self, output, inputs) -> torch.Tensor:
+        if self.kind == "accuracy":
+            raise TypeError("target_accuracy counts argmax hits, which have no gradient; rank heads with "
+                            "loss=target_loss() instead.")
+        return self.per_example(output, inputs)
+
+    def rows(self, index: torch.Tensor) -> Metric:
+        return self if self.labels is None else _TargetMetric(self.kind, self.labels[index.to(self.labels.device)])
+
+
+def target_loss(labels=None) -> Metric:
+    """Metric: teacher-forced cross-entropy of the targets, averaged over each example's real target positions
+    (lower is better). labels: ``(b, t)`` (-100 skipped); default the batch's ``labels``. Fixed labels keep scoring
+    the clean targets on a corrupted batch (patching)."""
+    return _TargetMetric("loss", labels)
+
+
+def target_accuracy(labels=None) -> Metric:
+    """Metric: the fraction of target tokens predicted right (argmax, teacher-forced), per example over its real
+    target positions (higher is better); labels as in ``target_loss``. Has no gradient (no ``head_importance``)."""
+    return _TargetMetric("accuracy", labels)

@@ -25,7 +25,7 @@ from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
 from interp.pruning import kept_heads, plan_layer, slice_heads
-from interp.sites import row_head
+from interp.sites import FRONT, head_columns, head_key, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .engine import Shard, _arguments
@@ -45,49 +45,42 @@ def _loss_fn(loss, metric=None) -> Callable:
 
 
 def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
-    """Michel et al.'s head importance: one row per head with ``layer``, ``head``, ``importance`` (L2-normalised
-    within each layer) and ``importance_raw`` (E_x |dL(x)/dxi_h|).
+    """Michel et al.'s head importance: one row per head with the head's columns (``stack``, ``kind``, ``site``,
+    ``layer``, ``head``), ``importance`` (L2-normalised within each site: each layer of each attention kind, as
+    Michel et al. normalise encoder, decoder and encoder-decoder attention) and ``importance_raw``
+    (E_x |dL(x)/dxi_h|).
 
     loss: a metric from ``analyses.metrics`` (its ``loss``: e.g. ``lm_loss``, ``second_copy_loss``,
-    ``embedding_similarity(...)``) or ``fn(output, inputs) -> tensor``: per-example losses ``(b,)``, or a
-    scalar taken as their mean. Each sequence has its own gates, so one backward gives every example's
-    gradient. ablated: heads zero-ablated throughout (their gate is 0); they get no row.
+    ``embedding_similarity(...)``, ``target_loss()``) or ``fn(output, inputs) -> tensor``: per-example losses
+    ``(b,)``, or a scalar taken as their mean. Each sequence has its own gates, so one backward gives every
+    example's gradient. ablated: heads zero-ablated throughout (their gate is 0); they get no row.
     Runs in eval mode (no dropout); parameters get no gradient; modes and requires_grad are restored.
     Under torch.distributed (``torchrun``) each rank takes its share of the prompts and every example's gradients
     are gathered, so every rank returns the one-process result; a loss that is not per-example (a plain callable)
     runs whole on every rank.
-
-    An encoder-decoder model (``interp.seq2seq``) gets one row per (site, head), normalised within each site:
-    see ``analyses.seq2seq.seq2seq_head_importance``.
     """
     _loss_fn(loss)  # a clear error without one
-    from .seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        from .seq2seq import seq2seq_head_importance
-
-        return seq2seq_head_importance(model, inputs, loss=loss, ablated=ablated)
     source = as_metric(loss)
     batch = batch_of(model, inputs)
     ablated = set(check_heads(model, ablated, allow_empty=True))
-    counts = model.cfg.heads_per_layer
+    real = set(model.cfg.heads())  # not the placeholder of a layer pruned empty
+    sites = model.cfg.sites
     with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
         batch, loss_fn = shard.rows(batch), shard.metric(source).loss
-        units = [(f"blocks.{l}.attn.hook_z", [(l, h) not in ablated for h in range(n)]) for l, n in enumerate(counts)]
+        units = [(f"{s.name}.hook_z", [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
         grads = _gate_gradients(model, batch, loss_fn, units)
         b = batch["input_ids"].shape[0]
-        per_example = torch.cat([torch.zeros(b, n) if g is None else g.detach().abs().float().cpu()
-                                 for g, n in zip(grads, counts)], dim=1)  # (b, heads of all layers): |dL(x)/dxi_h|
+        per_example = torch.cat([torch.zeros(b, s.n_heads) if g is None else g.detach().abs().float().cpu()
+                                 for g, s in zip(grads, sites)], dim=1)  # (b, heads of all sites): |dL(x)/dxi_h|
         per_example = shard.gather(per_example)  # every rank's examples, in order
     rows = []
-    for l, (g, n) in enumerate(zip(per_example.split(list(counts), dim=1), counts)):
+    for s, g in zip(sites, per_example.split([s.n_heads for s in sites], dim=1)):
         raw = g.mean(0)  # (h,)
-        live = [h for h in range(n) if (l, h) not in ablated and l not in model.cfg.empty_layers]
+        live = [h for h in range(s.n_heads) if head_key(model, s, h) in real - ablated]
         norm = float(raw[live].norm()) if live else 0.0
-        for h in live:
-            rows.append({"layer": l, "head": h, "importance": float(raw[h]) / norm if norm > 0 else 0.0,
-                         "importance_raw": float(raw[h])})
-    return pd.DataFrame(rows, columns=["layer", "head", "importance", "importance_raw"])
+        rows += [{**head_columns(model, head_key(model, s, h)), "importance": float(raw[h]) / norm if norm > 0
+                  else 0.0, "importance_raw": float(raw[h])} for h in live]
+    return pd.DataFrame(rows, columns=[*FRONT, "importance", "importance_raw"])
 
 
 def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]]]) -> tuple:
@@ -168,7 +161,7 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     by prompts (as in ``ablation_scan`` and ``head_importance``); every rank ranks and prunes the same heads.
 
     An encoder-decoder model (``interp.seq2seq``) takes a batch with ``decoder_input_ids`` (as
-    ``analyses.seq2seq.copy_task`` returns) and a metric of that batch (``analyses.seq2seq.target_loss``); its
+    ``analyses.seq2seq.copy_task`` returns) and a metric of that batch (``analyses.metrics.target_loss``); its
     heads are ``(site, head)`` pairs, and "layer" above means an attention site (importance is normalised within
     each site; a site keeps its last head unless ``allow_empty_layers``).
     """
@@ -186,9 +179,7 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
         raise ValueError("order='ablation' needs to know which way the metric is good: pass higher_is_better.")
     if order == "random" and not len(seeds):
         raise ValueError("order='random' needs at least one seed.")
-    from .seq2seq import is_seq2seq, seq2seq_batch
-
-    batch = seq2seq_batch(model, inputs) if is_seq2seq(model) else batch_of(model, inputs)
+    batch = batch_of(model, inputs)
     with model.studying():
         df = _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction,
                      higher_is_better, normalize)

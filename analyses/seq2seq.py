@@ -14,8 +14,9 @@
 
 Every score has a 95% bootstrap interval over prompts.
 
-The circuit studies per attention site (ablation, patching, attribution, importance) are in
-``analyses.seq2seq_studies``; their names are importable from here too.
+The circuit studies (ablation, patching, attribution, importance, pruning curves) are the same functions on every
+model (``analyses.ablation_scan`` ...; heads are ``(site, head)``, ``interp.sites``); the teacher-forced metrics
+are ``analyses.metrics.target_loss`` and ``target_accuracy``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .scores import pattern_scores
 
 __all__ = ["CROSS_KINDS", "copy_accuracy", "copy_patching_task", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
 
-_FRONT = ["stack", "kind", "site", "layer", "head"]  # the columns that name a head
 
 CROSS_KINDS = ("alignment", "source_sink", "source_positional")
 CROSS_THRESHOLDS = {"alignment": 0.4, "source_sink": 0.3, "source_positional": 0.9}
@@ -63,7 +63,7 @@ def copy_patching_task(model, n: int = 16, length: int = 10, seed: int = 0, frac
     the first ``fraction`` of each source replaced by other ordinary tokens (corrupted; the targets stay the clean
     ones); the metric is the teacher-forced loss of the clean targets (``target_loss``). The corruption reaches the
     encoder and the cross-attention, never the decoder's self-attention before its first cross-attention."""
-    from .seq2seq_studies import target_loss
+    from .metrics import target_loss
 
     clean = copy_task(model, n, length, seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -245,15 +245,23 @@ def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: i
     return model
 
 
-_STUDIES = {"ablate_seq2seq_heads", "check_site_heads", "seq2seq_ablation_scan", "seq2seq_activation_patching",
-            "seq2seq_attribution_patching", "seq2seq_batch", "seq2seq_head_importance", "target_accuracy",
-            "target_loss"}
+# Names of the encoder-decoder mirrors of the studies, which are now the one study of every model (interp.sites)
+_STUDIES = {"ablate_seq2seq_heads": ("ablation", "ablate_heads"), "seq2seq_ablation_scan": ("ablation", "ablation_scan"),
+            "seq2seq_activation_patching": ("patching", "activation_patching"),
+            "seq2seq_attribution_patching": ("attribution", "attribution_patching"),
+            "seq2seq_head_importance": ("pruning", "head_importance"), "seq2seq_batch": ("metrics", "batch_of"),
+            "target_loss": ("metrics", "target_loss"), "target_accuracy": ("metrics", "target_accuracy")}
 
 
 def __getattr__(name: str):
-    """The studies' names, from ``analyses.seq2seq_studies`` (imported on first use: it imports this module)."""
+    """The former encoder-decoder names of the studies: each is the one study of every model now."""
     if name in _STUDIES:
-        from . import seq2seq_studies
+        import importlib
 
-        return getattr(seq2seq_studies, name)
+        module, attr = _STUDIES[name]
+        return getattr(importlib.import_module(f".{module}", __package__), attr)
+    if name == "check_site_heads":
+        from interp.sites import check_heads
+
+        return check_heads
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FRONT", "MASK_OF", "Site", "all_heads", "check_heads", "head_columns", "is_layered", "one_site_per_layer", "row_head", "site_of"]
+__all__ = ["FRONT", "MASK_OF", "Site", "all_heads", "check_heads", "head_columns", "head_key", "is_layered", "one_site_per_layer", "row_head", "site_of"]
 
 FRONT = ["stack", "kind", "site", "layer", "head"]  # the columns that name a head, first in every head table
 MASK_OF = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attention_mask"}
@@ -77,6 +77,11 @@ def all_heads(model) -> list:
 def site_of(model, head) -> Site:
     """The site of a head as ``check_heads`` returns it, or of a ``(site name, head)`` pair on any model."""
     return model.sites[head[0]] if isinstance(head[0], str) else model.cfg.sites[head[0]]
+
+
+def head_key(model, site: Site, head: int) -> tuple:
+    """``(site, head)`` as ``check_heads`` returns it: ``(layer, head)`` on a layered model."""
+    return (site.block, head) if is_layered(model) else (site.name, head)
 
 
 def head_columns(model, head) -> dict:

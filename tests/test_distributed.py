@@ -104,7 +104,7 @@ def minilm_studies(_folder=None) -> dict[str, pd.DataFrame]:
 def seq2seq_studies(folder) -> dict[str, pd.DataFrame]:
     """The sharded studies on a tiny T5 (an encoder-decoder: rows per (site, head)), padding on both sides."""
     from analyses.seq2seq import copy_patching_task, copy_task
-    from analyses.seq2seq_studies import target_loss
+    from analyses.metrics import target_loss
 
     model = interp.load_model(folder)
     batch = copy_task(model, n=7, length=8, seed=0)

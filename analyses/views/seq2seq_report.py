@@ -30,7 +30,7 @@ from ..attribution import attribution_patching
 from ..heads import detect_heads
 from ..pruning import curve_summary
 from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
-from ..seq2seq_studies import target_loss
+from ..metrics import target_loss
 from .attention import attention_grid, head_view
 from .plots import head_score_grid, patching_heatmap
 from .report import _ablation, _Figures, _formats, _pruning
