@@ -249,7 +249,7 @@ def _parse_heads(text: str | None, model) -> list[tuple[int, int]] | None:
 
 
 def _refuse_seq2seq(model, what: str, instead: str) -> None:
-    from .seq2seq import is_seq2seq
+    from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):
         raise UserError(f"{what} does not handle encoder-decoder models yet; {instead}")
@@ -288,7 +288,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_heads(args) -> int:
-    from .heads import detect_heads
+    from ..heads import detect_heads
 
     with _Progress(["load", "heads"]) as progress:
         progress("load")
@@ -305,8 +305,8 @@ def cmd_heads(args) -> int:
 
 
 def cmd_ablate(args) -> int:
-    from .ablation import ablation_scan
-    from .views.report import study_inputs
+    from ..ablation import ablation_scan
+    from ..views.report import study_inputs
 
     with _Progress(["load", "ablation scan"]) as progress:
         progress("load")
@@ -326,8 +326,8 @@ def cmd_ablate(args) -> int:
 def cmd_prune(args) -> int:
     from interp import distributed
 
-    from .pruning import curve_summary, head_importance, prune_model
-    from .views.report import study_inputs
+    from ..pruning import curve_summary, head_importance, prune_model
+    from ..views.report import study_inputs
 
     if args.save is not None:  # check before any work
         if args.fraction is None:
@@ -384,7 +384,7 @@ def _read_csv(path: Path):
 def _pruning_curves(model, inputs, metric, step: float, seed: int):
     import pandas as pd
 
-    from .pruning import pruning_curve
+    from ..pruning import pruning_curve
 
     return pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step),
                       pruning_curve(model, inputs, metric, order="random", step=step,
@@ -397,7 +397,7 @@ def cmd_plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .views import plots
+    from ..views import plots
 
     if args.out.is_dir():
         raise UserError(f"--out {str(args.out)!r} is a folder; give a .png, .svg or .pdf file path")
@@ -413,7 +413,7 @@ def cmd_plot(args) -> int:
             raise UserError("`interp plot attention` needs --layer and --head, e.g. --layer 1 --head 3")
         if args.csv is not None:
             raise UserError("--csv goes with `interp plot heads|ablation|pruning`; an attention map runs the model")
-        from .views.report import example_prompt
+        from ..views.report import example_prompt
 
         model = _load(args)
         _refuse_seq2seq(model, "interp plot attention", "use interp view (every attention site, with a selector).")
@@ -429,13 +429,13 @@ def cmd_plot(args) -> int:
         if args.csv is not None:
             df = _read_csv(args.csv)
         elif args.kind == "heads":
-            from .heads import detect_heads
+            from ..heads import detect_heads
 
             model = _load(args)
             df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
-            from .ablation import ablation_scan
-            from .views.report import study_inputs
+            from ..ablation import ablation_scan
+            from ..views.report import study_inputs
 
             model = _load(args)
             inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
@@ -455,8 +455,8 @@ def cmd_plot(args) -> int:
 
 
 def cmd_view(args) -> int:
-    from .views import attention_grid, head_view
-    from .views.report import example_prompt
+    from ..views import attention_grid, head_view
+    from ..views.report import example_prompt
 
     if args.out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"--out {str(args.out)!r}: a view is one .html page")
@@ -467,7 +467,7 @@ def cmd_view(args) -> int:
                         f"(mkdir -p {args.out.parent})")
     if args.kind == "grid" and (args.layers or args.heads):
         raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
-    from .seq2seq import is_seq2seq
+    from ..seq2seq import is_seq2seq
 
     model = _load(args)
     text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)
@@ -493,11 +493,11 @@ def cmd_view(args) -> int:
 def _circuit_inputs(args, model):
     """(clean, corrupted, metric, description): the induction task by default, or --clean/--corrupted texts with
     --answer/--wrong tokens (a logit difference at the last position)."""
-    from .attribution import token_ids
-    from .metrics import logit_difference
-    from .tasks import induction_task
+    from ..attribution import token_ids
+    from ..metrics import logit_difference
+    from ..tasks import induction_task
 
-    from .seq2seq import copy_patching_task, is_seq2seq
+    from ..seq2seq import copy_patching_task, is_seq2seq
 
     if is_seq2seq(model):
         if args.clean is not None or args.corrupted is not None:
@@ -531,8 +531,8 @@ def _token(value: str):
 
 
 def cmd_patch(args) -> int:
-    from .attribution import attribution_patching
-    from .patching import activation_patching, path_patching
+    from ..attribution import attribution_patching
+    from ..patching import activation_patching, path_patching
 
     with _Progress(["load", args.method]) as progress:
         progress("load")
@@ -559,7 +559,7 @@ def cmd_patch(args) -> int:
 
 
 def cmd_attribute(args) -> int:
-    from .attribution import direct_logit_attribution, logit_lens, token_ids
+    from ..attribution import direct_logit_attribution, logit_lens, token_ids
 
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
@@ -567,7 +567,7 @@ def cmd_attribute(args) -> int:
         _refuse_seq2seq(model, "interp attribute (logit attribution reads one residual stream)",
                         "use interp patch --method attribution (per site and head).")
         if args.text is None:
-            from .tasks import induction_task
+            from ..tasks import induction_task
 
             clean, _, _ = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
             inputs, answer, wrong = clean[:, :-1], clean[:, -1], None
@@ -597,7 +597,7 @@ def cmd_train_toy(args) -> int:
 
     import torch
 
-    from .toy import train_toy_model
+    from ..toy import train_toy_model
 
     _check_out(args.out, args.force)
     from interp import distributed
@@ -633,7 +633,7 @@ def cmd_train_toy(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .views.report import write_report
+    from ..views.report import write_report
 
     _check_out(args.out, args.force)
     t0 = time.perf_counter()
@@ -840,6 +840,3 @@ def _rank_zero_path(path: Path) -> Path:
     _SCRATCH.append(tempfile.mkdtemp(prefix="interp-rank"))
     return Path(_SCRATCH[-1]) / path.name
 
-
-if __name__ == "__main__":
-    sys.exit(main())
