@@ -1,0 +1,80 @@
+"""`interp prune`: pruning curves, importance against random; with --save, a structurally pruned copy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .common import (UserError, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
+                     _prompts, _rank_zero_path, _refuse_seq2seq)
+
+
+def add_parser(sub) -> None:
+    """`interp prune`: its options."""
+    p = sub.add_parser("prune", help="pruning curves (importance vs random); optionally save a pruned model")
+    _model_options(p)
+    _format_option(p)
+    p.add_argument("--step", type=float, default=0.1, help="share of the remaining heads pruned per step")
+    p.add_argument("--n-prompts", type=_positive_int, default=32)
+    p.add_argument("--save", type=Path, default=None, help="folder to save a structurally pruned model to")
+    p.add_argument("--fraction", type=float, default=None, help="with --save: share of heads to prune")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_prune)
+
+
+def cmd_prune(args) -> int:
+    from interp import distributed
+
+    from ..pruning import curve_summary, head_importance, prune_model
+    from ..views.report import study_inputs
+
+    if args.save is not None:  # check before any work
+        if args.fraction is None:
+            raise UserError("--save needs --fraction: the share of heads to prune by importance, e.g. 0.3")
+        if not 0 < args.fraction < 1:
+            raise UserError(f"--fraction is a share of the heads in (0, 1); got {args.fraction}")
+        _check_out(args.save, args.force)
+    elif args.fraction is not None:
+        raise UserError("--fraction goes with --save DIR (where the pruned model is written)")
+    with _Progress(["load", "pruning curves"]) as progress:
+        progress("load")
+        model = _load(args)
+        if args.save is not None:
+            _refuse_seq2seq(model, "--save (a structurally pruned copy)", "drop --save to get the pruning curves.")
+        inputs, metric, what = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
+        progress("pruning curves")
+        curves = _pruning_curves(model, inputs, metric, args.step, args.seed)
+    if args.format == "table":
+        print(f"# {metric.name} on {what}")
+        threshold = 0.95 if metric.name == "embedding_similarity" else None
+        _emit(curve_summary(curves, threshold), "table")
+        print()
+    _emit(curves, args.format)
+    if args.save is not None:
+        importance = head_importance(model, inputs, loss=metric)
+        n = int(round(args.fraction * len(importance)))
+        left = dict(enumerate(model.cfg.heads_per_layer))
+        heads = []  # the n least important, keeping at least one head in every layer
+        for r in importance.sort_values(["importance", "layer", "head"]).itertuples():
+            if len(heads) < n and left[r.layer] > 1:
+                heads.append((int(r.layer), int(r.head)))
+                left[r.layer] -= 1
+        pruned = prune_model(model, heads)
+        from interp.files import staged_folder
+
+        with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
+            pruned.save_pretrained(staging)
+        if distributed.rank_zero():
+            print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
+                  f"{args.save}", file=sys.stderr)
+    return 0
+
+
+def _pruning_curves(model, inputs, metric, step: float, seed: int):
+    import pandas as pd
+
+    from ..pruning import pruning_curve
+
+    return pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step),
+                      pruning_curve(model, inputs, metric, order="random", step=step,
+                                    seeds=tuple(range(seed, seed + 3)))])

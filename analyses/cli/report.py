@@ -1,0 +1,44 @@
+"""`interp report`: everything above as one HTML page."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .common import _Progress, _check_out, _load, _model_options, _positive_int, _prompts, _rank_zero_path
+
+
+def add_parser(sub) -> None:
+    """`interp report`: its options."""
+    p = sub.add_parser("report", help="an HTML report: head classes, attention maps, ablation, pruning")
+    _model_options(p)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--n-prompts", type=_positive_int, default=64)
+    p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
+                   "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    from ..views.report import write_report
+
+    _check_out(args.out, args.force)
+    t0 = time.perf_counter()
+    progress = _Progress(["load", "heads", "attention maps", "ablation", "pruning"])
+    try:
+        progress("load")
+        model = _load(args)
+        summary = write_report(model, _rank_zero_path(args.out), prompts=_prompts(args, model), seed=args.seed,
+                               n_prompts=args.n_prompts, progress=progress,
+                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()], overwrite=args.force)
+    finally:
+        progress.close()
+    if "attention_maps" in summary:
+        labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
+        found = f"strongest heads: {labelled}"
+    else:  # an encoder-decoder model's report
+        found = "best-aligned cross-attention heads: " + (", ".join(
+            f"{b['site']}.{b['head']} {b['alignment']:.2f}" for b in summary["best_aligned"][:3]) or "none")
+    print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s ({found})")
+    return 0
