@@ -205,39 +205,45 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
 
     For each sender alone: (1) a corrupted run in which the sender's output is its clean output and every other
     head's output is frozen at its corrupted value (MLPs recompute) gives the receivers' q, k or v; (2) a
-    corrupted run with only the receivers' q, k or v replaced by those gives the metric. receivers: (layer,
-    head) pairs (for k and v under GQA, a receiver's key/value head, shared by its group, is replaced).
-    senders: heads before the last receiver's layer (default: all of them).
+    corrupted run with only the receivers' q, k or v replaced by those gives the metric. receivers: heads
+    (``(layer, head)`` or ``(site, head)``; for k and v under GQA, a receiver's key/value head, shared by its
+    group, is replaced). senders: heads whose site runs before the last receiver's (default: all of them).
 
-    Returns one row per sender: ``layer``, ``head``, ``metric``, ``effect`` (0 corrupted, 1 clean).
+    Every kind of model: on an encoder-decoder model sites run in call order (the encoder's, then each decoder
+    block's self- and cross-attention), so encoder heads send into decoder and cross-attention receivers (a
+    cross-attention head's k and v read the encoder's output).
+
+    Returns one row per sender: the head's columns, ``metric``, ``effect`` (0 corrupted, 1 clean).
     """
-    from .seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        raise TypeError("path_patching follows paths through one stack of blocks (a decoder-only or encoder model); "
-                        "it does not handle encoder-decoder models yet. Use activation_patching or "
-                        "attribution_patching, which work per (site, head).")
     if via not in ("q", "k", "v"):
         raise ValueError(f"via must be 'q', 'k' or 'v'; got {via!r}.")
     check_per_forward(heads_per_forward)
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
     receivers = check_heads(model, receivers)
-    last = max(l for l, _ in receivers)
-    senders = [h for h in model.cfg.heads() if h[0] < last] if senders is None else check_heads(model, senders)
+    order = {s.name: i for i, s in enumerate(model.cfg.sites)}
+    rank = {head: order[site_of(model, head).name] for head in model.cfg.heads()}
+    last = max(rank[r] for r in receivers)
+    last_name = f"layer {last}" if is_layered(model) else f"site {model.cfg.sites[last].name}"
+    senders = [h for h in model.cfg.heads() if rank[h] < last] if senders is None else check_heads(model, senders)
     if not senders:
-        raise ValueError(f"No head sits before the receivers' last layer {last} ({receivers}), so nothing can send "
-                         "through them: choose receivers in a later layer.")
-    late = [s for s in senders if s[0] >= last]
+        raise ValueError(f"No head sits before the receivers' last {last_name} ({receivers}), so nothing can "
+                         "send through them: choose receivers in a later layer.")
+    late = [s for s in senders if rank[s] >= last]
     if late:
-        raise ValueError(f"Senders must sit before the receivers' last layer {last}; got {late}.")
-    z_names = [f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
-    group_of = {l: model.cfg.heads_per_layer[l] // model.cfg.kv_heads_per_layer[l] for l in range(model.cfg.n_layers)}
-    targets = sorted({(l, h if via == "q" else h // group_of[l]) for l, h in receivers})
+        raise ValueError(f"Senders must sit before the receivers' last {last_name}; got {late}.")
+    real = {site_of(model, h).name for h in model.cfg.heads()}  # not a layer pruned empty
+    z_names = [f"{s.name}.hook_z" for s in model.cfg.sites if s.name in real]
+    targets = sorted({(site_of(model, r).name, r[1] if via == "q" else
+                       r[1] // (site_of(model, r).n_heads // site_of(model, r).n_kv_heads)) for r in receivers},
+                     key=lambda t: (order[t[0]], t[1]))
+    first_target = min(model.sites[site].block for site, _ in targets)
     with model.studying(), torch.no_grad():
-        out, clean_cache = model.run_with_cache(clean["input_ids"], clean["attention_mask"], names=z_names)
+        args, kwargs = _arguments(clean)
+        out, clean_cache = model.run_with_cache(*args, names=z_names, **kwargs)
         clean_value = metric(out, clean)
-        out, corrupted_cache = model.run_with_cache(corrupted["input_ids"], corrupted["attention_mask"], names=z_names)
+        args, kwargs = _arguments(corrupted)
+        out, corrupted_cache = model.run_with_cache(*args, names=z_names, **kwargs)
         corrupted_value = metric(out, corrupted)
         per_forward = heads_per_forward or copies_per_forward(model, corrupted, None)
         prefix = Prefix(model)
@@ -246,13 +252,11 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
         b = corrupted["input_ids"].shape[0]
         values = []
         for start in range(0, len(senders), per_forward):
-            group = senders[start:start + per_forward]
+            group = [(site_of(model, h).name, h[1]) for h in senders[start:start + per_forward]]
             copies = len(group)
-            captured = _receiver_inputs(model, corrupted, group, copies, clean_cache, corrupted_cache, via,
-                                        {l for l, _ in targets}, prefix)
-            patched = {l: captured[l] for l in captured}
-            hooks = _receiver_hooks(via, targets, patched)
-            with model.hooks(hooks), prefix.replaying(min(l for l, _ in targets), copies):
+            patched = _receiver_inputs(model, corrupted, group, copies, clean_cache, corrupted_cache, z_names, via,
+                                       {site for site, _ in targets}, prefix)
+            with model.hooks(_receiver_hooks(via, targets, patched)), prefix.replaying(first_target, copies):
                 output = _run(model, corrupted, copies)
             values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) for i in range(copies)]
     df = _frame(model, senders, values, clean_value, corrupted_value, metric, "head", f"z through the receivers' {via}")
@@ -260,39 +264,38 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
     return df
 
 
-def _receiver_inputs(model, batch, group, copies, clean_cache, corrupted_cache, via, layers, prefix):
-    """Run (1) for a group of senders: copy i has sender i's clean output, every other head frozen at its
-    corrupted output; returns each receiver layer's ``via`` activation over all copies."""
-    captured: dict[int, torch.Tensor] = {}
+def _receiver_inputs(model, batch, group, copies, clean_cache, corrupted_cache, z_names, via, sites, prefix):
+    """Run (1) for a group of ``(site, head)`` senders: copy i has sender i's clean output, every other head frozen
+    at its corrupted output; returns each receiver site's ``via`` activation over all copies."""
+    captured: dict[str, torch.Tensor] = {}
 
     def freeze(z, point):
-        rows = z.shape[0] // copies
-        frozen = corrupted_cache["z", point.layer].repeat(copies, 1, 1, 1).to(z.dtype)
-        for i, (layer, head) in enumerate(group):
-            if layer == point.layer:
-                frozen[i * rows:(i + 1) * rows, :, head] = clean_cache["z", layer][:, :, head].to(z.dtype)
+        site, rows = point.name.rsplit(".", 1)[0], z.shape[0] // copies
+        frozen = corrupted_cache[point.name].repeat(copies, 1, 1, 1).to(z.dtype)
+        for i, (sender, head) in enumerate(group):
+            if sender == site:
+                frozen[i * rows:(i + 1) * rows, :, head] = clean_cache[point.name][:, :, head].to(z.dtype)
         return frozen
 
     def keep(act, point):
-        captured[point.layer] = act
+        captured[point.name.rsplit(".", 1)[0]] = act
 
-    hooks = [([f"blocks.{l}.attn.hook_z" for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers],
-              freeze), ([f"blocks.{l}.attn.hook_{via}" for l in sorted(layers)], keep)]
-    with model.hooks(hooks), prefix.replaying(min(l for l, _ in group), copies):
+    hooks = [(z_names, freeze), ([f"{site}.hook_{via}" for site in sites], keep)]
+    with model.hooks(hooks), prefix.replaying(min(model.sites[site].block for site, _ in group), copies):
         _run(model, batch, copies)
     return captured
 
 
-def _receiver_hooks(via: str, targets: Sequence[tuple[int, int]], patched: dict[int, torch.Tensor]) -> list:
-    by_layer: dict[int, list[int]] = {}
-    for layer, head in targets:
-        by_layer.setdefault(layer, []).append(head)
+def _receiver_hooks(via: str, targets: Sequence[tuple[str, int]], patched: dict[str, torch.Tensor]) -> list:
+    by_site: dict[str, list[int]] = {}
+    for site, head in targets:
+        by_site.setdefault(site, []).append(head)
 
-    def hook_for(layer, heads):
+    def hook_for(site, heads):
         def hook(act, point):
             act = act.clone()
-            act[:, :, heads] = patched[layer][:, :, heads].to(act.dtype)
+            act[:, :, heads] = patched[site][:, :, heads].to(act.dtype)
             return act
         return hook
 
-    return [(f"blocks.{layer}.attn.hook_{via}", hook_for(layer, heads)) for layer, heads in by_layer.items()]
+    return [(f"{site}.hook_{via}", hook_for(site, heads)) for site, heads in by_site.items()]

@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 
 import interp
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, direct_logit_attribution,
-                      head_importance, path_patching, prune_model, pruning_curve)
+                      head_importance, prune_model, pruning_curve)
 from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
                               train_copy_model)
 from test_seq2seq import _batch, _tiny
@@ -313,8 +313,6 @@ def test_clear_errors():
         ablation_scan(model, {k: v for k, v in batch.items() if k != "labels"}, metric)
     with pytest.raises(TypeError, match="no gradient"):
         head_importance(model, batch, target_accuracy())
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        path_patching(model, batch, batch, [("decoder.blocks.1.cross_attn", 0)], metric)
     with pytest.raises(TypeError, match="encoder-decoder"):
         prune_model(model, [("decoder.blocks.1.cross_attn", 0)])
     with pytest.raises(TypeError, match="encoder-decoder"):

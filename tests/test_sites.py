@@ -9,7 +9,7 @@ from conftest import tiny_hf
 from test_seq2seq import _tiny
 
 import interp
-from analyses import ablate_heads, ablation_scan, lm_loss
+from analyses import ablate_heads, ablation_scan, lm_loss, path_patching
 from analyses.seq2seq import copy_task, target_loss
 from interp.sites import FRONT, check_heads, head_columns
 
@@ -72,3 +72,43 @@ def test_ablation_scan_has_the_same_columns_on_every_model(llama, t5):
     assert set(seq2seq["kind"]) == {"self", "cross"} and set(seq2seq["stack"]) == {"encoder", "decoder"}
     assert head_columns(llama, (1, 2)) == {"stack": "decoder", "kind": "self", "site": "blocks.1.attn", "layer": 1,
                                            "head": 2}
+
+
+def test_path_patching_on_an_encoder_decoder_model_equals_the_two_runs_by_hand(t5):
+    """An encoder head sends into a cross-attention head's keys (they read the encoder's output)."""
+    batch = copy_task(t5, 3, 6, seed=1)
+    other = torch.randint(3, 24, batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))
+    corrupted = {**batch, "input_ids": other}
+    metric, receiver, via = target_loss(batch["labels"]), ("decoder.blocks.1.cross_attn", 2), "k"
+    df = path_patching(t5, batch, corrupted, [receiver], metric, via=via, heads_per_forward=5)
+    alone = path_patching(t5, batch, corrupted, [receiver], metric, via=via, heads_per_forward=1)
+    assert list(df.columns[:5]) == FRONT and (df["metric"] - alone["metric"]).abs().max() <= 1e-5
+    assert set(df["site"]) == {"encoder.blocks.0.attn", "encoder.blocks.1.attn", "decoder.blocks.0.attn",
+                               "decoder.blocks.0.cross_attn", "decoder.blocks.1.attn"}
+    z = [f"{s.name}.hook_z" for s in t5.cfg.sites]
+    feed = {k: batch.get(k) for k in ("decoder_input_ids", "decoder_attention_mask")}
+    _, c = t5.run_with_cache(batch["input_ids"], batch["attention_mask"], names=z, **feed)
+    _, x = t5.run_with_cache(corrupted["input_ids"], batch["attention_mask"], names=z, **feed)
+    for sender in [("encoder.blocks.0.attn", 1), ("encoder.blocks.1.attn", 3), ("decoder.blocks.0.attn", 0)]:
+        def freeze(act, hook):
+            out = x[hook.name].clone()
+            if hook.name == f"{sender[0]}.hook_z":
+                out[:, :, sender[1]] = c[hook.name][:, :, sender[1]]
+            return out
+
+        name = f"{receiver[0]}.hook_{via}"
+        _, mixed = t5.run_with_cache(corrupted["input_ids"], batch["attention_mask"], names=[name],
+                                     fwd_hooks=[(z, freeze)], **feed)
+
+        def put(act, hook):
+            act = act.clone()
+            act[:, :, receiver[1]] = mixed[name][:, :, receiver[1]]
+            return act
+
+        with torch.no_grad():
+            out = t5.run_with_hooks(corrupted["input_ids"], batch["attention_mask"], fwd_hooks=[(name, put)], **feed)
+        got = df.set_index(["site", "head"]).loc[sender, "metric"]
+        assert abs(got - metric(out, corrupted)) <= 1e-5, sender
+    decoder_only = df[df["stack"] == "decoder"]  # decoder heads cannot reach keys computed from the encoder
+    assert (decoder_only["metric"] - df.attrs["corrupted"]).abs().max() <= 1e-5
+    assert (df[df["stack"] == "encoder"]["metric"] - df.attrs["corrupted"]).abs().max() > 1e-4
