@@ -28,6 +28,13 @@ def unsupported_features(config, seq2seq: bool = False) -> list[str]:
     elif getattr(config, "is_encoder_decoder", False) and not seq2seq:
         found.append("cross-attention (load the whole encoder-decoder model: interp.load_model gives a "
                      "Seq2SeqHookedModel)")
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "cross_attention_layers", None):
+        found.append(f"cross-attention layers fed by another model's states (cross_attention_layers="
+                     f"{list(text.cross_attention_layers)}, {getattr(config, 'model_type', '?')}: their keys and values "
+                     "come from vision or encoder states that interp's wrapper does not feed, and a forward without "
+                     "them skips those layers, so their heads cannot be sites yet; interp's sites are the attention "
+                     "modules of decoder-only, encoder-only and encoder-decoder models)")
     position_type = getattr(config, "position_embedding_type", "absolute")
     if position_type not in (None, "absolute", "rope", "rotary"):
         found.append(f"relative position scores (position_embedding_type={position_type!r})")

@@ -112,3 +112,15 @@ def test_path_patching_on_an_encoder_decoder_model_equals_the_two_runs_by_hand(t
     decoder_only = df[df["stack"] == "decoder"]  # decoder heads cannot reach keys computed from the encoder
     assert (decoder_only["metric"] - df.attrs["corrupted"]).abs().max() <= 1e-5
     assert (df[df["stack"] == "encoder"]["metric"] - df.attrs["corrupted"]).abs().max() > 1e-4
+
+
+def test_a_decoder_with_cross_attention_layers_fed_by_another_model_is_refused_by_name():
+    """mllama's text model: its cross-attention layers read vision states the wrapper does not feed (and a forward
+    without them skips those layers), so they cannot be sites yet: refused before the probe, naming the layers."""
+    from transformers import MllamaForCausalLM, MllamaTextConfig
+
+    config = MllamaTextConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+                              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with pytest.raises(NotImplementedError, match=r"cross_attention_layers=\[1\].*vision or encoder states"):
+        interp.load_model(MllamaForCausalLM(config))
