@@ -26,8 +26,8 @@ def unsupported_features(config, seq2seq: bool = False) -> list[str]:
         found.append("cross-attention in a decoder-only model (add_cross_attention=True; encoder-decoder models "
                      "with is_encoder_decoder=True are supported)")
     elif getattr(config, "is_encoder_decoder", False) and not seq2seq:
-        found.append("cross-attention (load the whole encoder-decoder model: interp.load_model gives a "
-                     "Seq2SeqHookedModel)")
+        found.append("cross-attention (load the whole encoder-decoder model: interp.load_model and "
+                     "interp.HookedModel give it encoder, decoder and cross-attention sites)")
     text = getattr(config, "text_config", None) or config
     if getattr(text, "cross_attention_layers", None):
         found.append(f"cross-attention layers fed by another model's states (cross_attention_layers="
