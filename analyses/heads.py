@@ -20,7 +20,7 @@ from interp import distributed
 from interp.inputs import encode, pad_ids, tokenize
 from interp.progress import progress
 
-from interp.sites import is_layered
+from interp.sites import is_layered, with_head_columns
 
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
                      label_heads,
@@ -67,7 +67,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     prompt's sums and row counts are added up over ranks (float64, one contributor each), so the bootstrap runs on
     the same per-prompt statistics in the same order, and every rank returns what one process returns.
 
-    Returns columns ``layer``, ``head``, one per score, ``positional_offset``, ``positional_fraction``,
+    Returns columns ``stack``, ``kind``, ``site``, ``layer``, ``head`` (as every head table, ``interp.sites``), one
+    per score, ``positional_offset``, ``positional_fraction``,
     ``label`` (the most specific class whose score clears its threshold: induction, duplicate_token,
     previous_token, next_token, positional, self, sink; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each score, the thresholds and the attention path.
@@ -93,7 +94,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         if extra:
             df = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
             df = _labelled(model, df, resolve_thresholds(thresholds), {k: "analyses.taxonomy" for k in extra})
-        return _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) if retrieval else df
+        return with_head_columns(model, _with_retrieval(model, df, context, seed, n_bootstrap, thresholds)
+                                 if retrieval else df)
     kinds = check_kinds(kinds, cfg.causal)
     limits = resolve_thresholds(thresholds)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
@@ -135,7 +137,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         df.attrs.update(more.attrs)
         inputs.update({k: "analyses.taxonomy" for k in extra})
     df = _labelled(model, df, limits, inputs, nonfinite)
-    return _with_retrieval(model, df, context, seed, n_bootstrap, thresholds) if retrieval else df
+    return with_head_columns(model, _with_retrieval(model, df, context, seed, n_bootstrap, thresholds)
+                             if retrieval else df)
 
 
 def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict,

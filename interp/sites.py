@@ -18,7 +18,8 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["FRONT", "MASK_OF", "Site", "all_heads", "check_heads", "head_columns", "head_key", "is_layered", "one_site_per_layer", "row_head", "site_of"]
+__all__ = ["FRONT", "MASK_OF", "Site", "all_heads", "check_heads", "head_columns", "head_key", "is_layered", "one_site_per_layer", "row_head", "site_of",
+           "with_head_columns"]
 
 FRONT = ["stack", "kind", "site", "layer", "head"]  # the columns that name a head, first in every head table
 MASK_OF = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attention_mask"}
@@ -89,6 +90,21 @@ def head_columns(model, head) -> dict:
     block in its stack) and ``head``."""
     s = site_of(model, head)
     return {"stack": s.stack, "kind": s.kind, "site": s.name, "layer": s.block, "head": int(head[1])}
+
+
+def with_head_columns(model, df):
+    """A layered model's head table (``layer``, ``head`` rows) with ``stack``, ``kind`` and ``site`` put before its
+    ``layer`` column, so that it starts as every head table does (``FRONT``); a table that has them is returned
+    as it is. ``df.attrs`` are kept."""
+    if "site" in df or "layer" not in df:
+        return df
+    sites = [model.cfg.sites[int(layer)] for layer in df["layer"]]
+    out = df.copy()
+    at = list(out.columns).index("layer")
+    for name in ("site", "kind", "stack"):
+        out.insert(at, name, [getattr(s, "name" if name == "site" else name) for s in sites])
+    out.attrs = dict(df.attrs)
+    return out
 
 
 def row_head(model, row) -> tuple:

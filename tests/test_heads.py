@@ -184,7 +184,9 @@ def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
 # -- flash == eager on real and random models ---------------------------------------------------------------
 def _compare_paths(flash_df, eager_df):
     assert list(flash_df.columns) == list(eager_df.columns)
-    numeric = [c for c in flash_df.columns if c not in ("label", "labels", "positional_offset")]
+    names = ["stack", "kind", "site"]
+    assert flash_df[names].equals(eager_df[names])
+    numeric = [c for c in flash_df.columns if c not in ("label", "labels", "positional_offset", *names)]
     diff = (flash_df[numeric] - eager_df[numeric]).abs().max()
     assert (diff <= FLASH_TOL).all(), diff[diff > FLASH_TOL]
     assert flash_df.positional_offset.tolist() == eager_df.positional_offset.tolist()
@@ -221,7 +223,7 @@ def test_pruned_model_scores_its_remaining_heads():
     df, before = detect_heads(pruned, **kwargs), detect_heads(full, **kwargs)
     assert df.groupby("layer").size().tolist() == [3, 2]
     kept = before[(before.layer == 0) & (before["head"] != 1)]
-    numeric = [c for c in df.columns if c not in ("layer", "head", "label", "labels")]
+    numeric = [c for c in df.columns if c not in ("stack", "kind", "site", "layer", "head", "label", "labels")]
     torch.testing.assert_close(torch.tensor(df[df.layer == 0][numeric].values), torch.tensor(kept[numeric].values),
                                atol=FLASH_TOL, rtol=0)
     _compare_paths(df, detect_heads(interp.load_model(copy.deepcopy(pruned.hf), attn="eager"), **kwargs))

@@ -122,7 +122,7 @@ def test_detect_heads_scores_dispatch_and_kinds_alias():
     new = detect_heads(model, scores=["induction"], n_prompts=4, n_bootstrap=20)
     assert old.equals(new) and "copy_suppression" not in old
     only = detect_heads(model, scores="copy_suppression", n_bootstrap=20)
-    assert list(only.columns[:3]) == ["layer", "head", "copy_suppression"] and "induction" not in only
+    assert list(only.columns[:6]) == ["stack", "kind", "site", "layer", "head", "copy_suppression"] and "induction" not in only
     assert only["copy_suppression"].tolist() == both["copy_suppression"].tolist()
     with pytest.raises(ValueError, match="not both"):
         detect_heads(model, kinds=["induction"], scores=["induction"])
