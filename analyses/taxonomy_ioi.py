@@ -23,7 +23,7 @@ import torch
 
 from .attribution import _unembedding, frozen_norm
 from .metrics import Metric, _main_output
-from .taxonomy import refuse_stacks
+from .taxonomy_base import refuse_stacks
 
 __all__ = ["name_mover_scores", "s_inhibition_scores"]
 

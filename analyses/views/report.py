@@ -29,7 +29,8 @@ from interp.structure import describe  # noqa: E402
 
 from ..ablation import ablation_scan  # noqa: E402
 from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
-from ..heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
+from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
+from ..heads import detect_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..patching import activation_patching  # noqa: E402
 from ..pruning import curve_summary, pruning_curve  # noqa: E402
