@@ -35,7 +35,7 @@ from matplotlib.patches import Rectangle
 
 from interp.sites import one_site_per_layer
 
-from .attention import _window, model_tokens, visible_token
+from .common import _window, model_tokens, visible_token
 
 __all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
            "clean_token", "save_figure"]
