@@ -20,9 +20,9 @@ from interp.sites import is_layered
 
 from .corpus import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
                      prompt_ids, repeated_random_tokens)
-from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, head_labels,
-                     label_heads,
-                     order_columns, resolve_thresholds, weights_from_pattern, weights_from_qk)
+from .labels import head_labels, label_heads, resolve_thresholds
+from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, order_columns,
+                     weights_from_pattern, weights_from_qk)
 
 __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
 

@@ -40,7 +40,7 @@ from interp.distributed import onloaded
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
-from .scores import TAXONOMY_SCORES
+from .labels import TAXONOMY_SCORES
 from .taxonomy_base import bootstrap, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",

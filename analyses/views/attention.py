@@ -298,7 +298,7 @@ def _score_table(df, sites=None) -> dict:
     """Scores, intervals and labels of every head in a detect_heads table, with each score's one-line
     definition and threshold. sites: an encoder-decoder model's sites; its table's ``site`` column places a row
     at that site's index."""
-    from ..scores import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
+    from ..labels import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
 
     where = "site" if sites is not None else "layer"
     missing = [c for c in (where, "head") if c not in df]

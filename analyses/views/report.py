@@ -25,10 +25,10 @@ from interp.structure import describe  # noqa: E402
 from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
 from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
 from ..heads import detect_heads  # noqa: E402
+from ..labels import strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..patching import activation_patching  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
-from ..scores import strongest_heads  # noqa: E402
 from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
