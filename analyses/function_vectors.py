@@ -26,9 +26,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
-from .metrics import _main_output, batch_of
 from .taxonomy_base import bootstrap, refuse_stacks
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
