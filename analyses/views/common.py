@@ -19,6 +19,7 @@ from interp.tokens import display_tokens, visible
 ASSETS = Path(__file__).resolve().parent / "assets"
 SCALE = 10_000  # weights are embedded as round(weight * SCALE): 4 decimals
 MAX_BYTES = 24_000_000  # refuse views whose weights alone would embed more than this
+MIN_FONT = 7.5  # points, in figures: 10.4 px at 100 px per inch
 
 
 def visible_token(token) -> str:

@@ -32,11 +32,12 @@ from ..pruning import curve_summary  # noqa: E402
 from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
-from .plots import attention_heatmap, dla_bars, head_score_grid, patching_heatmap  # noqa: E402
+from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _DPI, _Figures, _ablation, _formats, _png, _pruning  # noqa: E402,F401
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
 from .seq2seq_report import seq2seq_study_inputs, write_seq2seq_report  # noqa: E402
+from .study_plots import dla_bars, head_score_grid, patching_heatmap  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 

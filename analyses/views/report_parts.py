@@ -16,7 +16,8 @@ from PIL import Image  # matplotlib's own dependency
 
 from ..ablation import ablation_scan
 from ..pruning import pruning_curve
-from .plots import FORMATS, ablation_heatmap, pruning_curve_plot
+from .plots import FORMATS
+from .study_plots import ablation_heatmap, pruning_curve_plot
 
 _DPI = 200  # the page shows PNGs at half their pixel size: 100 px per inch, sharp on high-density screens
 
