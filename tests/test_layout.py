@@ -101,6 +101,21 @@ def test_imports_go_hooks_interp_analyses_and_form_no_cycle():
                                  "module below them")
 
 
+def _room(module: str) -> int:
+    """0: a study (analyses/*.py), 1: a view (analyses/views/), 2: the CLI (analyses/cli/), on top."""
+    return 2 if module.startswith("analyses.cli") else 1 if module.startswith("analyses.views") else 0
+
+
+def test_studies_views_and_the_cli_are_separate_rooms():
+    """Studies import no view and no CLI module, views no CLI module. ``analyses.plots`` and ``analyses.report``
+    are the old homes of two views, kept as re-exports of them."""
+    edges = import_graph(modules(ROOT))
+    shims = {"analyses.plots", "analyses.report"}
+    upward = sorted((a, b) for a, deps in edges.items() for b in deps
+                    if a.startswith("analyses") and a not in shims and _room(b) > _room(a))
+    assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
+
+
 def test_every_module_of_the_three_packages_is_at_most_400_lines():
     found = modules(ROOT)
     long = {name: n for name, path in found.items()
