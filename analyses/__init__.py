@@ -13,7 +13,8 @@ _LAZY = {
     # Head detection (issue 3)
     "detect_heads": "heads",
     **dict.fromkeys(["DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "head_labels", "label_heads",
-                     "pattern_scores", "strongest_heads"], "scores"),
+                     "strongest_heads"], "labels"),
+    "pattern_scores": "scores",
     # Circuits (issue 13): patching, attribution, composition
     **dict.fromkeys(["attribution_patching", "direct_logit_attribution", "logit_lens"], "attribution"),
     **dict.fromkeys(["LowRank", "composition_scores", "ov_circuit", "qk_circuit"], "composition"),

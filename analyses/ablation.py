@@ -22,8 +22,9 @@ import torch
 
 from interp.sites import FRONT, all_heads, check_heads, head_columns, site_of
 
+from .batches import batch_of
 from .engine import Shard, _arguments, copies_per_forward, scan
-from .metrics import as_metric, batch_of
+from .metrics import as_metric
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
 

@@ -20,7 +20,8 @@ from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import distributed
 from interp.progress import progress
 
-from .metrics import Batch, Metric, _main_output
+from .batches import Batch, _main_output
+from .metrics import Metric
 
 __all__ = ["scan", "copies_per_forward", "slice_output", "Shard"]
 

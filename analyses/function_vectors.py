@@ -26,10 +26,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
-from .metrics import _main_output, batch_of
-from .taxonomy import bootstrap, refuse_stacks
+from .taxonomy_base import bootstrap, refuse_stacks
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
 
@@ -39,7 +39,7 @@ ICL_TASKS = Path(__file__).resolve().parent / "data" / "icl_tasks.json"
 @cache
 def icl_tasks() -> dict[str, tuple[tuple[str, str], ...]]:
     """The bundled tasks: name -> (input, answer) pairs; ``uppercase`` from the corpus's lowercase words."""
-    from .heads import corpus_sentences
+    from .corpus import corpus_sentences
 
     tasks = {k: tuple(tuple(p) for p in v) for k, v in json.loads(ICL_TASKS.read_text(encoding="utf-8"))["tasks"].items()}
     words = sorted({w for s in corpus_sentences() for w in re.findall(r"\b[a-z]{3,}\b", s)})

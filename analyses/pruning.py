@@ -28,8 +28,9 @@ from interp.pruning import kept_heads, plan_layer, slice_heads
 from interp.sites import FRONT, head_columns, head_key, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
+from .batches import _main_output, batch_of
 from .engine import Shard, _arguments
-from .metrics import _main_output, as_metric, batch_of
+from .metrics import as_metric
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
 

@@ -22,7 +22,7 @@ import torch
 
 from interp.stats import attention_stats
 
-from .heads import _ordinary_ids, _special_frame, corpus_sentences
+from .corpus import _ordinary_ids, _special_frame, corpus_sentences
 
 __all__ = ["NeedlePrompt", "needle_prompts", "run_needle", "retrieval_step_hits", "retrieval_heads"]
 

@@ -31,30 +31,14 @@ import torch
 
 from interp.stats import attention_stats
 
+from .labels import (DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES, head_labels,  # noqa: F401
+                     label_heads, resolve_thresholds, strongest_heads)
+
 __all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
            "label_heads", "head_labels", "strongest_heads"]
 
 WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
 KINDS = WEIGHT_SCORES + ("positional",)
-
-# ARENA's 0.4 for previous/current/induction; Gu et al.'s 0.3 for sinks; Voita et al.'s 0.9 for positional.
-DEFAULT_THRESHOLDS = {
-    "previous_token": 0.4,
-    "next_token": 0.4,
-    "self": 0.4,
-    "sink": 0.3,
-    "duplicate_token": 0.4,
-    "induction": 0.4,
-    "positional": 0.9,
-    # the literature's head taxonomy (analyses.taxonomy, taxonomy_ioi, function_vectors); Gould et al.'s 0.4
-    "successor": 0.4,
-    "copy_suppression": 0.4,
-    "name_mover": 0.1,  # a tenth of the IOI logit difference written directly, and END->IO > END->S attention
-    "s_inhibition": 0.1,  # a tenth of the clean-corrupted gap through the name movers' queries
-    "function_vector": 0.02,  # two points of P(answer) on shuffled-label prompts
-    "retrieval": 0.1,  # Wu et al. 2024: fewer than 5% of heads score above 0.1
-}
-TAXONOMY_SCORES = ("successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector")
 
 _PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
 
@@ -302,75 +286,6 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=1), torch.nan)
 
 
-# -- labels ----------------------------------------------------------------------------------------------
-# One line per score, shown where the score is shown (report, views).
-SCORE_DEFINITIONS = {
-    "induction": "on repeated random tokens, the weight a token puts on the token right after an earlier "
-                 "occurrence of itself (Olsson et al. 2022); rows without an earlier occurrence are left out",
-    "duplicate_token": "the weight a token puts on earlier occurrences of itself",
-    "previous_token": "the weight a token puts on the token just before it (Olsson et al. 2022)",
-    "next_token": "the weight a token puts on the token just after it (bidirectional models only)",
-    "positional": "the share of rows whose largest weight sits at one fixed offset from the query "
-                  "(Voita et al. 2019); the offset is positional_offset",
-    "self": "the weight a token puts on itself",
-    "sink": "the weight a token puts on the first token of the sequence (Gu et al. 2024)",
-    "successor": "the share of ordinal items whose effective embedding the head's OV maps to the next item's logit, "
-                 "highest among its list (Gould et al. 2023)",
-    "copy_suppression": "the share of tokens whose effective embedding the head's OV maps to that token among the "
-                        "10 most negative logits (McDougall et al. 2023)",
-    "name_mover": "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also attends "
-                  "END->IO more than END->S (io_attention > 0; Wang et al. 2022)",
-    "s_inhibition": "on IOI prompts, the share of the clean-corrupted logit difference the head carries through the "
-                    "name movers' queries (path patching; Wang et al. 2022)",
-    "function_vector": "the rise in P(answer) when the head's mean few-shot output replaces its output on "
-                       "shuffled-label prompts, averaged over ICL tasks (Todd et al. 2024)",
-    "retrieval": "while the model copies a random needle out of a long haystack, the share of generated tokens for "
-                 "which the head's top-1 key is the needle token being copied (Wu et al. 2024)",
-}
-
-# Most specific first: a real induction head also puts most of its attention on the first token (a sink) and a
-# previous-token head is also positional (offset -1); the primary label names what is special about the head.
-LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "copy_suppression", "retrieval",
-               "induction", "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
-
-
-def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
-    """Every class a head's scores clear, most specific first, joined by ``+`` (``"induction+sink"``), or ``""``.
-    A score clears its threshold when it is at least the threshold; ``positional`` uses ``positional_fraction``.
-    Only scores present as columns take part."""
-    limits = resolve_thresholds(thresholds)
-    cleared = {}
-    for kind in LABEL_ORDER:
-        column = "positional_fraction" if kind == "positional" else kind
-        if column in df:
-            cleared[kind] = df[column].astype(float) >= limits[kind]
-            if kind == "name_mover" and "io_attention" in df:
-                cleared[kind] &= df["io_attention"].astype(float) > 0
-    table = pd.DataFrame(cleared, index=df.index)
-    return table.apply(lambda row: "+".join(k for k, hit in row.items() if hit), axis=1).rename("labels") \
-        if len(table.columns) else pd.Series("", index=df.index, name="labels")
-
-
-def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
-    """Each head's primary class: the most specific class whose score clears its threshold (order:
-    ``LABEL_ORDER``, induction and duplicate-token before previous-token, positional before self and sink), or
-    ``"none"``. ``head_labels`` gives every class a head clears."""
-    labels = head_labels(df, thresholds)
-    return labels.map(lambda text: text.split("+")[0] if text else "none").rename("label")
-
-
-def resolve_thresholds(thresholds: dict[str, float] | None) -> dict[str, float]:
-    """The default thresholds updated with ``thresholds``; unknown names and values outside (0, 1] are refused."""
-    thresholds = dict(thresholds or {})
-    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
-    if unknown:
-        raise ValueError(f"Unknown threshold name(s) {unknown}; thresholds are set per kind: {sorted(DEFAULT_THRESHOLDS)}.")
-    bad = {k: v for k, v in thresholds.items() if not (isinstance(v, (int, float)) and 0 < v <= 1)}
-    if bad:
-        raise ValueError(f"Thresholds are fractions in (0, 1]; got {bad}.")
-    return {**DEFAULT_THRESHOLDS, **thresholds}
-
-
 # -- scores of a given pattern ---------------------------------------------------------------------------
 def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    causal: bool = True, kinds: Iterable[str] | None = None,
@@ -430,20 +345,3 @@ def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     intervals = [f"{s}_{end}" for s in (*scores, "retrieval") for end in ("lo", "hi")]
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
-
-
-def strongest_heads(df: pd.DataFrame, per_class: int = 3) -> pd.DataFrame:
-    """The ``per_class`` highest-scoring heads of each class that some head clears, classes most specific first:
-    columns ``class``, ``layer``, ``head``, ``score`` and its 95% interval ``lo``/``hi`` (where the frame has one),
-    ``labels``. A short table where a 30-layer model labels hundreds of heads (most of them sinks)."""
-    rows = []
-    for kind in LABEL_ORDER:
-        column = "positional_fraction" if kind == "positional" else kind
-        if column not in df or "labels" not in df:
-            continue
-        cleared = df[df["labels"].str.split("+").apply(lambda labels: kind in labels)]
-        for r in cleared.sort_values(column, ascending=False).head(per_class).itertuples():
-            rows.append({"class": kind, "layer": int(r.layer), "head": int(r.head), "score": float(getattr(r, column)),
-                         "lo": float(getattr(r, f"{column}_lo", float("nan"))),
-                         "hi": float(getattr(r, f"{column}_hi", float("nan"))), "labels": r.labels})
-    return pd.DataFrame(rows, columns=["class", "layer", "head", "score", "lo", "hi", "labels"])

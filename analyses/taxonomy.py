@@ -37,25 +37,16 @@ import torch
 
 from interp.distributed import onloaded
 
-from interp.sites import is_layered
-
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
-from .scores import TAXONOMY_SCORES
+from .labels import TAXONOMY_SCORES
+from .taxonomy_base import bootstrap, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",
            "TAXONOMY_SCORES"]
 
 ORDINAL_LISTS = Path(__file__).resolve().parent / "data" / "ordinal_lists.json"
-
-
-def refuse_stacks(model, what: str) -> None:
-    """A clear refusal for models with several stacks (encoder-decoder): these scores need one residual stream."""
-    if not is_layered(model):
-        raise TypeError(f"{what} reads one residual stream and its unembedding; an encoder-decoder model has two "
-                        "stacks. Compute it on a decoder-only model, or use the attention-pattern scores "
-                        "(detect_heads's defaults), which work per (site, head).")
 
 
 @cache
@@ -152,18 +143,6 @@ def _scored_layers(model) -> list[int]:
     return [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
 
 
-def bootstrap(hits: torch.Tensor, n_bootstrap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean over items of ``hits: (items, heads)`` and its 95% percentile bootstrap interval (items resampled)."""
-    hits = hits.double()
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(hits.shape[0], (n_bootstrap, hits.shape[0]), generator=g)
-    counts = torch.zeros(n_bootstrap, hits.shape[0], dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(n_bootstrap, hits.shape[0], dtype=torch.float64))
-    boot = counts @ hits / hits.shape[0]  # (n_bootstrap, heads)
-    lo_hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
-    return hits.mean(0), lo_hi[0], lo_hi[1]
-
-
 def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, seed: int) -> pd.DataFrame:
     rows = []
     for layer, layer_hits in hits.items():  # (items, h)
@@ -217,7 +196,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
     tokens: the token ids to score (default: ``n_tokens`` ordinary tokens drawn with ``seed``). k: a token counts
     when it is among the ``k`` most negative logits of the whole vocabulary.
     """
-    from .heads import _ordinary_ids
+    from .corpus import _ordinary_ids
 
     refuse_stacks(model, "The copy-suppression score")
     if not isinstance(k, int) or k < 1:

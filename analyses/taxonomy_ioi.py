@@ -22,8 +22,9 @@ import pandas as pd
 import torch
 
 from .attribution import _unembedding, frozen_norm
-from .metrics import Metric, _main_output
-from .taxonomy import refuse_stacks
+from .batches import _main_output
+from .metrics import Metric
+from .taxonomy_base import refuse_stacks
 
 __all__ = ["name_mover_scores", "s_inhibition_scores"]
 

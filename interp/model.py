@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -15,259 +14,19 @@ from transformers.pytorch_utils import Conv1D
 
 from hooks import HOOK_TABLE, ActivationCache, AttentionMeta, HookPoint, HookRegistry, NameFilter, spec_for
 
-from .attention import ATTN_KEYS, LayerHooks, attach_layer_hooks, attached_layer_hooks, detach_layer_hooks
-from .distributed import input_device, onloaded
+from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
+from .config import ModelConfig, _config_of, _site  # noqa: F401  (their home before)
+from .distributed import onloaded
 from .families import check_supported
-from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, position_limit, texts_of, tokenize
-from .pruning import CONFIG_KEY, check_head_counts, save_pruned
-from .sites import Site
-from .structure import Structure, attention_keys, discover, set_attention_key
+from .inputs import check_inputs, fix_permissions, pad_ids, padded_positions, texts_of, tokenize
+from .pruning import check_head_counts, save_pruned
+from .structure import Structure, discover
+from .wrapper import _Handles, _replace_first, _take_over, _Wrapper, studying  # noqa: F401  (their home before)
 
 __all__ = ["HookedModel", "ModelConfig"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "result")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a hooked model, as its attention calls showed it (``interp.structure``).
-
-    ``n_heads``/``n_kv_heads``: query and key/value heads; a pruned model (``analyses.prune_model``) has fewer
-    heads in some layers: ``heads_per_layer``/``kv_heads_per_layer`` hold every layer's own counts as the
-    weights hold them. A layer that lost every head keeps one zeroed placeholder head so that transformers can
-    run it; such layers are listed in ``empty_layers`` and their placeholder is not a head in any analysis.
-    ``d_head`` is the query/key head size and ``d_head_v`` the value head size (they differ in multi-head latent
-    attention). ``block``: ``"pre-norm"``, ``"post-norm"`` or ``"parallel"`` (attention and MLP side by side).
-    ``max_positions`` is None when the model has no position limit in its config.
-    """
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    d_model: int
-    causal: bool
-    max_positions: int | None
-    vocab_size: int
-    family: str
-    heads_per_layer: tuple[int, ...] = ()
-    kv_heads_per_layer: tuple[int, ...] = ()
-    empty_layers: tuple[int, ...] = ()
-    d_head_v: int = 0
-    block: str = "pre-norm"
-    sites: tuple[Site, ...] = ()  # one per layer, ``blocks.{l}.attn`` (``interp.sites``)
-
-    def __post_init__(self):
-        if not self.heads_per_layer:
-            object.__setattr__(self, "heads_per_layer", (self.n_heads,) * self.n_layers)
-        if not self.kv_heads_per_layer:
-            object.__setattr__(self, "kv_heads_per_layer", (self.n_kv_heads,) * self.n_layers)
-        if not self.d_head_v:
-            object.__setattr__(self, "d_head_v", self.d_head)
-        if len(self.heads_per_layer) != self.n_layers or len(self.kv_heads_per_layer) != self.n_layers:
-            raise ValueError(f"heads_per_layer and kv_heads_per_layer need {self.n_layers} entries; got "
-                             f"{self.heads_per_layer} and {self.kv_heads_per_layer}.")
-
-    @property
-    def pruned(self) -> bool:
-        return bool(self.empty_layers) or any(h != self.n_heads for h in self.heads_per_layer)
-
-    def heads(self) -> list[tuple[int, int]]:
-        """Every real ``(layer, head)``, layer by layer; an emptied layer's placeholder is not one."""
-        return [(l, h) for l, n in enumerate(self.heads_per_layer) if l not in self.empty_layers for h in range(n)]
-
-    @property
-    def stacks(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(s.stack for s in self.sites))
-
-
-def _config_of(hf, structure: Structure) -> ModelConfig:
-    c = hf.config
-    layers = structure.layer_attn
-    heads, kv_heads = tuple(l.n_heads for l in layers), tuple(l.n_kv_heads for l in layers)
-    if getattr(c, CONFIG_KEY, None):  # pruned: the original counts are the config's
-        n_heads = c.num_attention_heads
-        n_kv_heads = getattr(c, "num_key_value_heads", None) or n_heads
-    else:
-        n_heads, n_kv_heads = max(heads), max(kv_heads)
-    max_positions = position_limit(c)
-    vocab_size = getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings
-    return ModelConfig(
-        n_layers=structure.n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        d_head=layers[0].d_head,
-        d_model=structure.d_model,
-        causal=all(l.causal for l in layers),
-        max_positions=max_positions if isinstance(max_positions, int) else None,
-        vocab_size=int(vocab_size),
-        family=c.model_type,
-        heads_per_layer=heads,
-        kv_heads_per_layer=kv_heads,
-        empty_layers=tuple(sorted(int(l) for l, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept)),
-        d_head_v=layers[0].d_head_v,
-        block=structure.kind,
-        sites=tuple(_site(l, a, structure.o_proj[l]) for l, a in enumerate(layers)),
-    )
-
-
-def _site(layer: int, a, o_proj: str | None) -> Site:
-    """The site of one layer: a causal model's stack is a decoder, a bidirectional one's an encoder."""
-    return Site(name=f"blocks.{layer}.attn", stack="decoder" if a.causal else "encoder", block=layer, kind="self",
-                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_head=a.d_head, d_head_v=a.d_head_v, scale=a.scale,
-                causal=a.causal, o_proj=o_proj, window=a.window, softcap=a.softcap, sinks=a.sinks is not None)
-
-
-def _replace_first(output, fn):
-    """Apply fn to a module's output tensor, or to the first element of a tuple output."""
-    if isinstance(output, torch.Tensor):
-        return fn(output)
-    return (fn(output[0]), *output[1:])
-
-
-class _Handles(list):
-    """Several torch hook handles removed together."""
-
-    def remove(self) -> None:
-        for handle in self:
-            handle.remove()
-
-
-def _take_over(hf: torch.nn.Module) -> None:
-    """A HF model has one wrapper at a time: an earlier HookedModel on it loses its hooks now (so that they never
-    fire in a newer one's probe or runs) and refuses to run from here on."""
-    for module in hf.modules():
-        previous = attached_layer_hooks(module)
-        if previous is not None:
-            owner = previous.owner()
-            if owner is not None:
-                owner._drop_torch_hooks()
-            detach_layer_hooks(module)
-
-
-@contextmanager
-def studying(model):
-    """``model.studying()`` of a HookedModel or Seq2SeqHookedModel (both keep ``hf``, ``_registry`` and
-    ``_sync_module_hooks``): eval mode and the global RNG untouched inside; every module's mode, every parameter's
-    ``requires_grad`` and the hooks on every point restored on exit, also after an exception."""
-    hf, registry = model.hf, model._registry
-    modes = [(m, m.training) for m in hf.modules()]
-    # by name: accelerate replaces an offloaded weight's Parameter object each time it loads it
-    requires = [(name, p.requires_grad) for name, p in hf.named_parameters()]
-    hooks = {name: list(point.fns) for name, point in registry.points.items()}
-    devices = sorted({p.device.index or 0 for p in hf.parameters() if p.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            hf.eval()
-            yield model
-    finally:
-        for m, training in modes:
-            m.training = training
-        for name, flag in requires:
-            hf.get_parameter(name).requires_grad_(flag)
-        if any(point.fns != hooks[name] for name, point in registry.points.items()):
-            for name, point in registry.points.items():
-                point.fns[:] = hooks[name]
-            model._sync_module_hooks()
-
-
-class _Wrapper:
-    """What both model wrappers (``HookedModel``, ``interp.seq2seq.Seq2SeqHookedModel``) do the same way with their
-    hook registry (``_registry``) and torch hook handles (``_torch_handles``, made by ``_attach``)."""
-
-    def studying(self):
-        """The state every analysis runs in, and restores (a context manager).
-
-        Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
-        also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
-        hooks on every point are as they were before.
-        """
-        return studying(self)
-
-    @contextmanager
-    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
-        """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
-        self._check_attached()
-        with self._registry.hooks(fwd_hooks):
-            yield self
-
-    def reset_hooks(self) -> None:
-        """Remove every hook added through this model."""
-        self._registry.clear()
-
-    @property
-    def device(self) -> torch.device:
-        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
-        return input_device(self.hf)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.hf.parameters()).dtype
-
-    def hook_names(self) -> list[str]:
-        return self._registry.names()
-
-    def _check_attached(self, key: bool = True) -> None:
-        """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
-        this one silently without them."""
-        if not self._owns_hf():
-            raise RuntimeError(
-                "This model's HF model was wrapped again by a newer interp model (interp.load_model on the "
-                "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
-                "interp.load_model(copy.deepcopy(hf))."
-            )
-        if key:
-            self._check_attention_key()
-
-    def _check_attention_key(self) -> None:
-        """Our attention must be the one that runs: after ``model.hf.set_attn_implementation("sdpa")`` a study would
-        see no hook fire (every ablation delta 0.0, a cache without q, k or z) and say nothing."""
-        key = ATTN_KEYS.get(getattr(self, "attn", None))
-        if key is None:  # still being built
-            return
-        holders = self.__dict__.get("_attn_holders")
-        if holders is None:  # the model and each sub-model with a config of its own (attention_keys)
-            holders = self.__dict__["_attn_holders"] = [m for m, _ in attention_keys(self.hf)]
-        for holder in holders:
-            found = holder.config._attn_implementation
-            if found != key:
-                raise RuntimeError(
-                    f"The HF model's attention implementation is {found!r}, not interp's {key!r}: it was switched "
-                    f"behind the wrapper (model.hf.set_attn_implementation), so interp's attention, hooks, caches "
-                    f"and studies would not run. Call model.set_attn({self.attn!r}) (or 'eager'/'flash') to switch "
-                    "back; for HF's own attention, load a separate copy of the model.")
-
-    def _switch_attn(self, attn: str) -> None:
-        """Set the attention implementation of the HF model to our eager or flash path (refusing hooks that the
-        flash path cannot fire); the caller checks that every attention then calls it."""
-        self._check_attached(key=False)  # switching back from an implementation set behind the wrapper is the fix
-        if attn not in ATTN_KEYS:
-            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
-        if attn == "flash":
-            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
-            if eager_only:
-                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
-        set_attention_key(self.hf, ATTN_KEYS[attn])
-        self.attn = attn
-
-    def _check_points(self, points: list[HookPoint]) -> None:
-        if self.attn == "flash":
-            bad = [p.name for p in points if spec_for(p.name).eager_only]
-            if bad:
-                raise ValueError(
-                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
-                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads) "
-                    "(an encoder-decoder model: cache.pattern(site prefix, heads))."
-                )
-
-    def _keep_handles(self, wanted: set[str]) -> None:
-        """Torch hooks exactly on the keys in ``wanted``: remove the others, attach the missing ones."""
-        for key in list(self._torch_handles):
-            if key not in wanted:
-                self._torch_handles.pop(key).remove()
-        for key in wanted - self._torch_handles.keys():
-            self._torch_handles[key] = self._attach(key)
 
 
 _ENCODER_DECODER: list[type] = []  # the encoder-decoder wrapper, registered by interp.seq2seq (no import cycle)

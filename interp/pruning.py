@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .structure import Projections, Structure, discover
+from .projections import Projections
+from .structure import Structure, discover
 
 __all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "slice_heads", "check_head_counts",
            "from_pretrained_pruned", "save_pruned"]

@@ -13,7 +13,7 @@ Each prefix carries the attention hooks of the hook table (``hook_q``, ``hook_k`
 T5's relative position bias is added to the scores before the mask, as HF does; on the flash path it is
 folded into the additive mask, so the kernel's logsumexp is that of the biased scores.
 
-Where is what: found by one probe forward, as for decoder-only models (``interp.structure``): every attention
+Where is what: found by one probe forward (``interp.seq2seq_structure``), as for decoder-only models: every attention
 call is recorded with its module, and the source and target lengths differ in the probe, so a call whose key
 length is the source's and query length the target's is cross-attention.
 """
@@ -30,15 +30,14 @@ from hooks import ActivationCache, HookPoint, HookRegistry, NameFilter, spec_for
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, position_limit, texts_of, tokenize
-from .distributed import input_device
-from .model import _ENCODER_DECODER, HookedModel, _replace_first, _take_over
+from .model import _ENCODER_DECODER, HookedModel
+from .seq2seq_structure import _discover
 from .sites import Site
-from .structure import _find_blocks, _is_linear, _ModuleLog, probe
+from .wrapper import _replace_first, _take_over
 
 __all__ = ["Seq2SeqHookedModel", "Site"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
-_SOURCE_LEN, _TARGET_LEN = 7, 5  # probe lengths: different, so that cross-attention shows in its shapes
 
 
 @dataclass(frozen=True)
@@ -63,81 +62,6 @@ class Seq2SeqConfig:
         return ("encoder", "decoder")
 
     pruned = False  # structural pruning slices decoder-only and encoder-only models (interp.pruning)
-
-
-def _discover(hf) -> tuple[list[Site], str, str, dict]:
-    """Probe forward on our eager path: the attention sites, the two block lists, and the modules."""
-    vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
-    generator = torch.Generator().manual_seed(1234)
-    device = input_device(hf)
-    src = torch.randint(min(4, vocab - 1), vocab, (1, _SOURCE_LEN), generator=generator).to(device)
-    tgt = torch.randint(min(4, vocab - 1), vocab, (1, _TARGET_LEN), generator=generator).to(device)
-    recording, log = probe(hf, lambda: hf(input_ids=src, decoder_input_ids=tgt, use_cache=False))
-    encoder, decoder = hf.get_encoder(), hf.get_decoder()
-    in_encoder = {id(m) for m in encoder.modules()}
-    calls = {}
-    for call in recording.calls:  # first call per module
-        calls.setdefault(id(call["module"]), call)
-    enc, dec_self, dec_cross = [], [], []
-    for call in calls.values():
-        n_q, n_k = call["query"].shape[2], call["key"].shape[2]
-        if id(call["module"]) in in_encoder:
-            enc.append(call)
-        elif n_q == _TARGET_LEN and n_k == _SOURCE_LEN:
-            dec_cross.append(call)
-        elif n_q == n_k == _TARGET_LEN:
-            dec_self.append(call)
-        else:
-            raise NotImplementedError(f"{type(hf).__name__}: an attention call with {n_q} queries and {n_k} keys "
-                                      "fits none of encoder, decoder or cross-attention.")
-    if not enc or not dec_self or len(dec_cross) != len(dec_self):
-        raise NotImplementedError(
-            f"{type(hf).__name__}: expected encoder self-attention and, in every decoder block, self- and "
-            f"cross-attention through transformers' attention interface; found {len(enc)} encoder, "
-            f"{len(dec_self)} decoder self and {len(dec_cross)} cross-attention calls.")
-    enc_path, _ = _find_blocks(encoder, [c["module"] for c in enc])
-    dec_path, dec_blocks = _find_decoder_blocks(decoder, [c["module"] for c in dec_self], [c["module"] for c in dec_cross])
-    sites = []
-    for stack, kind, group in (("encoder", "self", enc), ("decoder", "self", dec_self), ("decoder", "cross", dec_cross)):
-        for block, call in enumerate(group):
-            q, k, v = call["query"], call["key"], call["value"]
-            sites.append(Site(
-                name=f"{stack}.blocks.{block}.{'cross_attn' if kind == 'cross' else 'attn'}", stack=stack, block=block,
-                kind=kind, n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
-                scale=float(call["scaling"]) if call["scaling"] is not None else q.shape[-1] ** -0.5,
-                causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log),
-                queries="input_ids" if stack == "encoder" else "decoder_input_ids",
-                keys="decoder_input_ids" if stack == "decoder" and kind == "self" else "input_ids"))
-    order = {("encoder", "self"): 0, ("decoder", "self"): 1, ("decoder", "cross"): 2}
-    sites.sort(key=lambda s: (order[(s.stack, s.kind)] > 0, s.block, order[(s.stack, s.kind)]))
-    by_name = {}
-    for site in sites:
-        group = {("encoder", "self"): enc, ("decoder", "self"): dec_self, ("decoder", "cross"): dec_cross}[(site.stack, site.kind)]
-        by_name[site.name] = group[site.block]["module"]
-    return sites, enc_path, dec_path, by_name
-
-
-def _o_proj(call: dict, log: _ModuleLog) -> str | None:
-    """The linear map inside the attention module whose input is z flattened over heads."""
-    z = call["out"]
-    flat = z.reshape(*z.shape[:2], -1)
-    for name, module in call["module"].named_modules():
-        if name and _is_linear(module):
-            seen = log.inputs.get(module)
-            if seen is not None and seen.shape == flat.shape and torch.equal(seen, flat):
-                return name
-    return None
-
-
-def _find_decoder_blocks(decoder, self_modules, cross_modules):
-    for name, module in decoder.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) != len(self_modules):
-            continue
-        if all(any(m is s for m in block.modules()) and any(m is c for m in block.modules())
-               for block, s, c in zip(module, self_modules, cross_modules)):
-            return name, module
-    raise NotImplementedError(f"{type(decoder).__name__}: could not find a list of decoder blocks, each holding one "
-                              "self-attention and one cross-attention module.")
 
 
 class Seq2SeqHookedModel(HookedModel):

@@ -25,13 +25,14 @@ model passed: scale, soft-cap, sinks) and every module records its first input a
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 
 import torch
 
-from .attention import EAGER_KEY, Recording
-from .distributed import input_device
+from .attention import Recording
+from .probe import _close, _find_blocks, _is_linear, _is_norm, _ModuleLog, _probe_ids, probe
+from .projections import Projections, _projections
+from .probe import attention_keys, set_attention_key  # noqa: F401  (public here, as before)
 
 __all__ = ["LayerAttention", "Projections", "Structure", "attention_keys", "describe", "discover", "set_attention_key"]
 
@@ -58,23 +59,6 @@ class LayerAttention:
     @property
     def causal(self) -> bool:
         return self.window[1] == 0
-
-
-@dataclass(frozen=True)
-class Projections:
-    """How one layer's heads sit in its weights, for pruning. Paths are relative to the block.
-
-    layout: ``"separate"`` (q, k, v each a linear), ``"concat"`` (one linear, ``[q | k | v]`` on its outputs),
-    ``"interleaved"`` (one linear, ``[q_h | k_h | v_h]`` per head, GPT-NeoX).
-    per_head: other parameters of the attention module with one slice per head along their first axis:
-    ``(path, "q" | "kv", width)`` (sinks, per-head norms over h * d).
-    """
-
-    layout: str
-    q: str
-    k: str
-    v: str
-    per_head: tuple[tuple[str, str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,154 +90,6 @@ def discover(hf: torch.nn.Module, n_tokens: int = 6) -> Structure:
     kwargs = {"use_cache": False} if "use_cache" in inspect.signature(hf.forward).parameters else {}
     recording, log = probe(hf, lambda: hf(input_ids=ids, **kwargs))
     return _read(hf, recording, log)
-
-
-def probe(hf: torch.nn.Module, forward) -> tuple[Recording, _ModuleLog]:
-    """``forward()`` once on our eager path in eval mode, recording every attention call and every module that ran;
-    the attention implementation, every module's mode and the global RNG are as they were afterwards."""
-    _refuse_meta(hf)
-    previous = attention_keys(hf)
-    modes = [(m, m.training) for m in hf.modules()]
-    log = _ModuleLog(hf)
-    try:
-        set_attention_key(hf, EAGER_KEY)
-        hf.eval()
-        with Recording() as recording, torch.no_grad(), torch.random.fork_rng(devices=[]):
-            forward()
-    finally:
-        log.remove()
-        for m, training in modes:
-            m.training = training
-        for model, key in previous:
-            if model.config._attn_implementation != key:
-                model.set_attn_implementation(key)
-    return recording, log
-
-
-def _pretrained(hf: torch.nn.Module) -> list[torch.nn.Module]:
-    """``hf`` and every sub-model of it that has a config object of its own (T5's stacks under transformers 5.17
-    copy the config, so that setting the top-level key leaves theirs as it was)."""
-    seen, models = {id(hf.config)}, [hf]
-    for module in hf.modules():
-        config = getattr(module, "config", None)
-        if (module is not hf and hasattr(module, "set_attn_implementation") and config is not None
-                and hasattr(config, "_attn_implementation") and id(config) not in seen):
-            seen.add(id(config))
-            models.append(module)
-    return models
-
-
-def attention_keys(hf: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
-    """The attention implementation of ``hf`` and of each sub-model with a config of its own."""
-    return [(model, model.config._attn_implementation) for model in _pretrained(hf)]
-
-
-def set_attention_key(hf: torch.nn.Module, key: str) -> None:
-    """``hf.set_attn_implementation(key)``, and the same on every sub-model whose config is a copy that the
-    top-level call does not reach (transformers 5.17's T5), so that every attention module calls ``key``."""
-    for model in _pretrained(hf):
-        if model.config._attn_implementation != key:
-            model.set_attn_implementation(key)
-
-
-def _refuse_meta(hf: torch.nn.Module) -> None:
-    """A weight on the ``meta`` device has a shape and no values: nothing can run. Offloaded weights (accelerate's
-    device maps put them on meta and load them around each forward through a ``_hf_hook``) are fine."""
-    hooked: list[str] = []
-    empty = []
-    for name, module in hf.named_modules():
-        if getattr(module, "_hf_hook", None) is not None:
-            hooked.append(name + ".")
-        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
-        if any(t.is_meta for _, t in tensors) and not any((name + ".").startswith(h) or not h.strip(".")
-                                                          for h in hooked):
-            empty += [f"{name}.{n}" if name else n for n, t in tensors if t.is_meta]
-    if empty:
-        raise ValueError(f"{type(hf).__name__} has {len(empty)} weight(s) on the meta device (shapes without values), "
-                         f"e.g. {empty[:3]}: it cannot run. Load real weights (interp.load_model(folder) or "
-                         "from_pretrained), or materialise them with model.to_empty(device='cpu') and load a state "
-                         "dict; to spread a large model over devices use load_model(..., device_map='auto').")
-
-
-def _probe_ids(hf, n_tokens: int) -> torch.Tensor:
-    vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
-    generator = torch.Generator().manual_seed(1234)
-    ids = torch.randint(min(4, vocab - 1), vocab, (1, n_tokens), generator=generator)
-    return ids.to(input_device(hf))  # the embedding's device (its first weight may be offloaded by a device map)
-
-
-class _ModuleLog:
-    """The first input tensor, first output tensor and call order of every module during the probe."""
-
-    def __init__(self, hf: torch.nn.Module):
-        self.inputs: dict[torch.nn.Module, torch.Tensor | None] = {}
-        self.outputs: dict[torch.nn.Module, torch.Tensor | None] = {}
-        self.order: dict[torch.nn.Module, int] = {}
-        self.ended: dict[torch.nn.Module, int] = {}
-        self.handles = []
-        for module in hf.modules():
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post))
-
-    def _pre(self, module, args, kwargs):
-        if module not in self.order:
-            self.order[module] = len(self.order) + len(self.ended)
-            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-            self.inputs[module] = tensor if isinstance(tensor, torch.Tensor) else None
-
-    def _post(self, module, args, output):
-        if module not in self.outputs:
-            self.ended[module] = len(self.order) + len(self.ended)
-            if not isinstance(output, torch.Tensor):
-                try:
-                    output = output[0]
-                except (TypeError, IndexError, KeyError):
-                    output = None
-            self.outputs[module] = output if isinstance(output, torch.Tensor) else None
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-_NORM_NAME = re.compile(r"Norm(Gated|PerHead)?\d*$")  # LlamaRMSNorm, CohereLayerNorm, StableLmLayerNormPerHead
-
-
-def _is_norm(module: torch.nn.Module) -> bool:
-    return isinstance(module, (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)) or bool(
-        _NORM_NAME.search(type(module).__name__))
-
-
-def _is_linear(module: torch.nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.ndim == 2 and not isinstance(module, torch.nn.Embedding)
-
-
-def _close(a: torch.Tensor | None, b: torch.Tensor, tol: float) -> bool:
-    """Equal within ``tol``; a tensor flattened over batch and position ((b * p, m), as OPT's MLP runs) counts."""
-    if a is None or a.numel() != b.numel() or a.shape[-1] != b.shape[-1]:
-        return False
-    return bool(((a.float().reshape(b.shape) - b.float()).abs() <= tol).all())
-
-
-def _find_blocks(hf, attn_modules: list[torch.nn.Module]) -> tuple[str, torch.nn.ModuleList]:
-    wanted = set(map(id, attn_modules))
-    for name, module in hf.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) != len(attn_modules):
-            continue
-        owners = []
-        for block in module:
-            inside = [m for m in block.modules() if id(m) in wanted]
-            if len(inside) != 1:
-                break
-            owners.append(inside[0])
-        if owners == attn_modules:
-            return name, module
-    raise NotImplementedError(
-        f"{type(hf).__name__}: could not find a list of blocks with one attention module each "
-        f"({len(attn_modules)} attention calls). Models with layers that have no attention (hybrid state-space "
-        "models), or several attention modules per block, are not supported."
-    )
 
 
 def _read(hf, recording: Recording, log: _ModuleLog) -> Structure:
@@ -431,68 +267,6 @@ def _band(mask_function, q_pos: int):
     if not bool(allowed[first:last + 1].all()):
         return None
     return (None if first == 0 else q_pos - first, None if last == 2 * q_pos - 1 else last - q_pos)
-
-
-def _projections(block, attn, o_proj, call: dict, log: _ModuleLog, names: dict) -> Projections | str:
-    """Where the heads sit in the q/k/v weights, or the reason they cannot be sliced."""
-    if o_proj is None:
-        return "no linear map reads z (the heads' outputs) directly, so there is nothing to slice per head"
-    q, k, v = call["query"], call["key"], call["value"]
-    h, g, d, e = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    b, p = v.shape[0], v.shape[2]
-    v_flat = v.transpose(1, 2).reshape(b, p, g * e)
-    linears = [m for m in attn.modules() if _is_linear(m) and m is not o_proj]
-    outs = {m: log.outputs.get(m) for m in linears}
-    path = {m: names[m] for m in linears}
-
-    def matches(out, columns):
-        return out is not None and out.shape[:2] == (b, p) and torch.equal(out[..., columns], v_flat)
-
-    per_head = _per_head_params(attn, linears + [o_proj], h, g, d, names)
-    if isinstance(per_head, str):
-        return per_head
-    if len(linears) == 1:
-        (fused,) = linears
-        out = outs[fused]
-        width = out.shape[-1] if out is not None else 0
-        if width == h * d + g * d + g * e and matches(out, slice(h * d + g * d, width)):
-            return Projections("concat", path[fused], path[fused], path[fused], per_head)
-        if g == h and d == e and width == 3 * h * d and out is not None and torch.equal(
-                out.reshape(b, p, h, 3 * d)[..., 2 * d:].reshape(b, p, h * d), v_flat):
-            return Projections("interleaved", path[fused], path[fused], path[fused], per_head)
-    if len(linears) == 3:
-        v_proj = [m for m in linears if outs[m] is not None and outs[m].shape[-1] == g * e and matches(outs[m], slice(None))]
-        rest = [m for m in linears if m not in v_proj]
-        if len(v_proj) == 1:
-            by_width = {outs[m].shape[-1] for m in rest if outs[m] is not None}
-            if h == g and by_width == {h * d}:
-                q_proj, k_proj = rest  # same heads kept on both sides: which is which does not matter
-            else:
-                q_proj = next((m for m in rest if outs[m] is not None and outs[m].shape[-1] == h * d), None)
-                k_proj = next((m for m in rest if m is not q_proj and outs[m] is not None and outs[m].shape[-1] == g * d), None)
-            if q_proj is not None and k_proj is not None:
-                return Projections("separate", path[q_proj], path[k_proj], path[v_proj[0]], per_head)
-    shown = ", ".join(f"{path[m]} ({m.weight.shape[0]} outputs)" for m in linears) or "none"
-    return f"its q/k/v projections are not a layout interp can slice per head: {shown}"
-
-
-def _per_head_params(attn, linears, h, g, d, names) -> tuple[tuple[str, str, int], ...] | str:
-    """Parameters of the attention module outside its projections: per-head ones (sliced), per-head-size ones
-    (norms over d, shared by every head: kept), anything else (pruning refused)."""
-    skip = {id(p) for m in linears for p in m.parameters()}
-    out = []
-    for name, param in attn.named_parameters():
-        if id(param) in skip:
-            continue
-        first = param.shape[0] if param.ndim else 0
-        if param.ndim and param.shape[-1] == d and param.numel() == d:
-            continue  # a norm over each head's d features, shared by all heads
-        side = "q" if first in (h, h * d) else "kv" if first in (g, g * d) else None
-        if side is None:
-            return f"the attention module has a parameter {name} of shape {tuple(param.shape)} that is not per head"
-        width = 1 if first in (h, g) and param.ndim == 1 else (d if first in (h * d, g * d) else 1)
-        out.append((f"{names[attn]}.{name}", side, width))
-    return tuple(out)
 
 
 def describe(s: Structure) -> list[str]:

@@ -26,118 +26,23 @@ kept. The weight shown on hover is the pattern's weight to those 4 decimals.
 
 from __future__ import annotations
 
-import base64
-import html
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from interp.files import atomic_write
 from interp.sites import one_site_per_layer
-from interp.tokens import display_tokens, visible
+
+from .common import (MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens,
+                     visible_token)
+from .seq2seq import CROSS_DEFINITIONS, CROSS_SCORES, _embed_sites, _Seq2SeqRun, _site_indices
 
 __all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-SCALE = 10_000  # weights are embedded as round(weight * SCALE): 4 decimals
-MAX_BYTES = 24_000_000  # refuse views whose weights alone would embed more than this
 LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines need a row per token)
 # Score columns of detect_heads a grid can be coloured by, in LABEL_ORDER; positional reads its fraction.
 GRID_SCORES = ("induction", "duplicate_token", "previous_token", "next_token", "positional_fraction", "self", "sink")
 _SCORE_KIND = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
-
-
-def visible_token(token) -> str:
-    """A token string with its whitespace visible (``interp.tokens.visible``): ``Ġ``/``▁``/spaces as ``␣``, newlines
-    as ``\\n``."""
-    return visible(token)
-
-
-def model_tokens(model, ids) -> list[str]:
-    """The display form of ``ids`` (``interp.tokens.display_tokens``), or their numbers without a tokenizer."""
-    if model.tokenizer is None:
-        return [str(int(i)) for i in ids]
-    return display_tokens(model.tokenizer, ids)
-
-
-# -- the views -------------------------------------------------------------------------------------------
-class _View:
-    """One interactive view: ``data`` (what the page embeds), ``html`` (a fragment), ``save(path)`` (a page)."""
-
-    kind = ""
-
-    def __init__(self, data: dict):
-        self.data = data
-
-    @property
-    def html(self) -> str:
-        """A self-contained fragment: its data, style and script inline."""
-        payload = _no_surrogates(json.dumps(self.data, ensure_ascii=False, separators=(",", ":")))
-        payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-        return (f'<div class="interp-view" data-view="{self.kind}">'
-                f'<style>{_asset("view.css")}</style>'
-                f'<script type="application/json" class="iv-data">{payload}</script>'
-                '<p class="iv-fallback">This view is drawn by JavaScript. In a notebook, run the cell again (or trust '
-                'the notebook); or save it with <code>view.save("view.html")</code> and open the file.</p>'
-                f'<script>{_asset("view.js")}</script></div>')
-
-    def _repr_html_(self) -> str:
-        return self.html
-
-    def page(self) -> str:
-        """The view as a whole HTML page."""
-        title = html.escape(_no_surrogates(str(self.data.get("title", "attention"))))
-        return ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-                '<meta name="viewport" content="width=device-width, initial-scale=1">'
-                f'<link rel="icon" href="data:,"><title>{title}</title></head>\n<body>{self.html}</body></html>\n')
-
-    def save(self, path: str | Path, overwrite: bool = False) -> Path:
-        """Write the view as one HTML page that opens offline; returns the path. The page is written whole or not
-        at all (``interp.files.atomic_write``); an existing file is replaced only with ``overwrite=True``."""
-        path = Path(path)
-        if path.suffix.lower() not in (".html", ".htm"):
-            raise ValueError(f"A view is saved as an .html page; got {str(path)!r}.")
-        return atomic_write(path, self.page(), overwrite=overwrite)
-
-    def __repr__(self) -> str:
-        d = self.data
-        n_heads = sum(len(h) for h in d["heads"])
-        if "sites" in d:
-            return (f"{type(self).__name__}({len(d['source']['tokens'])} source + {len(d['target']['tokens'])} target "
-                    f"tokens, {n_heads} heads in {len(d['layers'])} site(s); .save(path) writes one offline page)")
-        return (f"{type(self).__name__}({len(d['tokens'])} tokens, {n_heads} heads in "
-                f"{len(d['layers'])} layer(s); .save(path) writes one offline page)")
-
-
-class HeadView(_View):
-    """Lines (or heatmaps) between query and key tokens, one layer at a time; see ``head_view``."""
-
-    kind = "head"
-
-
-class AttentionGrid(_View):
-    """Every head as a thumbnail of its pattern, coloured by a score; see ``attention_grid``."""
-
-    kind = "grid"
-
-
-def _no_surrogates(text: str) -> str:
-    """``text`` that UTF-8 can encode: surrogate pairs joined into their character, a lone surrogate (a token
-    string cut inside a character can hold one) replaced by U+FFFD."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        joined = text.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
-        return re.sub("[\ud800-\udfff]", "\ufffd", joined)
-
-
-def _asset(name: str) -> str:
-    return (ASSETS / name).read_text(encoding="utf-8")
 
 
 # -- public functions ------------------------------------------------------------------------------------
@@ -176,8 +81,6 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     """
     if display not in (None, "lines", "matrix"):
         raise ValueError(f"display is 'lines' or 'matrix'; got {display!r}.")
-    from .seq2seq import _site_indices
-
     layers, heads = _site_indices(source, layers, heads)
     run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads))
     chosen = _choose(run, layers, heads)
@@ -243,8 +146,6 @@ class _Run:
         from hooks import ActivationCache
         from interp import HookedModel, Seq2SeqHookedModel
         from interp.seq2seq import Seq2SeqCache
-
-        from .seq2seq import _Seq2SeqRun
 
         if isinstance(source, Seq2SeqHookedModel):
             return _Seq2SeqRun.from_model(source, text_or_tokens, batch, layers)
@@ -360,23 +261,9 @@ def _choose(run: _Run, layers, heads) -> dict[int, list[int]]:
     return dict(sorted(chosen.items()))
 
 
-def _window(window, n: int) -> tuple[int, int]:
-    if window is None:
-        return 0, n
-    try:
-        lo, hi, _ = slice(*window).indices(n)
-    except TypeError:
-        raise ValueError(f"window is (start, stop) in positions; got {window!r}.") from None
-    if hi - lo < 1:
-        raise ValueError(f"window {tuple(window)} selects no position of a sequence of {n}; use start < stop <= {n}.")
-    return lo, hi
-
-
 def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
     """The data every view embeds: tokens, the chosen heads' weights (and, windowed, the weight outside)."""
     if hasattr(run, "sites"):  # an encoder-decoder model's run (views/seq2seq.py)
-        from .seq2seq import _embed_sites
-
         return _embed_sites(run, chosen, window, what)
     n_total = len(run.tokens)
     lo, hi = _window(window, n_total)
@@ -407,28 +294,11 @@ def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
     }
 
 
-def _quantise(weights: torch.Tensor, where: str = "the pattern", heads: Sequence[int] | None = None) -> np.ndarray:
-    """Weights ``(h, ...)`` in 0..1 as uint16 ``round(w * 10000)``. NaN or inf is refused, naming ``where`` and the
-    heads (``heads``: the head index of each row): cast to an integer it would be drawn as a real weight."""
-    finite = torch.isfinite(weights).reshape(weights.shape[0], -1).all(-1)  # (h,)
-    if not bool(finite.all()):
-        bad = [heads[i] if heads is not None else i for i in (~finite).nonzero().flatten().tolist()]
-        raise ValueError(f"The attention of {where}, head(s) {bad}, holds NaN or inf: the model computed non-finite "
-                         "values there (check its weights and inputs, e.g. torch.isfinite on model.hf's parameters, "
-                         "or the dtype's range). A view would draw them as weights; show other heads with heads=.")
-    return torch.round(weights.double() * SCALE).clamp(0, SCALE).to(torch.int32).numpy().astype("<u2")
-
-
-def _b64(array: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(array, dtype="<u2").tobytes()).decode("ascii")
-
-
 def _score_table(df, sites=None) -> dict:
     """Scores, intervals and labels of every head in a detect_heads table, with each score's one-line
     definition and threshold. sites: an encoder-decoder model's sites; its table's ``site`` column places a row
     at that site's index."""
-    from ..scores import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
-    from .seq2seq import CROSS_DEFINITIONS, CROSS_SCORES
+    from ..labels import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
 
     where = "site" if sites is not None else "layer"
     missing = [c for c in (where, "head") if c not in df]

@@ -7,12 +7,8 @@ request; the figures are also written to ``figures/`` as PNG, SVG or PDF (``fmt`
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import json
 import platform
-import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,26 +17,27 @@ from pathlib import Path
 import matplotlib.pyplot as plt  # noqa: E402  (the backend stays the user's: figures are saved and closed, never shown)
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 from interp.files import staged_folder  # noqa: E402
 from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
-from ..ablation import ablation_scan  # noqa: E402
 from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
-from ..heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
+from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
+from ..heads import detect_heads  # noqa: E402
+from ..labels import strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..patching import activation_patching  # noqa: E402
-from ..pruning import curve_summary, pruning_curve  # noqa: E402
-from ..scores import strongest_heads  # noqa: E402
+from ..pruning import curve_summary  # noqa: E402
 from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
-from .plots import (FORMATS, ablation_heatmap, attention_heatmap, dla_bars, head_score_grid,  # noqa: E402
-                    patching_heatmap, pruning_curve_plot)
+from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
+from .report_parts import _DPI, _Figures, _ablation, _formats, _png, _pruning  # noqa: E402,F401
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
+from .seq2seq_report import seq2seq_study_inputs, write_seq2seq_report  # noqa: E402
+from .study_plots import dla_bars, head_score_grid, patching_heatmap  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
@@ -60,8 +57,6 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):
-        from .seq2seq_report import seq2seq_study_inputs
-
         return seq2seq_study_inputs(model, prompts, n=n, seed=seed)
     if prompts is None and model.tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
@@ -110,54 +105,6 @@ def example_prompt(model, prompts: list | None = None, seed: int = 0):
     return repeated_sequences(1, 12, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)[0]
 
 
-_DPI = 200  # the page shows PNGs at half their pixel size: 100 px per inch, sharp on high-density screens
-
-
-def _png(fig) -> bytes:
-    """A 2x PNG reduced to 256 colours: a third of the bytes (a 30 x 9 score grid: 1.1 MB to 0.3 MB), and the same
-    picture, since a figure has few colours (maximum coverage keeps white white and viridis' yellow yellow)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight")
-    image = Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE)
-    out = io.BytesIO()
-    image.save(out, format="png")
-    return out.getvalue()
-
-
-class _Figures:
-    """Writes each figure to ``figures/NAME.{fmt}`` in every format asked for, and keeps a 2x PNG for the page."""
-
-    def __init__(self, folder: Path, formats: Sequence[str] = ("png",)):
-        self.folder = folder
-        self.formats = tuple(formats)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.items: dict[str, bytes] = {}
-
-    def add(self, name: str, fig) -> str:
-        data = _png(fig)
-        for fmt in self.formats:
-            path = self.folder / f"{name}.{fmt}"
-            path.write_bytes(data) if fmt == "png" else fig.savefig(path, format=fmt, bbox_inches="tight")
-        plt.close(fig)
-        self.items[name] = data
-        return name
-
-    def img(self, name: str, alt: str) -> str:
-        data = self.items[name]
-        width, height = struct.unpack(">II", data[16:24])  # the PNG header's IHDR
-        return (f'<img src="data:image/png;base64,{base64.b64encode(data).decode()}" width="{width * 100 // _DPI}" '
-                f'height="{height * 100 // _DPI}" alt="{html.escape(alt)}">')
-
-
-def _formats(fmt: str | Sequence[str]) -> tuple[str, ...]:
-    formats = (fmt,) if isinstance(fmt, str) else tuple(fmt)
-    bad = [f for f in formats if f not in FORMATS]
-    if bad or not formats:
-        got = ", ".join(map(str, bad)) or "none"
-        raise ValueError(f"Figure formats are {', '.join(FORMATS)} (one or several); got {got}.")
-    return formats
-
-
 # Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
 # is 270 forwards (README: CLI gives the measured times).
 _MANY_HEADS = 100
@@ -189,8 +136,6 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
-        from .seq2seq_report import write_seq2seq_report
-
         return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts, progress=progress,
                                     study_prompts=study_prompts, fmt=fmt)
     formats = _formats(fmt)
@@ -276,28 +221,6 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
     return summary
-
-
-def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
-    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports)."""
-    scan = ablation_scan(model, inputs, metric)
-    scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=size)
-    ablation_heatmap(scan, ax=ax)
-    figures.add("ablation", fig)
-    return scan
-
-
-def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
-    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
-    step_size = max(0.1, 1.0 / n_heads)
-    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
-                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
-    curves.to_csv(out / "pruning.csv", index=False)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
-    figures.add("pruning", fig)
-    return curves
 
 
 def _circuits(model, figures, out: Path, seed: int) -> dict:

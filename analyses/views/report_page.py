@@ -10,7 +10,7 @@ import time
 
 import pandas as pd
 
-from ..scores import SCORE_DEFINITIONS
+from ..labels import SCORE_DEFINITIONS
 
 __all__ = ["page"]
 

@@ -16,7 +16,7 @@ import torch
 
 from ..ablation import ablate_heads
 from ..metrics import first_copy_loss, second_copy_loss
-from ..scores import LABEL_ORDER
+from ..labels import LABEL_ORDER
 from ..toy import repeated_sequences
 
 __all__ = ["class_ablation", "findings", "model_name", "model_size"]

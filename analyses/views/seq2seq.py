@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import MAX_BYTES, SCALE, _b64, _quantise, visible_token
+from .common import MAX_BYTES, SCALE, _b64, _quantise, visible_token
 
 # Cross-attention scores of seq2seq_heads (analyses/seq2seq.py), coloured first in an encoder-decoder grid, and
 # their one-line definitions, as that module's docstring gives them.

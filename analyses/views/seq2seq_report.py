@@ -32,10 +32,10 @@ from ..pruning import curve_summary
 from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
 from ..metrics import target_loss
 from .attention import attention_grid, head_view
-from .plots import head_score_grid, patching_heatmap
-from .report import _ablation, _Figures, _formats, _pruning
+from .report_parts import _ablation, _Figures, _formats, _pruning
 from .report_page import _CSS, _table
 from .seq2seq import CROSS_DEFINITIONS
+from .study_plots import head_score_grid, patching_heatmap
 
 __all__ = ["write_seq2seq_report", "seq2seq_study_inputs"]
 

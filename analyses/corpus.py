@@ -1,0 +1,149 @@
+"""The prompts of the studies: a user's prompts checked into token ids, repeated random tokens, prompts drawn from
+the bundled corpus of plain English sentences, and the model's special-token frame and ordinary tokens.
+
+Shared by ``detect_heads`` (``analyses.heads``), the tasks, retrieval heads and the taxonomy; below all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from interp.inputs import encode, tokenize
+
+__all__ = ["prompt_ids", "repeated_random_tokens", "corpus_prompts", "corpus_sentences"]
+
+CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt"
+
+
+def prompt_ids(model, prompts) -> list[torch.Tensor]:
+    """The user's prompts as a list of 1-D id tensors, checked against the model's positions and vocabulary."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, Mapping):
+        ids, mask = torch.as_tensor(prompts["input_ids"]), prompts.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
+        prompts = [row[m.bool()] for row, m in zip(ids.cpu(), mask.cpu())]
+    elif isinstance(prompts, torch.Tensor):
+        prompts = list(prompts[None] if prompts.ndim == 1 else prompts)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)) or len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one text or token-id sequence, or None for the defaults.")
+    if any(isinstance(p, str) for p in prompts):
+        if not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompts mixes texts and token ids; give one kind.")
+        blank = [i for i, p in enumerate(prompts) if not p.strip()]
+        if blank:
+            raise ValueError(f"prompt {blank[0]} is empty or only whitespace ({prompts[blank[0]]!r}); every prompt "
+                             "needs some text.")
+        if model.tokenizer is None:
+            raise ValueError("This model has no tokenizer, so text prompts cannot be scored; give token ids.")
+        prompts = tokenize(model.tokenizer, list(prompts))
+    out = []
+    cfg = model.cfg
+    for i, p in enumerate(prompts):
+        ids = torch.as_tensor(p).cpu()
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} has no tokens.")
+        if ids.ndim != 1 or ids.is_floating_point():
+            raise ValueError(f"prompt {i} must be a 1-D sequence of integer token ids; got {ids.dtype} {tuple(ids.shape)}.")
+        if len(ids) > cfg.max_positions:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens but the model takes at most {cfg.max_positions} "
+                             "positions; shorten or split it.")
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}).")
+        out.append(ids.long())
+    return out
+
+
+def repeated_random_tokens(model, n_prompts: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Random ordinary tokens ``x`` repeated, framed by the model's start (and end) tokens: ``seq_len`` ids each.
+
+    ``x`` holds ceil(m / 2) distinct tokens (m = seq_len minus the special tokens) when the vocabulary allows,
+    so each second-copy token has exactly one earlier occurrence (Olsson et al. 2022 use 25 tokens, 4 repeats).
+    The frame is what the tokenizer adds to a text ([CLS] ... [SEP] for BERT); a causal model whose tokenizer
+    adds nothing, or that has none, gets ``config.bos_token_id`` in front when it has one.
+    """
+    prefix, suffix = _special_frame(model)
+    m = seq_len - len(prefix) - len(suffix)
+    if m < 4:
+        raise ValueError(f"seq_len {seq_len} leaves {m} random tokens after the special ones; use at least "
+                         f"{len(prefix) + len(suffix) + 4}.")
+    pool = _ordinary_ids(model)
+    half = math.ceil(m / 2)
+    if half <= len(pool):
+        x = torch.stack([pool[torch.randperm(len(pool), generator=generator)[:half]] for _ in range(n_prompts)])
+    else:
+        x = pool[torch.randint(len(pool), (n_prompts, half), generator=generator)]
+    body = torch.cat([x, x], dim=1)[:, :m]  # (n_prompts, m)
+    head, tail = torch.tensor(prefix, dtype=torch.long), torch.tensor(suffix, dtype=torch.long)
+    return [torch.cat([head, row, tail]) for row in body]
+
+
+def corpus_prompts(model, n_prompts: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """``n_prompts`` prompts of whole corpus sentences, drawn without replacement per prompt, up to ``seq_len``
+    tokens with the tokenizer's own special tokens (lengths vary, so batches are padded)."""
+    tok = model.tokenizer
+    sentences = corpus_sentences()
+    lengths = [len(x) for x in encode(tok, list(sentences), add_special_tokens=False)]
+    n_special = len(encode(tok, "a")) - len(encode(tok, "a", add_special_tokens=False))
+    budget = seq_len - n_special
+    if budget < 1:
+        raise ValueError(f"seq_len {seq_len} leaves no room for text after {n_special} special tokens.")
+    texts = []
+    for _ in range(n_prompts):
+        picked, used = [], 0
+        for i in torch.randperm(len(sentences), generator=generator).tolist():
+            if picked and used + lengths[i] > budget:
+                break
+            picked.append(sentences[i])
+            used += lengths[i]
+        texts.append(" ".join(picked))
+    encoded = encode(tok, texts, truncation=True, max_length=seq_len)
+    return [torch.tensor(ids, dtype=torch.long) for ids in encoded]
+
+
+@cache
+def corpus_sentences() -> tuple[str, ...]:
+    """The bundled corpus: plain English sentences written for this project, one per line."""
+    return tuple(line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def _special_frame(model) -> tuple[list[int], list[int]]:
+    tok = model.tokenizer
+    if tok is not None:
+        framed = encode(tok, "a")
+        bare = encode(tok, "a", add_special_tokens=False)
+        at = next((i for i in range(len(framed) - len(bare) + 1) if framed[i:i + len(bare)] == bare), None)
+        if at is not None:
+            prefix, suffix = framed[:at], framed[at + len(bare):]
+            if prefix or not model.cfg.causal:
+                return prefix, suffix
+    bos = getattr(model.hf.config, "bos_token_id", None)
+    if model.cfg.causal and isinstance(bos, int) and 0 <= bos < model.cfg.vocab_size:
+        return [bos], []
+    return [], []
+
+
+def _ordinary_ids(model) -> torch.Tensor:
+    """Token ids other than special ones (config's and tokenizer's, and bracketed names like [unused3])."""
+    config, tok = model.hf.config, model.tokenizer
+    special: set[int] = set()
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id", "mask_token_id",
+                 "unk_token_id", "decoder_start_token_id"):
+        value = getattr(config, attr, None)
+        special.update([value] if isinstance(value, int) else value if isinstance(value, (list, tuple)) else [])
+    limit = model.cfg.vocab_size
+    if tok is not None:
+        special.update(tok.all_special_ids)
+        limit = min(limit, len(tok))
+        names = tok.convert_ids_to_tokens(list(range(limit)))
+        special.update(i for i, t in enumerate(names)
+                       if isinstance(t, str) and len(t) > 2 and (t[0], t[-1]) in (("[", "]"), ("<", ">")))
+    keep = torch.tensor([i for i in range(limit) if i not in special], dtype=torch.long)
+    if len(keep) < 2:
+        raise ValueError(f"The model's vocabulary has {len(keep)} ordinary tokens; random prompts need at least 2.")
+    return keep

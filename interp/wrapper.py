@@ -1,0 +1,166 @@
+"""What every model wrapper shares: ``studying`` (the state an analysis runs in, restored after), the hook context,
+the checks that our attention is the one that runs, and ``_take_over`` (one wrapper per HF model at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+import torch
+
+from hooks import HookPoint, NameFilter, spec_for
+
+from .attention import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
+from .distributed import input_device
+from .probe import attention_keys, set_attention_key
+
+
+def _replace_first(output, fn):
+    """Apply fn to a module's output tensor, or to the first element of a tuple output."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    return (fn(output[0]), *output[1:])
+
+
+class _Handles(list):
+    """Several torch hook handles removed together."""
+
+    def remove(self) -> None:
+        for handle in self:
+            handle.remove()
+
+
+def _take_over(hf: torch.nn.Module) -> None:
+    """A HF model has one wrapper at a time: an earlier HookedModel on it loses its hooks now (so that they never
+    fire in a newer one's probe or runs) and refuses to run from here on."""
+    for module in hf.modules():
+        previous = attached_layer_hooks(module)
+        if previous is not None:
+            owner = previous.owner()
+            if owner is not None:
+                owner._drop_torch_hooks()
+            detach_layer_hooks(module)
+
+
+@contextmanager
+def studying(model):
+    """``model.studying()`` of a HookedModel or Seq2SeqHookedModel (both keep ``hf``, ``_registry`` and
+    ``_sync_module_hooks``): eval mode and the global RNG untouched inside; every module's mode, every parameter's
+    ``requires_grad`` and the hooks on every point restored on exit, also after an exception."""
+    hf, registry = model.hf, model._registry
+    modes = [(m, m.training) for m in hf.modules()]
+    # by name: accelerate replaces an offloaded weight's Parameter object each time it loads it
+    requires = [(name, p.requires_grad) for name, p in hf.named_parameters()]
+    hooks = {name: list(point.fns) for name, point in registry.points.items()}
+    devices = sorted({p.device.index or 0 for p in hf.parameters() if p.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            hf.eval()
+            yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+        for name, flag in requires:
+            hf.get_parameter(name).requires_grad_(flag)
+        if any(point.fns != hooks[name] for name, point in registry.points.items()):
+            for name, point in registry.points.items():
+                point.fns[:] = hooks[name]
+            model._sync_module_hooks()
+
+
+class _Wrapper:
+    """What both model wrappers (``HookedModel``, ``interp.seq2seq.Seq2SeqHookedModel``) do the same way with their
+    hook registry (``_registry``) and torch hook handles (``_torch_handles``, made by ``_attach``)."""
+
+    def studying(self):
+        """The state every analysis runs in, and restores (a context manager).
+
+        Inside: eval mode (no dropout, so a study is deterministic) and the global RNG untouched. On exit,
+        also after an exception: every module's train/eval mode, every parameter's ``requires_grad`` and the
+        hooks on every point are as they were before.
+        """
+        return studying(self)
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
+        """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
+        self._check_attached()
+        with self._registry.hooks(fwd_hooks):
+            yield self
+
+    def reset_hooks(self) -> None:
+        """Remove every hook added through this model."""
+        self._registry.clear()
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the input embedding's device (with a device map, its execution device)."""
+        return input_device(self.hf)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    def hook_names(self) -> list[str]:
+        return self._registry.names()
+
+    def _check_attached(self, key: bool = True) -> None:
+        """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run
+        this one silently without them."""
+        if not self._owns_hf():
+            raise RuntimeError(
+                "This model's HF model was wrapped again by a newer interp model (interp.load_model on the "
+                "same instance), which now owns its hooks and attention path. Use the newer one, or wrap a copy: "
+                "interp.load_model(copy.deepcopy(hf))."
+            )
+        if key:
+            self._check_attention_key()
+
+    def _check_attention_key(self) -> None:
+        """Our attention must be the one that runs: after ``model.hf.set_attn_implementation("sdpa")`` a study would
+        see no hook fire (every ablation delta 0.0, a cache without q, k or z) and say nothing."""
+        key = ATTN_KEYS.get(getattr(self, "attn", None))
+        if key is None:  # still being built
+            return
+        holders = self.__dict__.get("_attn_holders")
+        if holders is None:  # the model and each sub-model with a config of its own (attention_keys)
+            holders = self.__dict__["_attn_holders"] = [m for m, _ in attention_keys(self.hf)]
+        for holder in holders:
+            found = holder.config._attn_implementation
+            if found != key:
+                raise RuntimeError(
+                    f"The HF model's attention implementation is {found!r}, not interp's {key!r}: it was switched "
+                    f"behind the wrapper (model.hf.set_attn_implementation), so interp's attention, hooks, caches "
+                    f"and studies would not run. Call model.set_attn({self.attn!r}) (or 'eager'/'flash') to switch "
+                    "back; for HF's own attention, load a separate copy of the model.")
+
+    def _switch_attn(self, attn: str) -> None:
+        """Set the attention implementation of the HF model to our eager or flash path (refusing hooks that the
+        flash path cannot fire); the caller checks that every attention then calls it."""
+        self._check_attached(key=False)  # switching back from an implementation set behind the wrapper is the fix
+        if attn not in ATTN_KEYS:
+            raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
+        if attn == "flash":
+            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
+            if eager_only:
+                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
+        set_attention_key(self.hf, ATTN_KEYS[attn])
+        self.attn = attn
+
+    def _check_points(self, points: list[HookPoint]) -> None:
+        if self.attn == "flash":
+            bad = [p.name for p in points if spec_for(p.name).eager_only]
+            if bad:
+                raise ValueError(
+                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
+                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads) "
+                    "(an encoder-decoder model: cache.pattern(site prefix, heads))."
+                )
+
+    def _keep_handles(self, wanted: set[str]) -> None:
+        """Torch hooks exactly on the keys in ``wanted``: remove the others, attach the missing ones."""
+        for key in list(self._torch_handles):
+            if key not in wanted:
+                self._torch_handles.pop(key).remove()
+        for key in wanted - self._torch_handles.keys():
+            self._torch_handles[key] = self._attach(key)

@@ -1,0 +1,144 @@
+"""The house (issue 23): imports go one way, ``hooks`` <- ``interp`` <- ``analyses``, with no import cycle among the
+modules of the three packages (function-local imports count: they are cycles that wait for the first call), and every
+module is at most 400 lines. Read from the source with ``ast``: nothing is imported to check it."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hooks", "interp", "analyses")  # lowest first: each may import only the ones before it
+MAX_LINES = 400
+
+
+def modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of ``packages`` under ``root`` (a package is its __init__)."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, known) -> list[str]:
+    """The modules an import statement names (``from x import y`` names x.y where y is a module, else x)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level:
+        parts = (name if is_package else name.rsplit(".", 1)[0]).split(".")
+        parts = parts[:len(parts) - node.level + 1]
+        root = ".".join(parts + ([node.module] if node.module else []))
+    else:
+        root = node.module or ""
+    return [f"{root}.{a.name}" if f"{root}.{a.name}" in known else root for a in node.names]
+
+
+def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of ``found`` it imports anywhere in its file (function-local imports included)."""
+    edges = {}
+    for name, path in found.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _targets(name, path.name == "__init__.py", node, found):
+                    while target not in found and "." in target:  # a name inside a module: the module
+                        target = target.rsplit(".", 1)[0]
+                    if target in found and target != name:
+                        deps.add(target)
+        edges[name] = deps
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(edges) + 100))
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def upward_imports(edges: dict[str, set[str]], packages=PACKAGES) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a package imports one above it (interp importing analyses, ...)."""
+    rank = {p: i for i, p in enumerate(packages)}
+    return sorted((a, b) for a, deps in edges.items() for b in deps
+                  if rank[b.split(".")[0]] > rank[a.split(".")[0]])
+
+
+def test_imports_go_hooks_interp_analyses_and_form_no_cycle():
+    found = modules(ROOT)
+    assert {"hooks", "interp.model", "analyses.heads", "analyses.views.report"} <= set(found)
+    edges = import_graph(found)
+    assert sum(map(len, edges.values())) > 100  # the parser sees the imports (a few hundred)
+    assert upward_imports(edges) == [], "imports must go hooks <- interp <- analyses"
+    assert cycles(edges) == [], ("import cycles (function-local imports count): move what both sides need into a "
+                                 "module below them")
+
+
+def _room(module: str) -> int:
+    """0: a study (analyses/*.py), 1: a view (analyses/views/), 2: the CLI (analyses/cli/), on top."""
+    return 2 if module.startswith("analyses.cli") else 1 if module.startswith("analyses.views") else 0
+
+
+def test_studies_views_and_the_cli_are_separate_rooms():
+    """Studies import no view and no CLI module, views no CLI module. ``analyses.plots`` and ``analyses.report``
+    are the old homes of two views, kept as re-exports of them."""
+    edges = import_graph(modules(ROOT))
+    shims = {"analyses.plots", "analyses.report"}
+    upward = sorted((a, b) for a, deps in edges.items() for b in deps
+                    if a.startswith("analyses") and a not in shims and _room(b) > _room(a))
+    assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
+
+
+def test_every_module_of_the_three_packages_is_at_most_400_lines():
+    found = modules(ROOT)
+    long = {name: n for name, path in found.items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines: {long}; split them by responsibility"
+
+
+def test_the_checks_find_a_function_local_cycle_and_an_upward_import(tmp_path):
+    files = {
+        "hooks/__init__.py": "",
+        "interp/__init__.py": "from .a import f\n",
+        "interp/a.py": "def f():\n    from .b import g  # a cycle that waits for the first call\n    return g()\n",
+        "interp/b.py": "from interp.a import f\n\ndef g():\n    import analyses.c\n    return f\n",
+        "analyses/__init__.py": "",
+        "analyses/c.py": "import torch\n",
+        "analyses/d.py": "from ..interp import a\nfrom interp.b import g\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    edges = import_graph(modules(tmp_path))
+    assert edges["analyses.d"] == {"interp.a", "interp.b"}
+    assert cycles(edges) == [["interp.a", "interp.b"]]
+    assert upward_imports(edges) == [("interp.b", "analyses.c")]
+    edges["interp.a"].discard("interp.b")
+    assert cycles(edges) == []
