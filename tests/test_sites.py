@@ -9,7 +9,8 @@ from conftest import tiny_hf
 from test_seq2seq import _tiny
 
 import interp
-from analyses import ablate_heads, ablation_scan, lm_loss, path_patching
+from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, head_importance, lm_loss,
+                      path_patching)
 from analyses.seq2seq import copy_task, target_loss
 from interp.sites import FRONT, check_heads, head_columns
 
@@ -50,6 +51,12 @@ def test_a_layered_model_takes_site_names_wherever_it_takes_layers(llama):
     with torch.no_grad(), ablate_heads(llama, [(1, 0)]):
         b = llama(ids).logits
     assert torch.equal(a, b) and not torch.equal(a, llama(ids).logits)
+    corrupted = ids.flip(0)
+    for study in (lambda heads: activation_patching(llama, ids, corrupted, lm_loss, heads=heads),
+                  lambda heads: attribution_patching(llama, ids, corrupted, lm_loss, heads=heads),
+                  lambda heads: path_patching(llama, ids, corrupted, [(1, 3)], lm_loss, senders=heads),
+                  lambda heads: head_importance(llama, ids, lm_loss, ablated=heads)):
+        assert study([(0, 1), (0, 2)]).equals(study([("blocks.0.attn", 1), ("blocks.0.attn", 2)]))
     with pytest.raises(ValueError, match="not an attention site of this model; did you mean 'blocks.1.attn'"):
         check_heads(llama, [("blocks.1.atn", 0)])
     with pytest.raises(ValueError, match="Head 99 is out of range"):
