@@ -2,7 +2,8 @@
 still holds; the committed copies carry their outputs, stay small and import only the public API.
 
 Each notebook runs in a temporary copy (the committed file is not rewritten), with a check cell appended that
-asserts, in the notebook's own kernel, the facts its markdown states. The five take about four minutes together.
+asserts, in the notebook's own kernel, the facts its markdown states. The quickstart, induction and pruning notebooks
+run by default (about two minutes); the real-model and circuits notebooks (about five minutes) are marked slow.
 """
 
 from __future__ import annotations
@@ -160,11 +161,13 @@ def test_induction_notebook_runs_and_ablation_breaks_copying(tmp_path):
     assert rows["induction heads"][2] < 0.1 < 0.95 < rows["clean"][2], table  # copying disappears
 
 
+@pytest.mark.slow  # SmolLM2 in a kernel: ~100 s quiet; test_real_models.py checks the same model in-process
 def test_real_model_notebook_checks_heads_against_hf_and_ablates_them(tmp_path):
     nb = _executed("04_real_model_heads", tmp_path)
     assert _number(r"Pearson r = (\S+),", _text(nb, "np.corrcoef")) > 0.9999
 
 
+@pytest.mark.slow  # ~3 min quiet, the heaviest test; test_circuits.py checks every study it calls
 def test_circuits_notebook_runs(tmp_path):
     nb = _executed("05_circuits", tmp_path)
     assert _number(r"Spearman (\S+) over all heads", _text(nb, "rho = np.corrcoef")) > 0.8

@@ -461,6 +461,7 @@ def _trained_heads(folder):
     return detect_heads(model, kinds=["previous_token", "induction"], n_prompts=50, n_bootstrap=10)
 
 
+@pytest.mark.slow  # a full training run (~70 s quiet); test_cli.py::test_train_toy_small covers the verb
 def test_train_toy_forms_the_circuit_again(tmp_path, capsys):
     """'train-toy rebuilds the bundled model byte for byte' did not hold on another machine. What must hold
     anywhere: the recipe forms previous-token heads in layer 0 and induction heads in layer 1 (1,000 steps
