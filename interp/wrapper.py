@@ -123,8 +123,8 @@ class _Wrapper:
         if key is None:  # still being built
             return
         holders = self.__dict__.get("_attn_holders")
-        if holders is None:  # the model and each sub-model with a config of its own (attention_keys)
-            holders = self.__dict__["_attn_holders"] = [m for m, _ in attention_keys(self.hf)]
+        if holders is None:  # the model and each sub-model with a config of its own that took our key
+            holders = self.__dict__["_attn_holders"] = [m for m, found in attention_keys(self.hf) if found == key]
         for holder in holders:
             found = holder.config._attn_implementation
             if found != key:
@@ -145,6 +145,9 @@ class _Wrapper:
             if eager_only:
                 raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
         set_attention_key(self.hf, ATTN_KEYS[attn])
+        # the holders whose attention is ours now: a sub-model that refuses a dynamic switch (GOT-OCR2's vision
+        # tower, which does not use the attention interface) keeps its own and is not ours to watch
+        self.__dict__["_attn_holders"] = [m for m, found in attention_keys(self.hf) if found == ATTN_KEYS[attn]]
         self.attn = attn
 
     def _check_points(self, points: list[HookPoint]) -> None:
