@@ -33,7 +33,8 @@ import torch
 from matplotlib.figure import FigureBase
 from matplotlib.patches import Rectangle
 
-from .attention import _window, model_tokens, visible_token
+from .attention import _window, model_tokens
+from .fonts import clean_token, token_labels
 
 __all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
            "clean_token", "save_figure"]
@@ -49,12 +50,6 @@ _SITE = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.(attn|cross_attn)")
 
 
 # -- attention pattern -----------------------------------------------------------------------------------
-def clean_token(token: str) -> str:
-    """A token string fit for a tick label: BPE space/newline markers made visible (``visible_token``), ``$``
-    escaped (matplotlib would read it as mathtext)."""
-    return visible_token(token).replace("$", r"\$")
-
-
 def _is_index(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -92,7 +87,7 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     lo, hi = _window(window, n)
     pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
     positions = range(lo, hi)
-    labels = [clean_token(t) for t in tokens]
+    labels, families = token_labels(clean_token(t) for t in tokens)  # fonts that draw them; \uXXXX where none does
     m = len(labels)
     if ax is None:
         side = min(max(4.0, 0.17 * m + 1.8), 16.0)
@@ -102,9 +97,9 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
                 cbar_kws={"label": "attention weight", "shrink": 0.6})
     every = _label_step(ax, m, size)  # label every k-th token where rows are too thin for their labels
     ticks = np.arange(0, m, every)
-    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size)
+    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size, fontfamily=families)
     ax.set_yticks(ticks + 0.5, [f"{labels[i]} {positions[i]}" if window is not None else labels[i] for i in ticks],
-                  rotation=0, fontsize=size)
+                  rotation=0, fontsize=size, fontfamily=families)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     span = "" if window is None else f", positions {lo}..{hi - 1}"
