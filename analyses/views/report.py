@@ -27,19 +27,15 @@ from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
-from ..ablation import ablation_scan  # noqa: E402
-from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
 from ..heads import corpus_sentences, detect_heads, repeated_random_tokens  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
-from ..patching import activation_patching  # noqa: E402
-from ..pruning import curve_summary, pruning_curve  # noqa: E402
+from ..pruning import curve_summary  # noqa: E402
 from ..scores import strongest_heads  # noqa: E402
-from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
-from .plots import (FORMATS, ablation_heatmap, attention_heatmap, dla_bars, head_score_grid,  # noqa: E402
-                    patching_heatmap, pruning_curve_plot)
+from .plots import FORMATS, attention_heatmap, head_score_grid  # noqa: E402
 from .report_page import page  # noqa: E402
+from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
@@ -158,12 +154,9 @@ def _formats(fmt: str | Sequence[str]) -> tuple[str, ...]:
     return formats
 
 
-# Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
-# is 270 forwards (README: CLI gives the measured times).
-_MANY_HEADS = 100
 
 
-def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
+def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int | None = None,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
                  fmt: str | Sequence[str] = "png", overwrite: bool = False) -> dict:
     """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
@@ -171,8 +164,10 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
+    n_prompts: prompts per head score (default 64, or 32 for a model with more than 100 heads, whose bootstrap
+    intervals stay narrow: on SmolLM2 the widest is 0.09, BENCHMARKS.md).
     study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
-    more than 100 heads).
+    more than 100 heads; pruning steps of 10% of the remaining heads, or 20% there).
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
     overwrite: replace the report files of an earlier report in ``out`` (other files there are left alone); without
@@ -191,8 +186,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
         from .seq2seq_report import write_seq2seq_report
 
-        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts, progress=progress,
-                                    study_prompts=study_prompts, fmt=fmt)
+        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts or 64,
+                                    progress=progress, study_prompts=study_prompts, fmt=fmt)
     formats = _formats(fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,8 +196,11 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     stages: list[tuple[str, float]] = []  # (stage, start time)
     t_start = time.perf_counter()
     n_heads = len(model.cfg.heads())
+    many = n_heads > _MANY_HEADS
     if study_prompts is None:
-        study_prompts = 32 if n_heads <= _MANY_HEADS else 4
+        study_prompts = 4 if many else 32
+    if n_prompts is None:
+        n_prompts = 32 if many else 64
 
     def timed(stage: str):
         step(stage)
@@ -263,6 +261,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "baseline": float(scan["baseline"].iloc[0]),
         "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
         "pruning": summary_curves.to_dict(orient="records"),
+        "pruning_step": pruning_step(n_heads),
         "circuits": circuits,
         "class_ablation": by_class,
         "higher_is_better": metric.higher_is_better,
@@ -276,52 +275,6 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
     return summary
-
-
-def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
-    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports)."""
-    scan = ablation_scan(model, inputs, metric)
-    scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=size)
-    ablation_heatmap(scan, ax=ax)
-    figures.add("ablation", fig)
-    return scan
-
-
-def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
-    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
-    step_size = max(0.1, 1.0 / n_heads)
-    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
-                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
-    curves.to_csv(out / "pruning.csv", index=False)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
-    figures.add("pruning", fig)
-    return curves
-
-
-def _circuits(model, figures, out: Path, seed: int) -> dict:
-    """The induction task: attribution patching of every head (one backward), exact activation patching of the
-    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
-    clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
-    estimate = attribution_patching(model, clean, corrupted, metric)
-    top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
-    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
-    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
-    estimate.to_csv(out / "attribution.csv", index=False)
-    dla.to_csv(out / "dla.csv", index=False)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
-    patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
-    figures.add("attribution", fig)
-    fig, ax = plt.subplots(figsize=(6.5, 6.0))
-    dla_bars(dla, top=16, ax=ax)
-    figures.add("dla", fig)
-    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
-    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
-            "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
-            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
-                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
-            "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}
 
 
 _REPEATED = "repeated random tokens"

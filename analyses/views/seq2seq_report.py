@@ -33,7 +33,8 @@ from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
 from ..seq2seq_studies import target_loss
 from .attention import attention_grid, head_view
 from .plots import head_score_grid, patching_heatmap
-from .report import _ablation, _Figures, _formats, _pruning
+from .report import _Figures, _formats
+from .report_studies import _ablation, _pruning
 from .report_page import _CSS, _table
 from .seq2seq import CROSS_DEFINITIONS
 
