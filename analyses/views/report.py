@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend stays the user's: fi
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
+
 from interp.files import staged_folder  # noqa: E402
 from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
@@ -35,8 +36,8 @@ from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import FORMATS, attention_heatmap, head_score_grid  # noqa: E402
 from .report_page import page  # noqa: E402
-from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
+from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
@@ -44,14 +45,18 @@ REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summa
 _SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
 
 
-def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
+def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12,
+                 same_length: bool = False):
     """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
 
     prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
     the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
-    with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
-    and for encoders the embedding similarity to the unablated model. An encoder-decoder model: the copy task or the
-    prompts copied, with the teacher-forced target loss (``seq2seq_report.seq2seq_study_inputs``).
+    with ``len(x) = copy_len``. same_length: the first ``n`` of the project's sentences that have its most common
+    length in tokens, so that no padding is computed (SmolLM2: 14 tokens; the first 4 sentences are 72 positions
+    with padding, 62 real), where it has ``n`` such sentences. The metric: second-copy loss on repeated sequences,
+    causal LM loss on text, and for encoders the embedding similarity to the unablated model. An encoder-decoder
+    model: the copy task or the prompts copied, with the teacher-forced target loss
+    (``seq2seq_report.seq2seq_study_inputs``).
     """
     from ..seq2seq import is_seq2seq
 
@@ -64,6 +69,8 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
         bos = model.hf.config.bos_token_id
         ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
         return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    if prompts is None and same_length:
+        prompts, what = _same_length_sentences(model, n)
     if prompts is None:
         prompts = list(corpus_sentences()[:n])
         what = f"the first {len(prompts)} of the project's sentences"
@@ -73,6 +80,18 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
     if model.cfg.causal:
         return inputs, lm_loss, what
     return inputs, embedding_similarity(model, inputs), what
+
+
+def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
+    """The first ``n`` project sentences of the most common token count (ties: the longer), or None where fewer."""
+    sentences = list(corpus_sentences())
+    lengths = model.to_tokens(sentences)["attention_mask"].sum(1).tolist()
+    counts = {k: lengths.count(k) for k in set(lengths)}
+    common = max(counts, key=lambda k: (counts[k], k))
+    if counts[common] < n:
+        return None, ""
+    chosen = [s for s, k in zip(sentences, lengths) if k == common][:n]
+    return chosen, f"the first {n} of the project's sentences that are {common} tokens long (its most common length)"
 
 
 def prompt_batch(model, prompts: list) -> dict:
@@ -227,7 +246,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     views = _views(heads, strongest, shown)
 
     timed("ablation")
-    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
+    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed,
+                                               same_length=many)
     scan = _ablation(model, inputs, metric, figures, out, grid_size)
 
     circuits = None

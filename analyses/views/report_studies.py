@@ -10,6 +10,8 @@ import pandas as pd
 
 from ..ablation import ablation_scan
 from ..attribution import attribution_patching, direct_logit_attribution
+from ..engine import copies_per_forward
+from ..metrics import batch_of
 from ..patching import activation_patching
 from ..pruning import pruning_curve
 from ..tasks import induction_task
@@ -24,11 +26,12 @@ _MANY_HEADS = 100
 
 def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
     """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports). On CPU a small batch
-    runs as several copies per forward, about 256 tokens (SmolLM2's 4 prompts: 3 copies took 12% less CPU time than
-    1, 9 copies more; BENCHMARKS.md); elsewhere the engine's memory budget decides."""
+    runs as several copies per forward, about 256 tokens, where the engine's memory budget would give fewer
+    (SmolLM2's 4 prompts: 3 copies took 12% less CPU time than 1, 9 copies more; BENCHMARKS.md)."""
     per_forward = None
-    if model.device.type == "cpu" and "input_ids" in inputs:
-        per_forward = max(1, 256 // inputs["input_ids"].numel())
+    if model.device.type == "cpu":
+        batch = batch_of(model, inputs)
+        per_forward = max(copies_per_forward(model, batch, None), 256 // batch["input_ids"].numel())
     scan = ablation_scan(model, inputs, metric, heads_per_forward=per_forward)
     scan.to_csv(out / "ablation.csv", index=False)
     fig, ax = plt.subplots(figsize=size)
