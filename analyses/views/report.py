@@ -69,13 +69,12 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
         bos = model.hf.config.bos_token_id
         ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
         return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    what = f"{len(prompts)} given prompts" if prompts is not None else None
     if prompts is None and same_length:
         prompts, what = _same_length_sentences(model, n)
     if prompts is None:
         prompts = list(corpus_sentences()[:n])
         what = f"the first {len(prompts)} of the project's sentences"
-    else:
-        what = f"{len(prompts)} given prompts"
     inputs = prompt_batch(model, prompts)
     if model.cfg.causal:
         return inputs, lm_loss, what
