@@ -183,7 +183,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
     n_prompts: prompts per head score (default 64, or 32 for a model with more than 100 heads, whose bootstrap
-    intervals stay narrow: on SmolLM2 the widest is 0.09, BENCHMARKS.md).
+    intervals stay narrow: on SmolLM2 the widest is 0.10, BENCHMARKS.md).
     study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
     more than 100 heads; pruning steps of 10% of the remaining heads, or 20% there).
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
