@@ -28,12 +28,13 @@ __all__ = ["scan", "copies_per_forward", "slice_output", "Shard"]
 
 def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], int],
          hooks_for: Callable[[list, int], list], metric: Callable, per_forward: int,
-         base_hooks: Sequence = ()) -> tuple[float, list[float]]:
+         base_hooks: Sequence = (), desc: str | None = None) -> tuple[float, list[float]]:
     """The metric with ``base_hooks`` only (the baseline), then once per item.
 
     hooks_for(group, copies): the hooks of one forward over ``copies`` copies of the batch, copy ``i`` carrying
     ``group[i]``'s intervention (plus ``base_hooks``, applied in every run). first_layer(item): the first layer
-    the item changes. metric(output, batch) -> float, called on each copy's slice of the output.
+    the item changes. metric(output, batch) -> float, called on each copy's slice of the output (first on the
+    baseline's output). desc: the progress bar's label (default "N heads").
     Runs under ``model.studying()`` and ``torch.no_grad()``.
     """
     values = []
@@ -43,7 +44,7 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
             baseline = metric(_run(model, batch), batch)
         b = batch["input_ids"].shape[0]
         starts, checked = range(0, len(items), per_forward), False
-        for start in progress(starts, total=len(starts), desc=f"{len(items)} heads", unit="forward"):
+        for start in progress(starts, total=len(starts), desc=desc or f"{len(items)} heads", unit="forward"):
             group = list(items[start:start + per_forward])
             copies = len(group)
             first = min(first_layer(item) for item in group)

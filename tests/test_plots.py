@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import matplotlib
 import matplotlib.text
@@ -311,3 +312,38 @@ def test_save_figure_writes_png_svg_and_pdf(tmp_path, heads_df):
     assert png.shape[0] > 100
     with pytest.raises(ValueError, match="png, svg, pdf"):
         save_figure(ax, tmp_path / "grid.jpg")
+
+
+# -- tokens in every script (issue 27, item 7) ----------------------------------------------------------------
+def _bengali_token() -> str:
+    """A token of MiniLM's vocabulary in Bengali script (random tokens drew it as a box, with a warning)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(interp.loading.resolve_source("minilm"), local_files_only=True)
+    return next(t for t in sorted(tokenizer.get_vocab()) if t and all("\u0980" <= c <= "\u09ff" for c in t))
+
+
+def test_token_labels_draw_every_script_or_show_an_escape_never_a_box():
+    """MiniLM's report warned "Glyph 2476 (BENGALI LETTER BA) missing from font(s) DejaVu Sans" and drew a box:
+    a character some installed font has is drawn in that font (its family is on the label), one none has is shown
+    as \\uXXXX; no glyph warning; matplotlib's settings are left as they were."""
+    from analyses.views import fonts
+
+    bengali = _bengali_token()
+    tokens = [bengali, "中文", " said", "\u0378"]  # U+0378 is unassigned: no font has a glyph for it
+    pattern = torch.softmax(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), -1)
+    family_before = list(matplotlib.rcParams["font.family"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ax = attention_heatmap(pattern, tokens=tokens)
+        ax.figure.savefig(io.BytesIO(), format="png", dpi=DPI)
+    assert not [w for w in caught if "missing from font" in str(w.message)], [str(w.message) for w in caught]
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        text = [t.get_text() for t in labels]
+        families = labels[0].get_fontfamily()
+        assert families[0] == "DejaVu Sans" and text[2] == "␣said" and text[3] == "\\u0378"
+        for token, label in zip(tokens[:2], text):
+            expected = "".join(c if fonts._family_of(c) else f"\\u{ord(c):04x}" for c in token)
+            assert label == expected, (token, label)
+            assert all(fonts._family_of(c) in families for c in token if fonts._family_of(c))
+    assert matplotlib.rcParams["font.family"] == family_before and matplotlib.get_backend().lower() == "agg"

@@ -12,6 +12,7 @@ import struct
 import matplotlib.image as mpimg
 import pandas as pd
 import pytest
+import torch
 from browser import Page, chromium
 
 from analyses import SCORE_DEFINITIONS
@@ -124,6 +125,33 @@ def test_strongest_table_is_short_and_every_score_is_defined_where_shown(report)
     assert {c for c, _ in captions} >= {"induction", "previous_token", "sink"}
     assert all("threshold" in text and "95% bootstrap interval" in text for c, text in captions
                if c != "positional_fraction")
+
+
+def test_study_inputs_of_one_length_say_so_and_compute_no_padding():
+    """The report on a model with many heads runs its ablation scan and pruning on sentences of one length (SmolLM2's
+    first 4 sentences were 72 positions, 10 of them padding); the description must name those sentences, not call
+    them "given prompts" (as a first version did)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    import interp
+    from analyses.heads import corpus_sentences
+    from analyses.views.report import study_inputs
+
+    tokenizer = AutoTokenizer.from_pretrained(interp.loading.resolve_source("minilm"), local_files_only=True)
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=len(tokenizer)))
+    model = interp.load_model(hf.eval())
+    model.tokenizer = tokenizer
+    batch, _, what = study_inputs(model, None, n=4, same_length=True)
+    length = batch["input_ids"].shape[1]
+    assert what == f"the first 4 of the project's sentences that are {length} tokens long (its most common length)"
+    assert batch["attention_mask"] is None or bool(batch["attention_mask"].all())
+    lengths = [len(tokenizer(s)["input_ids"]) for s in corpus_sentences()]
+    assert lengths.count(length) == max(lengths.count(k) for k in set(lengths))
+    expected = [s for s, k in zip(corpus_sentences(), lengths) if k == length][:4]
+    assert torch.equal(batch["input_ids"], model.to_tokens(expected)["input_ids"])
+    assert study_inputs(model, None, n=4)[2] == "the first 4 of the project's sentences"
+    assert study_inputs(model, ["one text", "another"], same_length=True)[2] == "2 given prompts"
 
 
 def test_report_writes_vector_figures_for_papers(tmp_path, capsys):

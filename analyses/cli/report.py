@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("report", help="an HTML report: head classes, attention maps, ablation, pruning")
     _model_options(p)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--n-prompts", type=_positive_int, default=64)
+    p.add_argument("--n-prompts", type=_positive_int, default=None, help="prompts per head score (default 64, or 32 "
+                   "for a model with more than 100 heads)")
     p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
                    "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
@@ -25,7 +26,7 @@ def cmd_report(args) -> int:
 
     _check_out(args.out, args.force)
     t0 = time.perf_counter()
-    progress = _Progress(["load", "heads", "attention maps", "ablation", "pruning"])
+    progress = _Progress(["load", "heads", "attention maps", "ablation", "circuits", "classes", "pruning"])
     try:
         progress("load")
         model = _load(args)

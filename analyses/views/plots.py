@@ -30,7 +30,8 @@ import seaborn as sns
 import torch
 from matplotlib.figure import FigureBase
 
-from .common import MIN_FONT, _window, model_tokens, visible_token
+from .common import MIN_FONT, _window, model_tokens
+from .fonts import clean_token, token_labels
 from .study_plots import (ablation_heatmap, dla_bars, head_score_grid, patching_heatmap,  # noqa: F401
                           pruning_curve_plot)
 
@@ -41,12 +42,6 @@ FORMATS = ("png", "svg", "pdf")
 
 
 # -- attention pattern -----------------------------------------------------------------------------------
-def clean_token(token: str) -> str:
-    """A token string fit for a tick label: BPE space/newline markers made visible (``visible_token``), ``$``
-    escaped (matplotlib would read it as mathtext)."""
-    return visible_token(token).replace("$", r"\$")
-
-
 def _is_index(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -84,7 +79,7 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     lo, hi = _window(window, n)
     pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
     positions = range(lo, hi)
-    labels = [clean_token(t) for t in tokens]
+    labels, families = token_labels(clean_token(t) for t in tokens)  # fonts that draw them; \uXXXX where none does
     m = len(labels)
     if ax is None:
         side = min(max(4.0, 0.17 * m + 1.8), 16.0)
@@ -94,9 +89,9 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
                 cbar_kws={"label": "attention weight", "shrink": 0.6})
     every = _label_step(ax, m, size)  # label every k-th token where rows are too thin for their labels
     ticks = np.arange(0, m, every)
-    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size)
+    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size, fontfamily=families)
     ax.set_yticks(ticks + 0.5, [f"{labels[i]} {positions[i]}" if window is not None else labels[i] for i in ticks],
-                  rotation=0, fontsize=size)
+                  rotation=0, fontsize=size, fontfamily=families)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     span = "" if window is None else f", positions {lo}..{hi - 1}"

@@ -22,22 +22,20 @@ from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
-from ..attribution import attribution_patching, direct_logit_attribution  # noqa: E402
 from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
 from ..heads import detect_heads  # noqa: E402
 from ..labels import strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
-from ..patching import activation_patching  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
-from ..tasks import induction_task  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
-from .report_parts import _DPI, _Figures, _ablation, _formats, _png, _pruning  # noqa: E402,F401
+from .report_parts import _DPI, _Figures, _formats, _png  # noqa: E402,F401
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
+from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
 from .seq2seq_report import seq2seq_study_inputs, write_seq2seq_report  # noqa: E402
-from .study_plots import dla_bars, head_score_grid, patching_heatmap  # noqa: E402
+from .study_plots import head_score_grid  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
@@ -45,14 +43,18 @@ REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summa
 _SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
 
 
-def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12):
+def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12,
+                 same_length: bool = False):
     """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
 
     prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
     the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
-    with ``len(x) = copy_len``. The metric: second-copy loss on repeated sequences, causal LM loss on text,
-    and for encoders the embedding similarity to the unablated model. An encoder-decoder model: the copy task or the
-    prompts copied, with the teacher-forced target loss (``seq2seq_report.seq2seq_study_inputs``).
+    with ``len(x) = copy_len``. same_length: the first ``n`` of the project's sentences that have its most common
+    length in tokens, so that no padding is computed (SmolLM2: 14 tokens; the first 4 sentences are 72 positions
+    with padding, 62 real), where it has ``n`` such sentences. The metric: second-copy loss on repeated sequences,
+    causal LM loss on text, and for encoders the embedding similarity to the unablated model. An encoder-decoder
+    model: the copy task or the prompts copied, with the teacher-forced target loss
+    (``seq2seq_report.seq2seq_study_inputs``).
     """
     from ..seq2seq import is_seq2seq
 
@@ -63,15 +65,28 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
         bos = model.hf.config.bos_token_id
         ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
         return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    what = f"{len(prompts)} given prompts" if prompts is not None else None
+    if prompts is None and same_length:
+        prompts, what = _same_length_sentences(model, n)
     if prompts is None:
         prompts = list(corpus_sentences()[:n])
         what = f"the first {len(prompts)} of the project's sentences"
-    else:
-        what = f"{len(prompts)} given prompts"
     inputs = prompt_batch(model, prompts)
     if model.cfg.causal:
         return inputs, lm_loss, what
     return inputs, embedding_similarity(model, inputs), what
+
+
+def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
+    """The first ``n`` project sentences of the most common token count (ties: the longer), or None where fewer."""
+    sentences = list(corpus_sentences())
+    lengths = model.to_tokens(sentences)["attention_mask"].sum(1).tolist()
+    counts = {k: lengths.count(k) for k in set(lengths)}
+    common = max(counts, key=lambda k: (counts[k], k))
+    if counts[common] < n:
+        return None, ""
+    chosen = [s for s, k in zip(sentences, lengths) if k == common][:n]
+    return chosen, f"the first {n} of the project's sentences that are {common} tokens long (its most common length)"
 
 
 def prompt_batch(model, prompts: list) -> dict:
@@ -105,12 +120,9 @@ def example_prompt(model, prompts: list | None = None, seed: int = 0):
     return repeated_sequences(1, 12, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)[0]
 
 
-# Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
-# is 270 forwards (README: CLI gives the measured times).
-_MANY_HEADS = 100
 
 
-def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
+def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int | None = None,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
                  fmt: str | Sequence[str] = "png", overwrite: bool = False) -> dict:
     """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
@@ -118,8 +130,10 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
+    n_prompts: prompts per head score (default 64, or 32 for a model with more than 100 heads, whose bootstrap
+    intervals stay narrow: on SmolLM2 the widest is 0.10, BENCHMARKS.md).
     study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
-    more than 100 heads).
+    more than 100 heads; pruning steps of 10% of the remaining heads, or 20% there).
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
     overwrite: replace the report files of an earlier report in ``out`` (other files there are left alone); without
@@ -136,8 +150,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
-        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts, progress=progress,
-                                    study_prompts=study_prompts, fmt=fmt)
+        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts or 64,
+                                    progress=progress, study_prompts=study_prompts, fmt=fmt)
     formats = _formats(fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,8 +160,11 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     stages: list[tuple[str, float]] = []  # (stage, start time)
     t_start = time.perf_counter()
     n_heads = len(model.cfg.heads())
+    many = n_heads > _MANY_HEADS
     if study_prompts is None:
-        study_prompts = 32 if n_heads <= _MANY_HEADS else 4
+        study_prompts = 4 if many else 32
+    if n_prompts is None:
+        n_prompts = 32 if many else 64
 
     def timed(stage: str):
         step(stage)
@@ -174,7 +191,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     views = _views(heads, strongest, shown)
 
     timed("ablation")
-    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed)
+    inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed,
+                                               same_length=many)
     scan = _ablation(model, inputs, metric, figures, out, grid_size)
 
     circuits = None
@@ -208,6 +226,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "baseline": float(scan["baseline"].iloc[0]),
         "most_important_by_ablation": _top_ablation(scan, metric.higher_is_better),
         "pruning": summary_curves.to_dict(orient="records"),
+        "pruning_step": pruning_step(n_heads),
         "circuits": circuits,
         "class_ablation": by_class,
         "higher_is_better": metric.higher_is_better,
@@ -221,30 +240,6 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
     return summary
-
-
-def _circuits(model, figures, out: Path, seed: int) -> dict:
-    """The induction task: attribution patching of every head (one backward), exact activation patching of the
-    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
-    clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
-    estimate = attribution_patching(model, clean, corrupted, metric)
-    top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
-    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
-    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
-    estimate.to_csv(out / "attribution.csv", index=False)
-    dla.to_csv(out / "dla.csv", index=False)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
-    patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
-    figures.add("attribution", fig)
-    fig, ax = plt.subplots(figsize=(6.5, 6.0))
-    dla_bars(dla, top=16, ax=ax)
-    figures.add("dla", fig)
-    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
-    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
-            "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
-            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
-                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
-            "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}
 
 
 _REPEATED = "repeated random tokens"

@@ -169,7 +169,9 @@ baseline {summary['baseline']:.4f}. Cells show the change in the metric
 
 <h2 id="pruning">Pruning curve</h2>
 <p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
-random orders (mean of 3 seeds, range shaded); <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
+random orders (mean of 3 seeds, range shaded), {summary.get('pruning_step', 0.1) * 100:.0f}% of the remaining heads at
+each step, on {esc(summary['study_inputs'])}, metric <code>{esc(summary['metric'])}</code>;
+<a href="pruning.csv"><code>pruning.csv</code></a>.</p>
 {figures.img('pruning', 'pruning curve')}
 {_table(curves.rename(columns={"area": "area (" + _better(summary.get("higher_is_better")) + ")"}), '{:.3f}')}
 <p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>

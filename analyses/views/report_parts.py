@@ -1,5 +1,5 @@
 """What both reports (``report.py``, ``seq2seq_report.py``) share: the figures (written in every format asked for,
-embedded as 2x PNGs) and the ablation and pruning sections. Below both, so neither imports the other back."""
+embedded as 2x PNGs); their studies are in ``report_studies.py``. Below both, so neither imports the other back."""
 
 from __future__ import annotations
 
@@ -11,13 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # the backend stays the user's: figures are saved and closed, never shown
-import pandas as pd
 from PIL import Image  # matplotlib's own dependency
 
-from ..ablation import ablation_scan
-from ..pruning import pruning_curve
 from .plots import FORMATS
-from .study_plots import ablation_heatmap, pruning_curve_plot
 
 _DPI = 200  # the page shows PNGs at half their pixel size: 100 px per inch, sharp on high-density screens
 
@@ -65,25 +61,3 @@ def _formats(fmt: str | Sequence[str]) -> tuple[str, ...]:
         got = ", ".join(map(str, bad)) or "none"
         raise ValueError(f"Figure formats are {', '.join(FORMATS)} (one or several); got {got}.")
     return formats
-
-
-def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
-    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports)."""
-    scan = ablation_scan(model, inputs, metric)
-    scan.to_csv(out / "ablation.csv", index=False)
-    fig, ax = plt.subplots(figsize=size)
-    ablation_heatmap(scan, ax=ax)
-    figures.add("ablation", fig)
-    return scan
-
-
-def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
-    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
-    step_size = max(0.1, 1.0 / n_heads)
-    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
-                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
-    curves.to_csv(out / "pruning.csv", index=False)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
-    figures.add("pruning", fig)
-    return curves

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..ablation import ablate_heads
+from ..ablation import _ablation_hooks, _Replacement, _site_masks
+from ..engine import scan
 from ..metrics import first_copy_loss, second_copy_loss
 from ..labels import LABEL_ORDER
 from ..toy import repeated_sequences
@@ -46,26 +47,17 @@ def model_size(model) -> str:
 def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, draws: int = 5,
                    per_class: int = 8) -> dict | None:
     """Each class's strongest heads (primary label, at most ``per_class``) zero-ablated together, against ``draws``
-    sets of as many random heads from the same layers (from other layers where the class leaves too few), on ``n`` repeated random sequences ``[BOS, x, x]``
-    (``|x| = length``): the second copy's loss, and the share of the in-context gain (first-copy loss minus
-    second-copy loss) that the ablation removes. None for a model that is not a causal LM (no copy task)."""
+    sets of as many random heads from the same layers (from other layers where the class leaves too few), on ``n``
+    repeated random sequences ``[BOS, x, x]`` (``|x| = length``): the second copy's loss, and the share of the
+    in-context gain (first-copy loss minus second-copy loss) that the ablation removes. None for a model that is not
+    a causal LM (no copy task). One forward per set of heads, from the set's first layer on (``engine.scan``)."""
     if not model.cfg.causal or getattr(model.hf, "get_output_embeddings", lambda: None)() is None:
         return None
     generator = torch.Generator().manual_seed(seed)
     ids = repeated_sequences(n, length, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)
-    batch = {"input_ids": ids.to(model.device)}
-
-    def second(chosen=()):
-        with torch.no_grad(), ablate_heads(model, list(chosen)):
-            return float(second_copy_loss(model(batch["input_ids"]), batch))
-
-    with torch.no_grad():
-        clean = model(batch["input_ids"])
-    first, clean_second = float(first_copy_loss(clean, batch)), float(second_copy_loss(clean, batch))
-    gain = first - clean_second
-    share = (lambda value: (value - clean_second) / gain if gain > 0 else float("nan"))
+    batch = {"input_ids": ids.to(model.device), "attention_mask": None}
     per_layer = model.cfg.heads_per_layer
-    rows = []
+    sets, kinds = [], []  # per class: its heads, then its random draws (one ablated run each)
     for kind in LABEL_ORDER:
         if kind == _PROPERTY:
             continue
@@ -76,7 +68,7 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
         top = members.sort_values(column, ascending=False).head(per_class)
         chosen = [(int(l), int(h)) for l, h in zip(top["layer"], top["head"])]
         taken = set(chosen)
-        random_values = []
+        draws_of_kind = []
         for d in range(draws):
             g = torch.Generator().manual_seed(seed + 1 + d)
             pick = []
@@ -86,12 +78,40 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
                 others = free([layer]) or free(range(len(per_layer)))
                 if others:
                     pick.append(others[int(torch.randint(len(others), (1,), generator=g))])
-            random_values.append(second(pick))
-        value = second(chosen)
+            draws_of_kind.append(pick)
+        kinds.append((kind, chosen))
+        sets += [chosen, *draws_of_kind]
+    clean, values = _second_copy_losses(model, batch, sets)
+    first, clean_second = clean
+    gain = first - clean_second
+    share = (lambda value: (value - clean_second) / gain if gain > 0 else float("nan"))
+    rows = []
+    for i, (kind, chosen) in enumerate(kinds):
+        value, random_values = values[i * (draws + 1)], values[i * (draws + 1) + 1:(i + 1) * (draws + 1)]
         rows.append({"class": kind, "heads": [f"{l}.{h}" for l, h in chosen], "ablated": value,
                      "random": random_values, "share": share(value), "random_share": [share(v) for v in random_values]})
     return {"task": f"{n} repeated random sequences [BOS, x, x], |x| = {length}", "first_copy_loss": first,
             "second_copy_loss": clean_second, "draws": draws, "rows": rows}
+
+
+def _second_copy_losses(model, batch, sets: list) -> tuple[tuple[float, float], list[float]]:
+    """The clean run's (first-copy, second-copy) loss, and the second-copy loss with each set of heads zero-ablated:
+    one forward per set through the scan engine, which replays the clean run's blocks before the set's first layer
+    (exact, ``engine.Prefix``; most classes sit in later layers)."""
+    zero = _Replacement(model, "zero")
+    clean: list[float] = []
+
+    def metric(output, inputs) -> float:
+        if not clean:  # the engine's first call is the clean run (its baseline): keep its first-copy loss too
+            clean.append(float(first_copy_loss(output, inputs)))
+        return float(second_copy_loss(output, inputs))
+
+    def hooks_for(group, copies):
+        return _ablation_hooks(_site_masks(model, group), zero, copies)
+
+    first_layer = lambda heads: min((l for l, _ in heads), default=0)  # noqa: E731
+    baseline, values = scan(model, batch, sets, first_layer, hooks_for, metric, 1, desc=f"{len(sets)} sets of heads")
+    return (clean[0], baseline), values
 
 
 def _span(values) -> str:

@@ -32,7 +32,8 @@ from ..pruning import curve_summary
 from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
 from ..metrics import target_loss
 from .attention import attention_grid, head_view
-from .report_parts import _ablation, _Figures, _formats, _pruning
+from .report_parts import _Figures, _formats
+from .report_studies import _ablation, _pruning
 from .report_page import _CSS, _table
 from .seq2seq import CROSS_DEFINITIONS
 from .study_plots import head_score_grid, patching_heatmap

@@ -1,0 +1,82 @@
+"""The studies ``interp report`` runs beside the head scores, sized for the time they take: the ablation scan, the
+pruning curves and the induction circuit, each writing its table and figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from ..ablation import ablation_scan
+from ..attribution import attribution_patching, direct_logit_attribution
+from ..engine import copies_per_forward
+from ..metrics import batch_of
+from ..patching import activation_patching
+from ..pruning import pruning_curve
+from ..tasks import induction_task
+from .study_plots import ablation_heatmap, dla_bars, patching_heatmap, pruning_curve_plot
+
+__all__ = ["pruning_step"]
+
+# Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
+# is 270 forwards (README: CLI gives the measured times).
+_MANY_HEADS = 100
+
+
+def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
+    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports). On CPU a small batch
+    runs as several copies per forward, about 256 tokens, where the engine's memory budget would give fewer
+    (SmolLM2's 4 prompts: 3 copies took 12% less CPU time than 1, 9 copies more; BENCHMARKS.md)."""
+    per_forward = None
+    if model.device.type == "cpu":
+        batch = batch_of(model, inputs)
+        per_forward = max(copies_per_forward(model, batch, None), 256 // batch["input_ids"].numel())
+    scan = ablation_scan(model, inputs, metric, heads_per_forward=per_forward)
+    scan.to_csv(out / "ablation.csv", index=False)
+    fig, ax = plt.subplots(figsize=size)
+    ablation_heatmap(scan, ax=ax)
+    figures.add("ablation", fig)
+    return scan
+
+
+def pruning_step(n_heads: int) -> float:
+    """The share of the remaining heads each pruning step removes: 10%, or 20% beyond 100 heads (SmolLM2's 270: 11
+    steps instead of 21 down to one head per layer), and at least one head."""
+    return max(0.2 if n_heads > _MANY_HEADS else 0.1, 1.0 / n_heads)
+
+
+def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
+    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
+    step_size = pruning_step(n_heads)
+    curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
+                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
+    curves.to_csv(out / "pruning.csv", index=False)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
+    figures.add("pruning", fig)
+    return curves
+
+
+def _circuits(model, figures, out: Path, seed: int) -> dict:
+    """The induction task: attribution patching of every head (one backward), exact activation patching of the
+    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
+    clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
+    estimate = attribution_patching(model, clean, corrupted, metric)
+    top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
+    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
+    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
+    estimate.to_csv(out / "attribution.csv", index=False)
+    dla.to_csv(out / "dla.csv", index=False)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
+    patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
+    figures.add("attribution", fig)
+    fig, ax = plt.subplots(figsize=(6.5, 6.0))
+    dla_bars(dla, top=16, ax=ax)
+    figures.add("dla", fig)
+    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
+    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
+            "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
+            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
+                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
+            "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}

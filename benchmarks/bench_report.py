@@ -1,0 +1,83 @@
+"""`interp report`'s wall time, CPU time and stage times, for one source tree or several run alternately (a
+before/after comparison under the same load), each as a user runs it: a fresh process, `--threads N`.
+
+    python benchmarks/bench_report.py --model smollm2 --threads 1                   # this tree
+    git worktree add /tmp/before <commit>                                           # then, side by side:
+    python benchmarks/bench_report.py --model smollm2 --threads 1 --tree /tmp/before --tree . --repeats 2
+
+Prints one row per run: the tree, the process's wall seconds (loading included), the report's wall and CPU seconds,
+each stage's (``load`` is loading the model), and the load average before and after. CPU seconds are the steadier
+number on a shared machine: another process taking the core slows a one-thread run's wall clock, much less its
+CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+# the report as `interp report --threads N` writes it, with each stage's wall and CPU seconds taken at the stage
+# callback write_report has in every version compared (CPU seconds: this process, all its threads)
+_SCRIPT = """
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[3]))
+import interp
+from analyses.views.report import write_report
+marks = [("load", time.perf_counter(), time.process_time())]
+model = interp.load_model(sys.argv[1])
+record = lambda stage: marks.append((stage, time.perf_counter(), time.process_time()))
+summary = write_report(model, sys.argv[2], progress=record, overwrite=True)
+marks.append(("end", time.perf_counter(), time.process_time()))
+stages = {a[0]: (round(b[1] - a[1], 2), round(b[2] - a[2], 2)) for a, b in zip(marks, marks[1:])}
+print(json.dumps({"stages": stages, "head_inputs": sorted(set(summary["head_inputs"].values())),
+                  "study": summary["study_inputs"], "threads": summary["threads"]}))
+"""
+
+
+def run_report(tree: Path, model: str, threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "INTERP_PROGRESS": "0"}
+    with tempfile.TemporaryDirectory() as out:
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", _SCRIPT, model, out, str(threads)], cwd=tree, env=env, check=True,
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"wall": wall, "load": (load, os.getloadavg()[0]), **result}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tree", type=Path, action="append", help="a source tree (repeat to compare; default: this one)")
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args(argv)
+    trees = [t.resolve() for t in (args.tree or [Path(__file__).resolve().parents[1]])]
+    print(f"# interp report --model {args.model} --threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}")
+    print("| tree | process wall s | report wall s | report CPU s | stages: wall / CPU s | load avg start/end |")
+    print("|---|---:|---:|---:|---|---|")
+    for _ in range(args.repeats):
+        for tree in trees:
+            r = run_report(tree, args.model, args.threads)
+            report = {k: v for k, v in r["stages"].items() if k != "load"}
+            wall, cpu = (sum(v[i] for v in report.values()) for i in (0, 1))
+            stages = ", ".join(f"{k} {w:.1f} / {c:.1f}" for k, (w, c) in r["stages"].items())
+            print(f"| {tree} | {r['wall']:.1f} | {wall:.1f} | {cpu:.1f} | {stages} | "
+                  f"{r['load'][0]:.2f} / {r['load'][1]:.2f} |", flush=True)
+            print(f"<!-- {tree}: heads on {r['head_inputs']}; studies on {r['study']}; {r['threads']} threads -->",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
