@@ -29,9 +29,11 @@ def unsupported_features(config, seq2seq: bool = False) -> list[str]:
         found.append("cross-attention (load the whole encoder-decoder model: interp.load_model and "
                      "interp.HookedModel give it encoder, decoder and cross-attention sites)")
     text = getattr(config, "text_config", None) or config
-    if getattr(text, "cross_attention_layers", None):
+    crossing = [l for l in getattr(text, "cross_attention_layers", None) or ()
+                if l < getattr(text, "num_hidden_layers", 0)]  # layers past the last do not exist
+    if crossing:
         found.append(f"cross-attention layers fed by another model's states (cross_attention_layers="
-                     f"{list(text.cross_attention_layers)}, {getattr(config, 'model_type', '?')}: their keys and values "
+                     f"{crossing}, {getattr(config, 'model_type', '?')}: their keys and values "
                      "come from vision or encoder states that interp's wrapper does not feed, and a forward without "
                      "them skips those layers, so their heads cannot be sites yet; interp's sites are the attention "
                      "modules of decoder-only, encoder-only and encoder-decoder models)")
