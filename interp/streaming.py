@@ -1,0 +1,362 @@
+"""Streaming heads (DuoAttention, Xiao et al. 2024; StreamingLLM's sinks, Xiao et al. 2023): chosen heads attend
+only to the first ``sink`` keys and the last ``window`` keys up to and including each query.
+
+``with stream_heads(model, [(3, 1), (7, 0)], sink=4, window=256) as s:`` masks those heads inside our attention:
+
+- eager: the excluded scores are set to the dtype's minimum after the additive mask (what HF's own masks use),
+  so patterns and hooks see the streaming pattern, exactly;
+- flash: the other heads run the fused kernel as before; streaming heads run ``streaming_attention``, which per
+  tile of queries gathers only the sink keys and the keys of the tile's windows (the middle tiles are skipped, so
+  its cost grows with ``sink + window``, not with the sequence).
+
+Positions count real tokens: with left padding a row's first real token is its position 0, as if it ran alone.
+
+**Real memory.** ``s.new_cache()`` is a transformers ``DynamicCache`` whose layers keep, for every key/value head
+all of whose query heads stream (grouped-query attention: a key/value head serves several query heads), only the
+sink and the last ``window`` entries; the other key/value heads keep everything. Its ``update`` returns a
+``SplitKV`` (not a tensor), which only our attention understands: use it with ``model.hf.generate`` or forward
+calls inside the same ``with`` block, without attention hooks and without padding.
+"""
+
+from __future__ import annotations
+
+import numbers
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from .kernels import fused_attention, repeat_kv
+
+__all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes"]
+
+STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
+_TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
+
+
+# -- the kernel --------------------------------------------------------------------------------------------
+def _first_at_least(k_rank: torch.Tensor, rank: torch.Tensor, right: bool = False) -> torch.Tensor:
+    """k_rank: (b, k) non-decreasing; rank: (b, n). The first key index whose rank is >= rank (> with right)."""
+    return torch.searchsorted(k_rank, rank.contiguous(), right=right)
+
+
+def streaming_attention(query, key, value, q_rank, k_rank, k_real, sink: int, window: int, scale: float,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of streaming heads: query ``i`` sees real key ``j`` iff ``rank_j <= rank_i`` and (``rank_j < sink``
+    or ``rank_i - rank_j < window``). query: (b, h, q, d); key: (b, h, k, d); value: (b, h, k, e); q_rank: (b, q)
+    (-1 for a padded query, whose output is 0 and logsumexp 0, as the fused kernels give); k_rank, k_real: (b, k),
+    ranks non-decreasing along k (a padding key repeats its predecessor's rank). Per tile of queries only the sink
+    keys and the tile's window keys are read.
+    Returns out: (b, h, q, e) and lse: (b, h, q) in fp32.
+    """
+    b, h, n_q, _ = query.shape
+    n_k = key.shape[2]
+    k_rank = k_rank.contiguous()
+    n_sink = int(_first_at_least(k_rank, torch.full((b, 1), sink, device=k_rank.device)).max())  # ranks < sink
+    tile = max(1, min(n_q, window, _TILE_KEYS // max(1, b * h * (sink + 2 * window))))
+    outs, lses = [], []
+    for s in range(0, n_q, tile):
+        e = min(n_q, s + tile)
+        qr = q_rank[:, s:e]  # (b, t)
+        lo = int(_first_at_least(k_rank, qr[:, :1] - window + 1).min())
+        hi = int(_first_at_least(k_rank, qr[:, -1:], right=True).max())  # after the last key the tile may see
+        lo, hi = min(lo, n_k), min(max(hi, lo), n_k)
+        if n_sink >= lo:
+            idx = torch.arange(0, hi, device=key.device)
+        else:
+            idx = torch.cat([torch.arange(0, min(n_sink, n_k), device=key.device),
+                             torch.arange(lo, hi, device=key.device)])
+        k, v, kr, real = key[:, :, idx], value[:, :, idx], k_rank[:, idx], k_real[:, idx]  # (b, h, n, d), (b, n)
+        scores = torch.matmul(query[:, :, s:e], k.transpose(2, 3)) * scale  # (b, h, t, n)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.float()
+        gap = qr[:, :, None] - kr[:, None, :]  # (b, t, n)
+        allowed = (gap >= 0) & ((kr[:, None, :] < sink) | (gap < window)) & real[:, None, :] & (qr[:, :, None] >= 0)
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (b, h, t)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        outs.append(torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _ranks(mask, batch: int, n_q: int, n_k: int, device):
+    """(q_rank (b, q), k_rank (b, k), k_real (b, k)) from our additive mask (b or 1, 1, q, k), or None (no padding).
+    A key is real when the last query row may see it (left padding: the last query is a real token); the queries
+    are the last ``n_q`` keys."""
+    if mask is None:
+        k_real = torch.ones(batch, n_k, dtype=torch.bool, device=device)
+    else:
+        k_real = (mask[:, 0, -1, :] == 0).expand(batch, n_k)
+    count = torch.cumsum(k_real.long(), dim=1)
+    k_rank = count - 1
+    own = slice(n_k - n_q, n_k)
+    q_rank = torch.where(k_real[:, own], k_rank[:, own], torch.full_like(k_rank[:, own], -1))
+    return q_rank, k_rank, k_real
+
+
+# -- what one layer does ------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _LayerStream:
+    """The streaming heads of one attention module: query heads ``heads`` of ``n_heads`` on ``n_kv_heads``."""
+
+    heads: tuple[int, ...]
+    n_heads: int
+    n_kv_heads: int
+    sink: int
+    window: int
+
+    def __post_init__(self):
+        group = self.n_heads // self.n_kv_heads
+        self.is_streaming = torch.zeros(self.n_heads, dtype=torch.bool)
+        self.is_streaming[list(self.heads)] = True
+        self.kv_stream = tuple(g for g in range(self.n_kv_heads)
+                               if all(q in self.heads for q in range(g * group, (g + 1) * group)))
+        self.kv_full = tuple(g for g in range(self.n_kv_heads) if g not in self.kv_stream)
+
+    def __deepcopy__(self, memo):  # a copy of the HF model does not stream
+        return None
+
+    def mask_scores(self, scores: torch.Tensor, mask) -> torch.Tensor:
+        """Eager path: scores (b, h, q, k) after the additive mask, with the streaming heads' excluded keys at the
+        dtype's minimum (as HF's masks), on real query rows only."""
+        b, _, n_q, n_k = scores.shape
+        q_rank, k_rank, k_real = _ranks(mask, b, n_q, n_k, scores.device)
+        gap = q_rank[:, :, None] - k_rank[:, None, :]  # (b, q, k)
+        kept = (k_rank[:, None, :] < self.sink) | (gap < self.window)
+        drop = ~kept & k_real[:, None, :] & (q_rank[:, :, None] >= 0)
+        heads = self.is_streaming.to(scores.device)[None, :, None, None]
+        return scores.masked_fill(drop[:, None] & heads, torch.finfo(scores.dtype).min)
+
+    def attend(self, query, key, value, mask, scale, causal, need_lse, softcap, heads=None, dropout=0.0):
+        """Flash path: the fused kernel for every head, then the streaming heads recomputed by the streaming kernel
+        (so that the other heads are bit for bit what the plain model computes). heads: (h,) bool, default this
+        layer's streaming heads."""
+        if dropout > 0.0:
+            raise NotImplementedError("Streaming heads on the flash path run without attention dropout: call "
+                                      "model.hf.eval() (studies do), or use the eager path.")
+        heads = self.is_streaming if heads is None else heads
+        b, h, n_q, _ = query.shape
+        chosen = heads.nonzero().flatten().tolist()
+        if len(chosen) < h:
+            out, lse = fused_attention(query, key, value, mask, scale, 0.0, causal, True, softcap)
+        else:
+            out = query.new_empty(b, h, n_q, value.shape[-1])
+            lse = torch.empty(b, h, n_q, dtype=torch.float32, device=query.device)
+        if chosen:
+            n_rep = h // key.shape[1]
+            idx = torch.tensor(chosen, device=query.device)
+            q_rank, k_rank, k_real = _ranks(mask, b, n_q, key.shape[2], query.device)
+            s_out, s_lse = streaming_attention(query[:, idx], repeat_kv(key, n_rep)[:, idx],
+                                               repeat_kv(value, n_rep)[:, idx], q_rank, k_rank, k_real,
+                                               self.sink, self.window, scale, softcap)
+            out, lse = out.clone(), lse.clone()
+            out[:, idx], lse[:, idx] = s_out.to(out.dtype), s_lse
+        return out, lse
+
+    def attend_cached(self, query, key: SplitKV, mask, scale, softcap):
+        """Either path, with a ``StreamingCache``: query heads on kept key/value heads attend over the full cache
+        (streaming ones masked); query heads on streamed key/value heads over the sink + window entries."""
+        if mask is not None and not bool((mask[:, 0, -1] == 0).all()):
+            raise ValueError("A StreamingCache needs rows without padding (every attention_mask entry 1); run the "
+                             "rows one at a time, or use a plain cache (the masked model computes the same).")
+        b, h, n_q, _ = query.shape
+        group = h // self.n_kv_heads
+        out = query.new_empty(b, h, n_q, key.value_dim)
+        if self.kv_full:
+            qf = [q for g in self.kv_full for q in range(g * group, (g + 1) * group)]
+            idx = torch.tensor(qf, device=query.device)
+            o, _ = self.attend(query[:, idx], key.full_k, key.full_v, mask, scale, mask is None and n_q > 1, False,
+                               softcap, heads=self.is_streaming[qf])
+            out[:, idx] = o
+        qs = [q for g in self.kv_stream for q in range(g * group, (g + 1) * group)]
+        idx = torch.tensor(qs, device=query.device)
+        q_rank = torch.arange(key.seen - n_q, key.seen, device=query.device).expand(b, n_q)
+        k_rank = key.ranks.to(query.device).expand(b, -1)
+        o, _ = streaming_attention(query[:, idx], repeat_kv(key.stream_k, group), repeat_kv(key.stream_v, group),
+                                   q_rank, k_rank, torch.ones_like(k_rank, dtype=torch.bool), self.sink,
+                                   self.window, scale, softcap)
+        out[:, idx] = o.to(out.dtype)
+        return out
+
+
+# -- the cache ------------------------------------------------------------------------------------------------
+@dataclass
+class SplitKV:
+    """What a streaming cache layer hands to the attention: the kept key/value heads' full keys ``(b, g_f, k, d)``,
+    the streamed ones' sink + window (+ new) entries ``(b, g_s, n, d)``, their ranks ``(n,)`` and the number of
+    tokens seen so far, this call's included."""
+
+    full_k: torch.Tensor
+    full_v: torch.Tensor
+    stream_k: torch.Tensor
+    stream_v: torch.Tensor
+    ranks: torch.Tensor
+    seen: int
+
+    @property
+    def value_dim(self) -> int:
+        return self.stream_v.shape[-1]
+
+
+class StreamingLayer(DynamicLayer):
+    """A cache layer keeping every entry of the key/value heads ``kv_full`` and only the first ``sink`` and the last
+    ``window`` entries of the heads ``kv_stream``."""
+
+    is_croppable = False
+
+    def __init__(self, kv_full, kv_stream, sink: int, window: int):
+        super().__init__()
+        self.kv_full, self.kv_stream, self.sink, self.window = list(kv_full), list(kv_stream), sink, window
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, _, _, d = key_states.shape
+        empty = lambda n, e, t: t.new_zeros(b, n, 0, e)  # noqa: E731
+        self.keys = empty(len(self.kv_full), d, key_states)
+        self.values = empty(len(self.kv_full), value_states.shape[-1], value_states)
+        self.stream_keys = empty(len(self.kv_stream), d, key_states)
+        self.stream_values = empty(len(self.kv_stream), value_states.shape[-1], value_states)
+        self.ranks = torch.zeros(0, dtype=torch.long, device=key_states.device)
+
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[SplitKV, SplitKV]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states[:, self.kv_full]], dim=-2)
+        self.values = torch.cat([self.values, value_states[:, self.kv_full]], dim=-2)
+        s_k = torch.cat([self.stream_keys, key_states[:, self.kv_stream]], dim=-2)
+        s_v = torch.cat([self.stream_values, value_states[:, self.kv_stream]], dim=-2)
+        ranks = torch.cat([self.ranks, torch.arange(self.seen, self.seen + n, device=self.ranks.device)])
+        self.seen += n
+        keep = (ranks < self.sink) | (ranks >= self.seen - self.window)  # what the next query may still see
+        self.stream_keys, self.stream_values, self.ranks = s_k[:, :, keep], s_v[:, :, keep], ranks[keep]
+        split = SplitKV(self.keys, self.values, s_k, s_v, ranks, self.seen)
+        return split, split
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "stream_keys", "stream_values"):
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self._apply(lambda t: t[indices, ...])
+
+    def reset(self) -> None:
+        self.keys = self.values = self.stream_keys = self.stream_values = None
+        self.is_initialized, self.seen = False, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("A streaming cache layer has dropped the entries a crop would go back to.")
+
+
+class StreamingCache(DynamicCache):
+    """A DynamicCache whose layers with fully streaming key/value heads are ``StreamingLayer`` s."""
+
+    def __init__(self, layers: list[DynamicLayer]):
+        super().__init__()
+        self.layers, self.layer_class_to_replicate = layers, None
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes of the keys and values a transformers cache holds (a StreamingCache's streamed entries included)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "stream_keys", "stream_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# -- the context manager ---------------------------------------------------------------------------------------
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check(model, heads, sink, window) -> list[tuple[int, int]]:
+    from .model import HookedModel
+
+    if not isinstance(model, HookedModel) or not model.cfg.causal:
+        raise ValueError("stream_heads needs a causal decoder-only model (an interp HookedModel of a causal LM): "
+                         "streaming keeps each query's sinks and its recent past, which an encoder or a "
+                         "cross-attention does not have; got " + (repr(model) if isinstance(model, HookedModel)
+                                                                  else type(model).__name__) + ".")
+    for name, value, least in (("sink", sink, 0), ("window", window, 1)):
+        if not _is_int(value) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least} (keys); got {value!r}.")
+    if isinstance(heads, tuple) and len(heads) == 2 and all(_is_int(x) for x in heads):
+        heads = [heads]
+    form = "heads must be (layer, head) pairs of integers, e.g. [(0, 1), (1, 3)]"
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__"):
+        raise ValueError(f"{form}; got {heads!r}.")
+    pairs, real, cfg = [], set(model.cfg.heads()), model.cfg
+    for pair in heads:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_is_int(x) for x in pair)):
+            raise ValueError(f"{form}; got {pair!r} in {heads!r}.")
+        l, h = int(pair[0]), int(pair[1])
+        if (l, h) not in real:
+            span = f"layer {l} has heads 0..{cfg.heads_per_layer[l] - 1}" if 0 <= l < cfg.n_layers else \
+                f"layers run 0..{cfg.n_layers - 1}"
+            raise ValueError(f"{(l, h)} is not a head of this model: {span}.")
+        layer = model.structure.layer_attn[l]
+        if layer.window[0] is not None or layer.sinks is not None:
+            what = f"a sliding window of {layer.window[0] + 1} keys" if layer.window[0] is not None else "sink logits"
+            raise NotImplementedError(f"Layer {l} already has {what}; streaming its heads is not implemented. "
+                                      "Stream heads of the layers with full attention.")
+        pairs.append((l, h))
+    return sorted(set(pairs))
+
+
+class Streaming:
+    """What ``stream_heads`` yields: ``heads``, ``sink``, ``window``, ``kv_heads`` (the key/value heads whose query
+    heads all stream: the ones a ``new_cache()`` shrinks) and ``new_cache()``."""
+
+    def __init__(self, model, heads, sink, window, layers: dict[int, _LayerStream]):
+        self.model, self.heads, self.sink, self.window, self._layers = model, heads, sink, window, layers
+        self.kv_heads = [(l, g) for l, s in sorted(layers.items()) for g in s.kv_stream]
+
+    def new_cache(self) -> StreamingCache:
+        """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate``, inside this block only."""
+        layers = []
+        for l in range(self.model.cfg.n_layers):
+            s = self._layers.get(l)
+            layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window)
+                          if s is not None and s.kv_stream else DynamicLayer())
+        return StreamingCache(layers)
+
+
+@contextmanager
+def stream_heads(model, heads, sink: int = 4, window: int = 256):
+    """Inside the block, ``heads`` ((layer, head) pairs) attend only to the first ``sink`` and the last ``window``
+    keys up to and including each query; everything is as before on exit, also after an exception."""
+    pairs = _check(model, heads, sink, window)
+    model._check_attached()
+    modules = model._attn_modules
+    busy = [l for l, m in enumerate(modules) if STREAM_ATTR in m.__dict__]
+    if busy:
+        raise RuntimeError(f"Layers {busy} already stream heads (a stream_heads block is open); nesting is not "
+                           "supported: give all the heads to one block.")
+    layers: dict[int, _LayerStream] = {}
+    for l in sorted({l for l, _ in pairs}):
+        layers[l] = _LayerStream(tuple(h for ll, h in pairs if ll == l), model.cfg.heads_per_layer[l],
+                                 model.cfg.kv_heads_per_layer[l], sink, window)
+    try:
+        for l, spec in layers.items():
+            modules[l].__dict__[STREAM_ATTR] = spec
+        yield Streaming(model, pairs, sink, window, layers)
+    finally:
+        for l in layers:
+            modules[l].__dict__.pop(STREAM_ATTR, None)
