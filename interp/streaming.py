@@ -340,8 +340,9 @@ class Streaming:
 
 @contextmanager
 def stream_heads(model, heads, sink: int = 4, window: int = 256):
-    """Inside the block, ``heads`` ((layer, head) pairs) attend only to the first ``sink`` and the last ``window``
-    keys up to and including each query; everything is as before on exit, also after an exception."""
+    """Inside the block, ``heads`` ((layer, head) pairs; an empty list streams nothing) attend only to the first
+    ``sink`` and the last ``window`` keys up to and including each query (positions count real tokens). Yields a
+    ``Streaming``; everything is as before on exit, also after an exception."""
     pairs = _check(model, heads, sink, window)
     model._check_attached()
     modules = model._attn_modules
