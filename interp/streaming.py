@@ -29,7 +29,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .kernels import fused_attention, repeat_kv
 
-__all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes"]
+__all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
+           "streaming_kv_bytes"]
 
 STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
@@ -278,6 +279,21 @@ def kv_cache_bytes(cache) -> int:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
+    return total
+
+
+def streaming_kv_bytes(model, heads, tokens: int, sink: int = 4, window: int = 256, batch: int = 1) -> int:
+    """The bytes a ``StreamingCache`` holds after ``tokens`` tokens of ``batch`` rows (``kv_cache_bytes`` of it;
+    ``heads=[]``: a plain DynamicCache): every key/value head all of whose query heads stream keeps
+    ``min(tokens, sink + window)`` entries, every other one ``tokens``."""
+    pairs, cfg = _check(model, heads, sink, window), model.cfg
+    size = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
+    total = 0
+    for l in range(cfg.n_layers):
+        n_q, n_kv = cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l]
+        kv_stream = len(_LayerStream(tuple(h for ll, h in pairs if ll == l), n_q, n_kv, sink, window).kv_stream)
+        entries = (n_kv - kv_stream) * tokens + kv_stream * min(tokens, sink + window)
+        total += entries * (cfg.d_head + cfg.d_head_v) * size * batch
     return total
 
 

@@ -209,3 +209,46 @@ def test_a_streaming_cache_refuses_padding_and_hooks():
         with pytest.raises(ValueError, match="without attention hooks"):
             model.run_with_hooks(ids[:1], None, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: z)],
                                  cache=s.new_cache(), use_cache=True)
+
+
+def test_kv_bytes_formula_is_what_a_streaming_cache_holds():
+    model = interp.load_model(tiny_hf("llama", max_position_embeddings=128), attn="flash")
+    ids = torch.randint(1, 99, (2, 50), generator=torch.Generator().manual_seed(0))
+    heads = [(0, 0), (0, 1), (0, 2), (1, 1)]  # layer 0: kv head 0 streams (kv head 1 keeps a full query head)
+    with interp.stream_heads(model, heads, sink=3, window=7) as s, torch.no_grad():
+        cache = s.new_cache()
+        model(ids, cache=cache, use_cache=True)
+    assert s.kv_heads == [(0, 0)]
+    assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, 50, sink=3, window=7, batch=2)
+    assert interp.streaming_kv_bytes(model, [], 50, batch=2) == 2 * 2 * 2 * 2 * 50 * 8 * 4
+
+
+# -- streaming curves ------------------------------------------------------------------------------------------
+def test_streaming_curve_steps_metric_and_memory():
+    import analyses
+    import pandas as pd
+
+    model = interp.load_model(_sharp("llama"), attn="flash")
+    ids = torch.randint(1, 99, (3, 40), generator=torch.Generator().manual_seed(0))
+    plain = analyses.lm_loss(model(ids), {"input_ids": ids, "attention_mask": None})
+    df = analyses.streaming_curve(model, ids, analyses.lm_loss, order="random", step=0.25, seeds=(0, 1), sink=2,
+                                  window=4)
+    assert list(df["heads_streaming"]) == [0, 2, 4, 6, 8] * 2
+    first, last = df.iloc[0], df.iloc[4]
+    assert first["metric"] == pytest.approx(plain, abs=1e-6) and first["kv_fraction"] == 1.0
+    assert last["kv_heads_streaming"] == 4 and last["kv_fraction"] == pytest.approx(6 / 40)
+    assert last["metric"] != pytest.approx(plain, abs=1e-3)  # streaming every head changes the loss
+    # a score table: the lowest scores stream first
+    scores = pd.DataFrame({"layer": [0] * 4 + [1] * 4, "head": list(range(4)) * 2,
+                           "retrieval": [0.9, 0.1, 0.5, 0.0, 0.2, 0.8, 0.3, 0.7]})
+    assert analyses.streaming_order(model, order=scores)[:3] == [(0, 3), (0, 1), (1, 0)]
+    table = analyses.streaming_curve(model, ids, analyses.lm_loss, order=scores, step=0.5, sink=2, window=4)
+    assert list(table["order"]) == ["retrieval"] * 3 and table["seed"].isna().all()
+    with pytest.raises(ValueError, match="score to order by"):
+        analyses.streaming_order(model, order=scores.rename(columns={"retrieval": "a"}).assign(b=1.0))
+    with pytest.raises(ValueError, match="step is"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, step=0)
+    with pytest.raises(ValueError, match="window must be"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, window=0)
+    assert all(STREAM_ATTR not in m.__dict__ for m in model.hf.modules())
+    analyses.streaming_curve_plot(df)
