@@ -116,9 +116,23 @@ class _LayerStream:
         self.kv_stream = tuple(g for g in range(self.n_kv_heads)
                                if all(q in self.heads for q in range(g * group, (g + 1) * group)))
         self.kv_full = tuple(g for g in range(self.n_kv_heads) if g not in self.kv_stream)
+        # query heads on kept / streamed key/value heads, and whether any of the former streams
+        self.q_full = [q for g in self.kv_full for q in range(g * group, (g + 1) * group)]
+        self.q_stream = [q for g in self.kv_stream for q in range(g * group, (g + 1) * group)]
+        self.full_streams = self.is_streaming[self.q_full]
+        self._index: dict = {}
+
+    def _idx(self, which: str, device) -> torch.Tensor:
+        key = (which, str(device))
+        if key not in self._index:
+            self._index[key] = torch.tensor(getattr(self, which), dtype=torch.long, device=device)
+        return self._index[key]
 
     def __deepcopy__(self, memo):  # a copy of the HF model does not stream
         return None
+
+    def __reduce__(self):
+        return (type(None), ())
 
     def mask_scores(self, scores: torch.Tensor, mask) -> torch.Tensor:
         """Eager path: scores (b, h, q, k) after the additive mask, with the streaming heads' excluded keys at the
@@ -167,13 +181,14 @@ class _LayerStream:
         group = h // self.n_kv_heads
         out = query.new_empty(b, h, n_q, key.value_dim)
         if self.kv_full:
-            qf = [q for g in self.kv_full for q in range(g * group, (g + 1) * group)]
-            idx = torch.tensor(qf, device=query.device)
-            o, _ = self.attend(query[:, idx], key.full_k, key.full_v, mask, scale, mask is None and n_q > 1, False,
-                               softcap, heads=self.is_streaming[qf])
+            idx, causal = self._idx("q_full", query.device), mask is None and n_q > 1
+            if self.full_streams.any():
+                o, _ = self.attend(query[:, idx], key.full_k, key.full_v, mask, scale, causal, False, softcap,
+                                   heads=self.full_streams)
+            else:
+                o, _ = fused_attention(query[:, idx], key.full_k, key.full_v, mask, scale, 0.0, causal, False, softcap)
             out[:, idx] = o
-        qs = [q for g in self.kv_stream for q in range(g * group, (g + 1) * group)]
-        idx = torch.tensor(qs, device=query.device)
+        idx = self._idx("q_stream", query.device)
         q_rank = torch.arange(key.seen - n_q, key.seen, device=query.device).expand(b, n_q)
         k_rank = key.ranks.to(query.device).expand(b, -1)
         o, _ = streaming_attention(query[:, idx], repeat_kv(key.stream_k, group), repeat_kv(key.stream_v, group),
