@@ -54,20 +54,24 @@ def streaming_attention(query, key, value, q_rank, k_rank, k_real, sink: int, wi
     b, h, n_q, _ = query.shape
     n_k = key.shape[2]
     k_rank = k_rank.contiguous()
-    n_sink = int(_first_at_least(k_rank, torch.full((b, 1), sink, device=k_rank.device)).max())  # ranks < sink
-    tile = max(1, min(n_q, window, _TILE_KEYS // max(1, b * h * (sink + 2 * window))))
+    dense = n_k <= sink + 2 * window  # few keys (a streaming cache's): read them all, no tiles
+    n_sink = 0 if dense else int(_first_at_least(k_rank, torch.full((b, 1), sink, device=k_rank.device)).max())
+    tile = n_q if dense else max(1, min(n_q, window, _TILE_KEYS // max(1, b * h * (sink + 2 * window))))
     outs, lses = [], []
     for s in range(0, n_q, tile):
         e = min(n_q, s + tile)
         qr = q_rank[:, s:e]  # (b, t)
-        lo = int(_first_at_least(k_rank, qr[:, :1] - window + 1).min())
-        hi = int(_first_at_least(k_rank, qr[:, -1:], right=True).max())  # after the last key the tile may see
-        lo, hi = min(lo, n_k), min(max(hi, lo), n_k)
-        if n_sink >= lo:
-            idx = torch.arange(0, hi, device=key.device)
+        if dense:
+            idx = slice(None)
         else:
-            idx = torch.cat([torch.arange(0, min(n_sink, n_k), device=key.device),
-                             torch.arange(lo, hi, device=key.device)])
+            lo = int(_first_at_least(k_rank, qr[:, :1] - window + 1).min())
+            hi = int(_first_at_least(k_rank, qr[:, -1:], right=True).max())  # after the last key the tile may see
+            lo, hi = min(lo, n_k), min(max(hi, lo), n_k)
+            if n_sink >= lo:
+                idx = slice(0, hi)
+            else:
+                idx = torch.cat([torch.arange(0, min(n_sink, n_k), device=key.device),
+                                 torch.arange(lo, hi, device=key.device)])
         k, v, kr, real = key[:, :, idx], value[:, :, idx], k_rank[:, idx], k_real[:, idx]  # (b, h, n, d), (b, n)
         scores = torch.matmul(query[:, :, s:e], k.transpose(2, 3)) * scale  # (b, h, t, n)
         if softcap is not None:
@@ -248,8 +252,14 @@ class StreamingLayer(DynamicLayer):
         s_v = torch.cat([self.stream_values, value_states[:, self.kv_stream]], dim=-2)
         ranks = torch.cat([self.ranks, torch.arange(self.seen, self.seen + n, device=self.ranks.device)])
         self.seen += n
-        keep = (ranks < self.sink) | (ranks >= self.seen - self.window)  # what the next query may still see
-        self.stream_keys, self.stream_values, self.ranks = s_k[:, :, keep], s_v[:, :, keep], ranks[keep]
+        # what the next query may still see: ranks < sink, and ranks >= seen - window (ranks are sorted)
+        head, tail = min(self.sink, self.seen), min(self.window, self.seen)
+        if head + tail >= len(ranks):
+            self.stream_keys, self.stream_values, self.ranks = s_k, s_v, ranks
+        else:
+            cut = lambda t: torch.cat([t[..., :head, :], t[..., -tail:, :]], dim=-2)  # noqa: E731
+            self.stream_keys, self.stream_values = cut(s_k), cut(s_v)
+            self.ranks = torch.cat([ranks[:head], ranks[-tail:]])
         split = SplitKV(self.keys, self.values, s_k, s_v, ranks, self.seen)
         return split, split
 
