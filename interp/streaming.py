@@ -150,28 +150,37 @@ class _LayerStream:
         return scores.masked_fill(drop[:, None] & heads, torch.finfo(scores.dtype).min)
 
     def attend(self, query, key, value, mask, scale, causal, need_lse, softcap, heads=None, dropout=0.0):
-        """Flash path: the fused kernel for every head, then the streaming heads recomputed by the streaming kernel
-        (so that the other heads are bit for bit what the plain model computes). heads: (h,) bool, default this
-        layer's streaming heads."""
+        """Flash path: the fused kernel for the key/value groups that have a head that does not stream (so that
+        those heads are bit for bit what the plain model computes), the streaming kernel for the streaming heads
+        (a group whose heads all stream never reads its middle keys). heads: (h,) bool, default this layer's."""
         if dropout > 0.0:
             raise NotImplementedError("Streaming heads on the flash path run without attention dropout: call "
                                       "model.hf.eval() (studies do), or use the eager path.")
         heads = self.is_streaming if heads is None else heads
         b, h, n_q, _ = query.shape
-        chosen = heads.nonzero().flatten().tolist()
-        if len(chosen) < h:
+        n_kv = key.shape[1]
+        n_rep = h // n_kv
+        groups = [g for g in range(n_kv) if not bool(heads[g * n_rep:(g + 1) * n_rep].all())]
+        if len(groups) == n_kv:
             out, lse = fused_attention(query, key, value, mask, scale, 0.0, causal, True, softcap)
+            out, lse = out.clone(), lse.clone()
         else:
             out = query.new_empty(b, h, n_q, value.shape[-1])
             lse = torch.empty(b, h, n_q, dtype=torch.float32, device=query.device)
+            if groups:
+                g_idx = torch.tensor(groups, device=query.device)
+                q_idx = torch.tensor([q for g in groups for q in range(g * n_rep, (g + 1) * n_rep)],
+                                     device=query.device)
+                o, l = fused_attention(query[:, q_idx], key[:, g_idx], value[:, g_idx], mask, scale, 0.0, causal,
+                                       True, softcap)
+                out[:, q_idx], lse[:, q_idx] = o, l
+        chosen = heads.nonzero().flatten().tolist()
         if chosen:
-            n_rep = h // key.shape[1]
             idx = torch.tensor(chosen, device=query.device)
+            kv_idx = idx // n_rep
             q_rank, k_rank, k_real = _ranks(mask, b, n_q, key.shape[2], query.device)
-            s_out, s_lse = streaming_attention(query[:, idx], repeat_kv(key, n_rep)[:, idx],
-                                               repeat_kv(value, n_rep)[:, idx], q_rank, k_rank, k_real,
+            s_out, s_lse = streaming_attention(query[:, idx], key[:, kv_idx], value[:, kv_idx], q_rank, k_rank, k_real,
                                                self.sink, self.window, scale, softcap)
-            out, lse = out.clone(), lse.clone()
             out[:, idx], lse[:, idx] = s_out.to(out.dtype), s_lse
         return out, lse
 
@@ -185,12 +194,9 @@ class _LayerStream:
         group = h // self.n_kv_heads
         out = query.new_empty(b, h, n_q, key.value_dim)
         if self.kv_full:
-            idx, causal = self._idx("q_full", query.device), mask is None and n_q > 1
-            if self.full_streams.any():
-                o, _ = self.attend(query[:, idx], key.full_k, key.full_v, mask, scale, causal, False, softcap,
-                                   heads=self.full_streams)
-            else:
-                o, _ = fused_attention(query[:, idx], key.full_k, key.full_v, mask, scale, 0.0, causal, False, softcap)
+            idx = self._idx("q_full", query.device)
+            o, _ = self.attend(query[:, idx], key.full_k, key.full_v, mask, scale, mask is None and n_q > 1, False,
+                               softcap, heads=self.full_streams)
             out[:, idx] = o
         idx = self._idx("q_stream", query.device)
         q_rank = torch.arange(key.seen - n_q, key.seen, device=query.device).expand(b, n_q)

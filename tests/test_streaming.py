@@ -252,3 +252,32 @@ def test_streaming_curve_steps_metric_and_memory():
         analyses.streaming_curve(model, ids, analyses.lm_loss, window=0)
     assert all(STREAM_ATTR not in m.__dict__ for m in model.hf.modules())
     analyses.streaming_curve_plot(df)
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_heads_that_do_not_stream_are_bit_for_bit_the_plain_models(attn):
+    """Layer 0's key/value head 0 streams whole (its query heads 0 and 1), so the flash path runs the fused kernel on
+    key/value head 1's query heads alone: their outputs must not move by a bit."""
+    model = interp.load_model(_sharp("llama"), attn=attn)
+    ids, mask = padded_batch(True, lengths=(40, 29, 12))
+    names = ["blocks.0.attn.hook_z"]
+    with torch.no_grad():
+        _, plain = model.run_with_cache(ids, mask, names=names)
+        with interp.stream_heads(model, HEADS, sink=SINK, window=WINDOW):
+            _, streamed = model.run_with_cache(ids, mask, names=names)
+    real = mask.bool()
+    assert torch.equal(streamed["blocks.0.attn.hook_z"][:, :, 2:][real], plain["blocks.0.attn.hook_z"][:, :, 2:][real])
+    assert not torch.equal(streamed["blocks.0.attn.hook_z"][:, :, :2], plain["blocks.0.attn.hook_z"][:, :, :2])
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_streaming
+
+    bench_streaming.main(["--quick"])
+    table = capsys.readouterr().out
+    assert "| 6 (75%) | 6 |" in table and "| 0.39 |" in table  # 6 of 8 kv heads keep 10 of 51 entries
