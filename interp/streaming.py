@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from .kernels import fused_attention, repeat_kv
+from .kernels import fused_attention
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
            "streaming_kv_bytes"]
@@ -43,7 +43,7 @@ def _first_at_least(k_rank: torch.Tensor, rank: torch.Tensor, right: bool = Fals
 
 
 def streaming_attention(query, key, value, q_rank, k_rank, k_real, sink: int, window: int, scale: float,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        softcap: float | None = None, kv_index=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of streaming heads: query ``i`` sees real key ``j`` iff ``rank_j <= rank_i`` and (``rank_j < sink``
     or ``rank_i - rank_j < window``). query: (b, h, q, d); key: (b, h, k, d); value: (b, h, k, e); q_rank: (b, q)
     (-1 for a padded query, whose output is 0 and logsumexp 0, as the fused kernels give); k_rank, k_real: (b, k),
@@ -72,7 +72,9 @@ def streaming_attention(query, key, value, q_rank, k_rank, k_real, sink: int, wi
             else:
                 idx = torch.cat([torch.arange(0, min(n_sink, n_k), device=key.device),
                                  torch.arange(lo, hi, device=key.device)])
-        k, v, kr, real = key[:, :, idx], value[:, :, idx], k_rank[:, idx], k_real[:, idx]  # (b, h, n, d), (b, n)
+        k, v, kr, real = key[:, :, idx], value[:, :, idx], k_rank[:, idx], k_real[:, idx]  # (b, g, n, d), (b, n)
+        if kv_index is not None:  # the selected keys only, never the whole sequence, per query head
+            k, v = k[:, kv_index], v[:, kv_index]
         scores = torch.matmul(query[:, :, s:e], k.transpose(2, 3)) * scale  # (b, h, t, n)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -124,6 +126,7 @@ class _LayerStream:
         self.q_full = [q for g in self.kv_full for q in range(g * group, (g + 1) * group)]
         self.q_stream = [q for g in self.kv_stream for q in range(g * group, (g + 1) * group)]
         self.full_streams = self.is_streaming[self.q_full]
+        self.stream_kv_index = [i // group for i in range(len(self.q_stream))]  # into the streamed heads' cache
         self._index: dict = {}
 
     def _idx(self, which: str, device) -> torch.Tensor:
@@ -177,10 +180,9 @@ class _LayerStream:
         chosen = heads.nonzero().flatten().tolist()
         if chosen:
             idx = torch.tensor(chosen, device=query.device)
-            kv_idx = idx // n_rep
             q_rank, k_rank, k_real = _ranks(mask, b, n_q, key.shape[2], query.device)
-            s_out, s_lse = streaming_attention(query[:, idx], key[:, kv_idx], value[:, kv_idx], q_rank, k_rank, k_real,
-                                               self.sink, self.window, scale, softcap)
+            s_out, s_lse = streaming_attention(query[:, idx], key, value, q_rank, k_rank, k_real, self.sink,
+                                               self.window, scale, softcap, kv_index=idx // n_rep)
             out[:, idx], lse[:, idx] = s_out.to(out.dtype), s_lse
         return out, lse
 
@@ -201,9 +203,9 @@ class _LayerStream:
         idx = self._idx("q_stream", query.device)
         q_rank = torch.arange(key.seen - n_q, key.seen, device=query.device).expand(b, n_q)
         k_rank = key.ranks.to(query.device).expand(b, -1)
-        o, _ = streaming_attention(query[:, idx], repeat_kv(key.stream_k, group), repeat_kv(key.stream_v, group),
-                                   q_rank, k_rank, torch.ones_like(k_rank, dtype=torch.bool), self.sink,
-                                   self.window, scale, softcap)
+        o, _ = streaming_attention(query[:, idx], key.stream_k, key.stream_v, q_rank, k_rank,
+                                   torch.ones_like(k_rank, dtype=torch.bool), self.sink, self.window, scale, softcap,
+                                   kv_index=self._idx("stream_kv_index", query.device))
         out[:, idx] = o.to(out.dtype)
         return out
 

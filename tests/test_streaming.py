@@ -172,6 +172,11 @@ def test_the_kernel_equals_a_dense_mask_with_padding_and_sparse_ranks(sink, wind
     assert (out - expected).transpose(1, 2)[rows].abs().max() <= 1e-5
     assert (lse - torch.logsumexp(scores, -1)).transpose(1, 2)[rows].abs().max() <= 1e-5
     assert out.transpose(1, 2)[~rows].abs().max() == 0
+    # grouped-query attention: every query head reads key/value head 0
+    grouped, _ = streaming_attention(q, k[:, :1], v[:, :1], q_rank, k_rank, k_real, sink, window, 0.3,
+                                     kv_index=torch.zeros(h, dtype=torch.long))
+    scores = (q @ k[:, :1].transpose(2, 3) * 0.3).masked_fill(~allowed[:, None], float("-inf"))
+    assert (grouped - torch.softmax(scores, -1) @ v[:, :1]).transpose(1, 2)[rows].abs().max() <= 1e-5
 
 
 # -- real memory in generate -----------------------------------------------------------------------------------
