@@ -8,6 +8,8 @@ are interleaved (full, 25, 50, 75, then again) on a needle-in-a-haystack prompt
 (``analyses.retrieval``) and the median over rounds is reported. KV bytes are what the cache
 holds after decoding (``interp.kv_cache_bytes``). Peak memory: the growth of the process's peak RSS over its RSS
 before the configuration (``/proc/self/clear_refs`` resets the peak, ``malloc_trim`` returns freed memory first).
+Times: the process's CPU time (``time.process_time``, one thread: robust to other work on a shared machine) and
+wall-clock time.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py                    # SmolLM2, 2,048-token prompt
     OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py --tokens 8192      # 8k
@@ -61,19 +63,20 @@ def run_one(model, ids, heads, new: int, sink: int, window: int) -> dict:
     before = _reset_peak()
     with interp.stream_heads(model, heads, sink=sink, window=window) as s, torch.no_grad():
         cache = s.new_cache() if heads else None
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = model.hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - start
+        prefill, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
         token, tokens = out.logits[:, -1].argmax(-1, keepdim=True), []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(new):
             out = model.hf(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
-        decode = (time.perf_counter() - start) / new
+        decode, decode_cpu = (time.perf_counter() - start) / new, (time.process_time() - cpu) / new
         kv = interp.kv_cache_bytes(out.cache)
         del out
-    return {"prefill_s": prefill, "decode_ms": decode * 1e3, "kv_bytes": kv, "peak_grew": _status("VmHWM") - before,
+    return {"prefill_s": prefill, "decode_ms": decode * 1e3, "prefill_cpu_s": prefill_cpu,
+            "decode_cpu_ms": decode_cpu * 1e3, "kv_bytes": kv, "peak_grew": _status("VmHWM") - before,
             "tokens": tokens}
 
 
@@ -100,24 +103,26 @@ def main(argv=None) -> None:
         for f in a.fractions:
             rows[f].append(run_one(model, ids, plans[f], a.new, a.sink, a.window))
             last = rows[f][-1]
-            print(f"  round {r} {f:4.0%}: prefill {last['prefill_s']:.2f} s, decode {last['decode_ms']:.1f} ms/token, "
+            print(f"  round {r} {f:4.0%}: prefill {last['prefill_s']:.2f} s (CPU {last['prefill_cpu_s']:.2f}), decode "
+                  f"{last['decode_ms']:.1f} ms/token (CPU {last['decode_cpu_ms']:.1f}), "
                   f"KV {last['kv_bytes'] / 2**20:.1f} MiB, peak +{last['peak_grew'] / 2**20:.0f} MiB", flush=True)
     full = rows[a.fractions[0]]
     med = lambda rs, k: statistics.median(x[k] for x in rs)  # noqa: E731
     print(f"\n{a.model}, prompt {a.tokens} tokens + {a.new} decoded, sink {a.sink}, window {a.window}, "
           f"{torch.get_num_threads()} thread, median of {a.rounds} interleaved rounds")
-    print("| heads streaming | kv heads streaming | KV MiB | x full | peak growth MiB | x full | decode ms/token "
-          "| x full | prefill s | same tokens as full |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| heads streaming | kv heads streaming | KV MiB | x full | peak growth MiB | x full | decode CPU ms/token "
+          "| x full | decode wall ms/token | prefill CPU s | x full | same tokens as full |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for f in a.fractions:
         rs, heads = rows[f], plans[f]
         n_kv = len({(l, h // (model.cfg.heads_per_layer[l] // model.cfg.kv_heads_per_layer[l])) for l, h in heads})
         ratio = lambda k: med(rs, k) / med(full, k)  # noqa: E731
         same = sum(x == y for x, y in zip(rs[0]["tokens"], full[0]["tokens"]))
         share = len(heads) / len(model.cfg.heads())
-        print(f"| {len(heads)} ({share:.0%}) | {n_kv} | {med(rs, 'kv_bytes') / 2**20:.1f} | {ratio('kv_bytes'):.2f} | {med(rs, 'peak_grew') / 2**20:.0f} | {ratio('peak_grew'):.2f} "
-              f"| {med(rs, 'decode_ms'):.1f} | {ratio('decode_ms'):.2f} | {med(rs, 'prefill_s'):.2f} "
-              f"| {same}/{a.new} |")
+        print(f"| {len(heads)} ({share:.0%}) | {n_kv} | {med(rs, 'kv_bytes') / 2**20:.1f} | {ratio('kv_bytes'):.2f} "
+              f"| {med(rs, 'peak_grew') / 2**20:.0f} | {ratio('peak_grew'):.2f} "
+              f"| {med(rs, 'decode_cpu_ms'):.1f} | {ratio('decode_cpu_ms'):.2f} | {med(rs, 'decode_ms'):.1f} "
+              f"| {med(rs, 'prefill_cpu_s'):.2f} | {ratio('prefill_cpu_s'):.2f} | {same}/{a.new} |")
 
 
 if __name__ == "__main__":
