@@ -8,6 +8,7 @@ are interleaved (full, 25, 50, 75, then again) on a needle-in-a-haystack prompt
 (``analyses.retrieval``) and the median over rounds is reported. KV bytes are what the cache
 holds after decoding (``interp.kv_cache_bytes``). Peak memory: the growth of the process's peak RSS over its RSS
 before the configuration (``/proc/self/clear_refs`` resets the peak, ``malloc_trim`` returns freed memory first).
+Held: the RSS growth still there after decoding (freed memory returned first), the cache alive.
 Times: the process's CPU time (``time.process_time``, one thread: robust to other work on a shared machine) and
 wall-clock time.
 
@@ -74,9 +75,11 @@ def run_one(model, ids, heads, new: int, sink: int, window: int) -> dict:
             tokens.append(int(token))
         decode, decode_cpu = (time.perf_counter() - start) / new, (time.process_time() - cpu) / new
         kv = interp.kv_cache_bytes(out.cache)
+        peak = _status("VmHWM") - before
+        held = _reset_peak() - before  # freed memory returned first: what the live cache and model state hold
         del out
     return {"prefill_s": prefill, "decode_ms": decode * 1e3, "prefill_cpu_s": prefill_cpu,
-            "decode_cpu_ms": decode_cpu * 1e3, "kv_bytes": kv, "peak_grew": _status("VmHWM") - before,
+            "decode_cpu_ms": decode_cpu * 1e3, "kv_bytes": kv, "peak_grew": peak, "held": held,
             "tokens": tokens}
 
 
@@ -105,14 +108,15 @@ def main(argv=None) -> None:
             last = rows[f][-1]
             print(f"  round {r} {f:4.0%}: prefill {last['prefill_s']:.2f} s (CPU {last['prefill_cpu_s']:.2f}), decode "
                   f"{last['decode_ms']:.1f} ms/token (CPU {last['decode_cpu_ms']:.1f}), "
-                  f"KV {last['kv_bytes'] / 2**20:.1f} MiB, peak +{last['peak_grew'] / 2**20:.0f} MiB", flush=True)
+                  f"KV {last['kv_bytes'] / 2**20:.1f} MiB, peak +{last['peak_grew'] / 2**20:.0f} MiB, held "
+                  f"+{last['held'] / 2**20:.0f} MiB", flush=True)
     full = rows[a.fractions[0]]
     med = lambda rs, k: statistics.median(x[k] for x in rs)  # noqa: E731
     print(f"\n{a.model}, prompt {a.tokens} tokens + {a.new} decoded, sink {a.sink}, window {a.window}, "
           f"{torch.get_num_threads()} thread, median of {a.rounds} interleaved rounds")
-    print("| heads streaming | kv heads streaming | KV MiB | x full | peak growth MiB | x full | decode CPU ms/token "
+    print("| heads streaming | kv heads streaming | KV MiB | x full | held MiB | peak growth MiB | x full | decode CPU ms/token "
           "| x full | decode wall ms/token | prefill CPU s | x full | same tokens as full |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for f in a.fractions:
         rs, heads = rows[f], plans[f]
         n_kv = len({(l, h // (model.cfg.heads_per_layer[l] // model.cfg.kv_heads_per_layer[l])) for l, h in heads})
@@ -120,7 +124,7 @@ def main(argv=None) -> None:
         same = sum(x == y for x, y in zip(rs[0]["tokens"], full[0]["tokens"]))
         share = len(heads) / len(model.cfg.heads())
         print(f"| {len(heads)} ({share:.0%}) | {n_kv} | {med(rs, 'kv_bytes') / 2**20:.1f} | {ratio('kv_bytes'):.2f} "
-              f"| {med(rs, 'peak_grew') / 2**20:.0f} | {ratio('peak_grew'):.2f} "
+              f"| {med(rs, 'held') / 2**20:.0f} | {med(rs, 'peak_grew') / 2**20:.0f} | {ratio('peak_grew'):.2f} "
               f"| {med(rs, 'decode_cpu_ms'):.1f} | {ratio('decode_cpu_ms'):.2f} | {med(rs, 'decode_ms'):.1f} "
               f"| {med(rs, 'prefill_cpu_s'):.2f} | {ratio('prefill_cpu_s'):.2f} | {same}/{a.new} |")
 
