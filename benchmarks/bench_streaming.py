@@ -114,8 +114,8 @@ def main(argv=None) -> None:
     med = lambda rs, k: statistics.median(x[k] for x in rs)  # noqa: E731
     print(f"\n{a.model}, prompt {a.tokens} tokens + {a.new} decoded, sink {a.sink}, window {a.window}, "
           f"{torch.get_num_threads()} thread, median of {a.rounds} interleaved rounds")
-    print("| heads streaming | kv heads streaming | KV MiB | x full | held MiB | peak growth MiB | x full | decode CPU ms/token "
-          "| x full | decode wall ms/token | prefill CPU s | x full | same tokens as full |")
+    print("| heads streaming | kv heads streaming | KV MiB | x full | held MiB | peak growth MiB | x full "
+          "| decode CPU ms/token | x full | decode wall ms/token | prefill CPU s | x full | same tokens as full |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for f in a.fractions:
         rs, heads = rows[f], plans[f]
