@@ -98,6 +98,10 @@ def _ranks(mask, batch: int, n_q: int, n_k: int, device):
         k_real = torch.ones(batch, n_k, dtype=torch.bool, device=device)
     else:
         k_real = (mask[:, 0, -1, :] == 0).expand(batch, n_k)
+        if not bool(k_real[:, -1].all()):
+            raise ValueError("Streaming heads count positions from the mask's last query row, which must be a real "
+                             "token that sees every earlier one: pad on the left (as interp does for causal models) "
+                             "and use a dynamic cache (HF's StaticCache is not supported).")
     count = torch.cumsum(k_real.long(), dim=1)
     k_rank = count - 1
     own = slice(n_k - n_q, n_k)

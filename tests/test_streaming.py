@@ -286,3 +286,10 @@ def test_the_benchmark_runs(capsys):
     bench_streaming.main(["--quick"])
     table = capsys.readouterr().out
     assert "| 6 (75%) | 6 |" in table and "| 0.39 |" in table  # 6 of 8 kv heads keep 10 of 51 entries
+
+
+def test_right_padding_is_refused_clearly():
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    ids, mask = padded_batch(False, lengths=(8, 5))  # right padding
+    with interp.stream_heads(model, [(0, 0)]), pytest.raises(ValueError, match="pad on the left"):
+        model(ids, mask)
