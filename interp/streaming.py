@@ -76,16 +76,16 @@ def streaming_attention(query, key, value, q_rank, k_rank, k_real, sink: int, wi
         k, v, kr, real = key[:, :, idx], value[:, :, idx], k_rank[:, idx], k_real[:, idx]  # (b, g, n, d), (b, n)
         if kv_index is not None:  # the selected keys only, never the whole sequence, per query head
             k, v = k[:, kv_index], v[:, kv_index]
-        scores = torch.matmul(query[:, :, s:e], k.transpose(2, 3)) * scale  # (b, h, t, n)
+        scores = torch.matmul(query[:, :, s:e], k.transpose(2, 3)).mul_(scale)  # (b, h, t, n)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.float()
         gap = qr[:, :, None] - kr[:, None, :]  # (b, t, n)
         allowed = (gap >= 0) & ((kr[:, None, :] < sink) | (gap < window)) & real[:, None, :] & (qr[:, :, None] >= 0)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        scores.masked_fill_(~allowed[:, None], float("-inf"))  # in place: one (b, h, t, n) block per tile
         lse = torch.logsumexp(scores, dim=-1)  # (b, h, t)
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        outs.append(torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v))
+        outs.append(torch.matmul(scores.sub_(lse[..., None]).exp_().to(v.dtype), v))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
