@@ -275,7 +275,6 @@ def test_heads_that_do_not_stream_are_bit_for_bit_the_plain_models(attn):
     assert not torch.equal(streamed["blocks.0.attn.hook_z"][:, :, :2], plain["blocks.0.attn.hook_z"][:, :, :2])
 
 
-@pytest.mark.slow
 def test_the_benchmark_runs(capsys):
     import sys
     from pathlib import Path
