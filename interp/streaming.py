@@ -11,9 +11,9 @@ only to the first ``sink`` keys and the last ``window`` keys up to and including
 
 Positions count real tokens: with left padding a row's first real token is its position 0, as if it ran alone.
 
-**Real memory** (``interp.streaming_cache``). ``s.new_cache()`` is a transformers ``DynamicCache`` whose layers keep, for every key/value head
-all of whose query heads stream (grouped-query attention: a key/value head serves several query heads), only the
-sink and the last ``window`` entries; the other key/value heads keep everything. Its ``update`` returns a
+**Real memory** (``interp.streaming_cache``). ``s.new_cache()`` is a transformers ``DynamicCache`` whose layers
+keep, for every key/value head all of whose query heads stream (grouped-query attention: a key/value head serves
+several query heads), only the sink and the last ``window`` entries; the other key/value heads keep everything. Its ``update`` returns a
 ``SplitKV`` (not a tensor), which only our attention understands: use it with ``model.hf.generate`` or forward
 calls inside the same ``with`` block, without attention hooks and without padding.
 """
@@ -232,6 +232,7 @@ class _LayerStream:
         return torch.matmul(weights, key.stream_v).reshape(b, h, 1, -1)
 
 
+# -- memory ----------------------------------------------------------------------------------------------------
 def streaming_kv_bytes(model, heads, tokens: int, sink: int = 4, window: int = 256, batch: int = 1) -> int:
     """The bytes a ``StreamingCache`` holds after ``tokens`` tokens of ``batch`` rows (``kv_cache_bytes`` of it;
     ``heads=[]``: a plain DynamicCache): every key/value head all of whose query heads stream keeps
