@@ -13,9 +13,9 @@ Positions count real tokens: with left padding a row's first real token is its p
 
 **Real memory** (``interp.streaming_cache``). ``s.new_cache()`` is a transformers ``DynamicCache`` whose layers
 keep, for every key/value head all of whose query heads stream (grouped-query attention: a key/value head serves
-several query heads), only the sink and the last ``window`` entries; the other key/value heads keep everything. Its ``update`` returns a
-``SplitKV`` (not a tensor), which only our attention understands: use it with ``model.hf.generate`` or forward
-calls inside the same ``with`` block, without attention hooks and without padding.
+several query heads), only the sink and the last ``window`` entries; the other key/value heads keep everything.
+Its ``update`` returns a ``SplitKV`` (not a tensor), which only our attention understands: use it with
+``model.hf.generate`` or forward calls inside the same ``with`` block, without attention hooks and without padding.
 """
 
 from __future__ import annotations
