@@ -13,9 +13,11 @@ from .attention import EAGER_KEY, FLASH_KEY
 from .loading import BUNDLED, load_model
 from .model import HookedModel, ModelConfig
 from .seq2seq import Seq2SeqHookedModel
+from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
 from .progress import set_progress
 from .threads import set_threads
 
 __all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "Seq2SeqHookedModel", "load_model",
-           "set_progress", "set_threads"]
+           "kv_cache_bytes", "set_progress", "set_threads", "stream_heads",
+           "streaming_kv_bytes"]
 __version__ = "0.1.0"

@@ -84,6 +84,7 @@ class LayerHooks:
 # buffer: state_dict, repr and save_pretrained never see it). A global weak table keyed by module made
 # torch.compile guard on the table's changing contents.
 _HOOKS_ATTR = "_interp_hooks"
+_STREAM_ATTR = "_interp_stream"  # interp.streaming.STREAM_ATTR (not imported: streaming builds on this module)
 
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
@@ -199,6 +200,9 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         hooks.bias = position_bias
     if scaling is None:
         scaling = query.size(-1) ** -0.5
+    stream = module.__dict__.get(_STREAM_ATTR)  # interp.streaming: heads that see only sinks and a recent window
+    if stream is not None and not isinstance(key, torch.Tensor):
+        return _streaming_cached(module, stream, hooks, query, key, attention_mask, scaling, softcap), None
     if hooks is not None:
         query, key, value = _fire_qkv(hooks, query, key, value)
     _same_batch(query, key, value, attention_mask)  # a clear error where HF's matmul would raise
@@ -215,6 +219,8 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
         scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
+    if stream is not None:
+        scores = stream.mask_scores(scores, attention_mask)
     if hooks is not None and hooks.attn_scores:
         scores = hooks.attn_scores(scores)
     sink_scale = None
@@ -262,6 +268,9 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     """
     _check_kwargs(kwargs)
     hooks = _active_hooks(module)
+    stream = module.__dict__.get(_STREAM_ATTR)
+    if stream is not None and not isinstance(key, torch.Tensor):
+        return _streaming_cached(module, stream, hooks, query, key, attention_mask, scaling, softcap), None
     if hooks is not None:
         hooks.bias = position_bias
         if hooks.attn_scores or hooks.pattern:
@@ -288,7 +297,10 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     query, key, value, attention_mask = _same_batch(query, key, value, attention_mask)
     need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
-    out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
+    if stream is not None:
+        out, lse = stream.attend(query, key, value, attention_mask, scaling, causal, need_lse, softcap, dropout=dropout)
+    else:
+        out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
     if s_aux is not None:
         sink = s_aux.float().reshape(1, -1, 1)  # (1, h, 1)
         out = out * torch.sigmoid(lse - sink)[..., None].to(out.dtype)
@@ -301,6 +313,16 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     if Recording.active is not None:
         _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
     return out, None
+
+
+def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):
+    """Attention over a streaming cache's split keys (``interp.streaming.SplitKV``): (b, q, h, e)."""
+    if hooks is not None or module.training or Recording.active is not None:
+        raise ValueError("A StreamingCache runs without attention hooks and in eval mode: remove the hooks (or use a "
+                         "plain cache, under which the masked model computes the same).")
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    return stream.attend_cached(query, key, mask, scaling, softcap).transpose(1, 2).contiguous()
 
 
 def _with_bias(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, n_q: int, n_k: int) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""Streaming curves: turn heads into streaming heads (sinks + a recent window, ``interp.stream_heads``) a share at a
+time, in the order of a score, and record a metric and the KV-cache memory at each step.
+
+DuoAttention (Xiao et al. 2024) keeps full attention for "retrieval" heads and lets the others stream; the order
+here can come from any head score: a retrieval score (``analyses.retrieval_heads``: heads with the lowest score
+stream first, i.e. by ``1 - retrieval``), Michel et al.'s importance (least important first), or random orders
+(one curve per seed). The order is fixed before the curve starts, as DuoAttention's gates are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import numpy as np
+import pandas as pd
+import torch
+
+from interp.streaming import stream_heads, streaming_kv_bytes
+
+from .ablation import Head, all_heads
+from .engine import Shard, _arguments
+from .metrics import as_metric, batch_of
+
+__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot"]
+
+ORDERS = ("importance", "random")
+
+
+def streaming_order(model, inputs=None, metric=None, order="random", column: str | None = None,
+                    seed: int = 0) -> list[Head]:
+    """Every head, the first to stream first. order: ``"importance"`` (least important first, from the metric's
+    loss), ``"random"`` (a permutation drawn with ``seed``) or a DataFrame with ``layer``, ``head`` and a score
+    column (``column``; default ``"retrieval"`` when present): lowest score first."""
+    heads = all_heads(model)
+    if isinstance(order, pd.DataFrame):
+        if column is None:
+            numeric = [c for c in order.select_dtypes("number").columns if c not in ("layer", "head")]
+            column = "retrieval" if "retrieval" in order else (numeric[0] if len(numeric) == 1 else None)
+        if column is None or column not in order or not {"layer", "head"} <= set(order.columns):
+            raise ValueError("A score table needs columns layer, head and the score to order by (column=...); got "
+                             f"columns {list(order.columns)} and column={column!r}.")
+        score = {(int(r.layer), int(r.head)): float(getattr(r, column)) for r in order.itertuples()}
+        missing = [h for h in heads if h not in score or math.isnan(score[h])]
+        if missing:
+            raise ValueError(f"The score table has no {column!r} for {len(missing)} heads, e.g. {missing[:3]}; score "
+                             "every head (NaN: a retrieval study where the model answered no trial).")
+        return sorted(heads, key=lambda h: (score[h], h))
+    if isinstance(order, str) and order == "random":
+        return [heads[i] for i in np.random.default_rng(seed).permutation(len(heads))]
+    if isinstance(order, str) and order == "importance":
+        from .pruning import head_importance
+
+        if metric is None or inputs is None:
+            raise ValueError("order='importance' needs the inputs and a metric (its loss ranks the heads).")
+        df = head_importance(model, inputs, loss=metric)
+        score = {(r.layer, r.head): r.importance for r in df.itertuples()}
+        return sorted(heads, key=lambda h: (score[h], h))
+    raise ValueError(f"Unknown streaming order {order!r}; use one of {', '.join(ORDERS)} or a score DataFrame with "
+                     "layer and head columns (e.g. analyses.retrieval_heads' table).")
+
+
+def _evaluate(model, batch, metric, heads, sink, window) -> float:
+    with Shard(batch, metric) as shard, ExitStack() as stack, torch.no_grad():
+        batch, local = shard.rows(batch), shard.metric(metric)
+        stack.enter_context(stream_heads(model, heads, sink=sink, window=window))
+        args, kwargs = _arguments(batch)
+        return shard.means([local(model(*args, **kwargs), batch)])[0]
+
+
+def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
+                    sink: int = 4, window: int = 256, column: str | None = None, kv_tokens: int | None = None,
+                    max_fraction: float = 1.0, higher_is_better: bool | None = None) -> pd.DataFrame:
+    """Stream ``step`` of all heads more at a time, in ``order`` (see ``streaming_order``), recording ``metric``.
+
+    Returns one row per step: ``fraction_streaming``, ``heads_streaming``, ``kv_heads_streaming`` (key/value heads
+    all of whose query heads stream: the ones whose cache shrinks), ``metric``, ``kv_bytes`` (what a
+    ``StreamingCache`` holds for one row of ``kv_tokens`` tokens, default the inputs' length), ``kv_fraction``
+    (of full attention's), ``order`` (``"random"``, ``"importance"`` or the score column) and ``seed``.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 1:
+        raise ValueError(f"step is the share of all heads streamed more at each step, in (0, 1]; got {step!r}.")
+    if isinstance(max_fraction, bool) or not isinstance(max_fraction, (int, float)) or not 0 < max_fraction <= 1:
+        raise ValueError(f"max_fraction is the share of heads after which the curve stops, in (0, 1]; got "
+                         f"{max_fraction!r}.")
+    metric = as_metric(metric, higher_is_better)
+    batch = batch_of(model, inputs)
+    tokens = batch["input_ids"].shape[1] if kv_tokens is None else kv_tokens
+    full = streaming_kv_bytes(model, [], tokens, sink, window)  # a clear error for a bad sink, window or model
+    heads = all_heads(model)
+    per_step = max(1, round(step * len(heads)))
+    stop = math.floor(max_fraction * len(heads) + 1e-9)
+    name = column or ("retrieval" if isinstance(order, pd.DataFrame) and "retrieval" in order else None)
+    rows = []
+    with model.studying():
+        if isinstance(order, str) and order == "random":
+            if not len(seeds):
+                raise ValueError("order='random' needs at least one seed.")
+            runs = [(s, streaming_order(model, batch, metric, "random", seed=s)) for s in seeds]
+        else:
+            runs = [(None, streaming_order(model, batch, metric, order, column))]
+        for seed, ranked in runs:
+            counts = sorted({0, *range(per_step, stop, per_step), stop})
+            for n in counts:
+                chosen = ranked[:n]
+                kv = streaming_kv_bytes(model, chosen, tokens, sink, window)
+                with stream_heads(model, chosen, sink=sink, window=window) as s:
+                    n_kv = len(s.kv_heads)
+                rows.append({"fraction_streaming": n / len(heads), "heads_streaming": n, "kv_heads_streaming": n_kv,
+                             "metric": _evaluate(model, batch, metric, chosen, sink, window), "kv_bytes": kv,
+                             "kv_fraction": kv / full, "order": name or str(order), "seed": seed})
+    df = pd.DataFrame(rows)
+    df["seed"] = df["seed"].astype("Int64")
+    df.attrs.update(metric=metric.name, sink=sink, window=window, kv_tokens=tokens)
+    return df
+
+
+def streaming_curve_plot(df: pd.DataFrame, ax=None):
+    """The metric against the fraction of heads streaming, one line per order (random seeds: mean, range shaded),
+    with the KV-cache fraction on a second axis."""
+    import matplotlib.pyplot as plt
+
+    missing = [c for c in ("fraction_streaming", "metric", "order", "kv_fraction") if c not in df]
+    if missing or not len(df):
+        raise ValueError(f"streaming_curve_plot needs streaming_curve's rows; the table lacks {missing or 'rows'}.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    for i, (order, part) in enumerate(df.groupby("order", sort=False)):
+        stats = part.groupby("fraction_streaming")["metric"].agg(["mean", "min", "max"]).sort_index()
+        n_seeds = int(part["seed"].nunique())
+        label = order if n_seeds <= 1 else f"{order} (mean of {n_seeds} seeds, range shaded)"
+        ax.plot(stats.index, stats["mean"], color=f"C{i}", marker="o", markersize=4, label=label)
+        if n_seeds > 1:
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=f"C{i}", alpha=0.2, linewidth=0)
+    kv = df.groupby("fraction_streaming")["kv_fraction"].mean().sort_index()
+    twin = ax.twinx()
+    twin.plot(kv.index, kv.values, color="0.5", linestyle=":", label="KV cache (share of full)")
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel(f"KV cache at {df.attrs.get('kv_tokens', '?')} tokens (share of full)")
+    ax.set_xlabel(f"fraction of heads streaming (sink {df.attrs.get('sink')}, window {df.attrs.get('window')})")
+    ax.set_ylabel(df.attrs.get("metric", "metric"))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, loc="upper left")
+    ax.set_title("streaming curve")
+    return ax

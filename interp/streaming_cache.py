@@ -1,0 +1,120 @@
+"""The KV cache of streaming heads (``interp.streaming``): a transformers ``DynamicCache`` whose layers keep every
+entry of the key/value heads that some query head reads in full, and only the first ``sink`` and the last
+``window`` entries of the key/value heads all of whose query heads stream.
+
+A layer's ``update`` hands the attention a ``SplitKV`` (the two parts and the ranks of the kept entries), not a
+tensor: only our attention, with the layer's streaming spec attached by ``stream_heads``, reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "kv_cache_bytes"]
+
+
+@dataclass
+class SplitKV:
+    """What a streaming cache layer hands to the attention: the kept key/value heads' full keys ``(b, g_f, k, d)``,
+    the streamed ones' sink + window (+ new) entries ``(b, g_s, n, d)``, their ranks ``(n,)`` and the number of
+    tokens seen so far, this call's included."""
+
+    full_k: torch.Tensor
+    full_v: torch.Tensor
+    stream_k: torch.Tensor
+    stream_v: torch.Tensor
+    ranks: torch.Tensor
+    seen: int
+
+    @property
+    def value_dim(self) -> int:
+        return self.stream_v.shape[-1]
+
+
+class StreamingLayer(DynamicLayer):
+    """A cache layer keeping every entry of the key/value heads ``kv_full`` and only the first ``sink`` and the last
+    ``window`` entries of the heads ``kv_stream``."""
+
+    is_croppable = False
+
+    def __init__(self, kv_full, kv_stream, sink: int, window: int):
+        super().__init__()
+        self.kv_full, self.kv_stream, self.sink, self.window = list(kv_full), list(kv_stream), sink, window
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, _, _, d = key_states.shape
+        empty = lambda n, e, t: t.new_zeros(b, n, 0, e)  # noqa: E731
+        self.keys = empty(len(self.kv_full), d, key_states)
+        self.values = empty(len(self.kv_full), value_states.shape[-1], value_states)
+        self.stream_keys = empty(len(self.kv_stream), d, key_states)
+        self.stream_values = empty(len(self.kv_stream), value_states.shape[-1], value_states)
+        self.ranks = torch.zeros(0, dtype=torch.long, device=key_states.device)
+
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[SplitKV, SplitKV]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states[:, self.kv_full]], dim=-2)
+        self.values = torch.cat([self.values, value_states[:, self.kv_full]], dim=-2)
+        s_k = torch.cat([self.stream_keys, key_states[:, self.kv_stream]], dim=-2)
+        s_v = torch.cat([self.stream_values, value_states[:, self.kv_stream]], dim=-2)
+        ranks = torch.cat([self.ranks, torch.arange(self.seen, self.seen + n, device=self.ranks.device)])
+        self.seen += n
+        # what the next query may still see: ranks < sink, and ranks >= seen - window (ranks are sorted)
+        head, tail = min(self.sink, self.seen), min(self.window, self.seen)
+        if head + tail >= len(ranks):
+            self.stream_keys, self.stream_values, self.ranks = s_k, s_v, ranks
+        else:
+            cut = lambda t: torch.cat([t[..., :head, :], t[..., -tail:, :]], dim=-2)  # noqa: E731
+            self.stream_keys, self.stream_values = cut(s_k), cut(s_v)
+            self.ranks = torch.cat([ranks[:head], ranks[-tail:]])
+        split = SplitKV(self.keys, self.values, s_k, s_v, ranks, self.seen)
+        return split, split
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def _apply(self, fn) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "stream_keys", "stream_values"):
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self._apply(lambda t: t[indices, ...])
+
+    def reset(self) -> None:
+        self.keys = self.values = self.stream_keys = self.stream_values = None
+        self.is_initialized, self.seen = False, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("A streaming cache layer has dropped the entries a crop would go back to.")
+
+
+class StreamingCache(DynamicCache):
+    """A DynamicCache whose layers with fully streaming key/value heads are ``StreamingLayer`` s."""
+
+    def __init__(self, layers: list[DynamicLayer]):
+        super().__init__()
+        self.layers, self.layer_class_to_replicate = layers, None
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes of the keys and values a transformers cache holds (a StreamingCache's streamed entries included)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "stream_keys", "stream_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

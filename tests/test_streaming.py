@@ -1,0 +1,294 @@
+"""Streaming heads (interp.streaming): each chosen head sees only the first ``sink`` and the last ``window`` keys
+up to and including each query.
+
+The reference is the plain model on the eager path with a hook on ``hook_attn_scores`` that sets the excluded
+scores of those heads to -inf, positions counted from each row's first real token (left padding). Weights of the
+attention are scaled up so that patterns are far from uniform and a wrong mask shows in the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import padded_batch, tiny_hf
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+import interp
+from interp.streaming import STREAM_ATTR, StreamingLayer, streaming_attention
+
+TOL = {"eager": 0.0, "flash": 1e-5}
+SINK, WINDOW = 2, 5
+
+
+def _gemma3():
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+                           layer_types=["full_attention"] * 2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _sharp(family: str):
+    hf = _gemma3() if family == "gemma3" else tiny_hf(family, **({} if family == "gpt2" else
+                                                                  {"max_position_embeddings": 128}))
+    with torch.no_grad():  # scale up so that attention is far from uniform
+        for name, p in hf.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj", "c_attn")) and p.ndim == 2:
+                p.mul_(6.0)
+    return hf
+
+
+HEADS = [(0, 0), (0, 1), (1, 2)]  # on the GQA models (2 kv heads of 2 query heads) layer 0's kv head 0 streams
+FAMILIES = ["llama", "qwen2", "gemma3", "gpt2"]
+
+
+def _reference_hook(mask, heads, sink, window):
+    real = mask.bool()
+    pos = mask.cumsum(1) - 1  # (b, p): each row's own positions
+    gap = pos[:, :, None] - pos[:, None, :]  # (b, q, k)
+    drop = ~((pos[:, None, :] < sink) | (gap < window)) & real[:, None, :] & real[:, :, None]
+
+    def hook(scores, hook):  # (b, h, q, k)
+        scores = scores.clone()
+        for l, h in heads:
+            if l == hook.layer:
+                scores[:, h] = scores[:, h].masked_fill(drop, float("-inf"))
+        return scores
+
+    return hook
+
+
+def _logits(model, ids, mask, hooks=()):
+    with torch.no_grad():
+        return model.run_with_hooks(ids, mask, fwd_hooks=list(hooks)).logits
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streaming_equals_an_explicit_mask(family, attn):
+    hf = _sharp(family)
+    ref_model = interp.load_model(copy.deepcopy(hf), attn="eager")
+    ours = interp.load_model(copy.deepcopy(hf), attn=attn)
+    ids, mask = padded_batch(True, lengths=(40, 29, 12))
+    valid = mask.bool()
+    plain = _logits(ref_model, ids, mask)
+    expected = _logits(ref_model, ids, mask, [(lambda n: n.endswith("hook_attn_scores"),
+                                              _reference_hook(mask, HEADS, SINK, WINDOW))])
+    assert (expected - plain)[valid].abs().max() > 1e-3  # the mask matters on these inputs
+    with interp.stream_heads(ours, HEADS, sink=SINK, window=WINDOW):
+        got = _logits(ours, ids, mask)
+    err = (got - expected)[valid].abs().max().item()
+    assert err <= TOL[attn], f"{family}/{attn}: {err:.3g}"
+    # one row alone (no padding) is that row of the padded batch
+    with interp.stream_heads(ours, HEADS, sink=SINK, window=WINDOW):
+        alone = _logits(ours, ids[1:2, -29:], None)
+    assert (alone[0] - got[1, -29:]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_streaming_nothing_or_everything_is_the_plain_model(attn):
+    hf = _sharp("llama")
+    model = interp.load_model(hf, attn=attn)
+    ids, mask = padded_batch(True, lengths=(20, 13))
+    plain = _logits(model, ids, mask)
+    with interp.stream_heads(model, []):
+        assert torch.equal(_logits(model, ids, mask), plain)
+    with interp.stream_heads(model, model.cfg.heads(), sink=0, window=20):  # every window covers the row
+        wide = _logits(model, ids, mask)
+    valid = mask.bool()
+    if attn == "eager":
+        assert torch.equal(wide, plain)
+    else:
+        assert (wide - plain)[valid].abs().max() <= 1e-5
+
+
+def test_the_model_is_unchanged_after_the_block_also_after_an_exception():
+    model = interp.load_model(_sharp("llama"), attn="flash")
+    ids, mask = padded_batch(True)
+    before = _logits(model, ids, mask)
+    state = {k: v.clone() for k, v in model.hf.state_dict().items()}
+    with pytest.raises(KeyError):
+        with interp.stream_heads(model, HEADS, sink=1, window=2):
+            assert not torch.equal(_logits(model, ids, mask), before)
+            raise KeyError("inside")
+    assert all(STREAM_ATTR not in m.__dict__ for m in model.hf.modules())
+    assert torch.equal(_logits(model, ids, mask), before)
+    assert all(torch.equal(v, model.hf.state_dict()[k]) for k, v in state.items())
+    assert copy.deepcopy(model).hf is not None  # copies made inside a block do not stream
+    with interp.stream_heads(model, HEADS, sink=1, window=2):
+        clone = copy.deepcopy(model)
+    assert torch.equal(_logits(clone, ids, mask), before)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(heads=[(0, 9)]), "not a head"), (dict(heads=[(5, 0)]), "layers run"), (dict(heads="0.1"), "pairs"),
+    (dict(heads=[(0, 1.0)]), "pairs"), (dict(sink=-1), "sink must be"), (dict(window=0), "window must be"),
+    (dict(window=True), "window must be"), (dict(sink=2.5), "sink must be"),
+])
+def test_bad_arguments_are_refused_clearly(bad, match):
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    args = dict(heads=HEADS, sink=SINK, window=WINDOW) | bad
+    with pytest.raises(ValueError, match=match):
+        with interp.stream_heads(model, **args):
+            pass
+    assert all(STREAM_ATTR not in m.__dict__ for m in model.hf.modules())
+
+
+def test_encoders_sliding_layers_and_nesting_are_refused():
+    with pytest.raises(ValueError, match="causal decoder-only"):
+        with interp.stream_heads(interp.load_model(tiny_hf("bert"), attn="eager"), [(0, 0)]):
+            pass
+    sliding = interp.load_model(tiny_hf("mistral", sliding_window=4), attn="eager")
+    with pytest.raises(NotImplementedError, match="sliding window of 4 keys"):
+        with interp.stream_heads(sliding, [(0, 0)]):
+            pass
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    with interp.stream_heads(model, [(0, 0)]):
+        with pytest.raises(RuntimeError, match="nesting"):
+            with interp.stream_heads(model, [(1, 0)]):
+                pass
+        assert STREAM_ATTR in model._attn_modules[0].__dict__  # the outer block still streams
+
+
+# -- the kernel ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sink, window", [(0, 1), (3, 4), (2, 64)])
+def test_the_kernel_equals_a_dense_mask_with_padding_and_sparse_ranks(sink, window):
+    g = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 3, 37, 8
+    q, k, v = (torch.randn(b, h, n, d, generator=g) * 3 for _ in range(3))
+    k_real = torch.ones(b, n, dtype=torch.bool)
+    k_real[1, :6] = False  # left padding
+    k_rank = k_real.long().cumsum(1) - 1
+    k_rank[0] = torch.arange(n) + torch.arange(n) // 10 * 3  # gaps, as a streaming cache's kept entries have
+    q_rank = torch.where(k_real, k_rank, torch.full_like(k_rank, -1))
+    out, lse = streaming_attention(q, k, v, q_rank, k_rank, k_real, sink, window, 0.3)
+    gap = q_rank[:, :, None] - k_rank[:, None, :]
+    allowed = (gap >= 0) & ((k_rank[:, None, :] < sink) | (gap < window)) & k_real[:, None, :]
+    scores = (q @ k.transpose(2, 3) * 0.3).masked_fill(~allowed[:, None], float("-inf"))
+    rows = q_rank >= 0
+    expected = torch.softmax(scores, -1) @ v
+    assert (out - expected).transpose(1, 2)[rows].abs().max() <= 1e-5
+    assert (lse - torch.logsumexp(scores, -1)).transpose(1, 2)[rows].abs().max() <= 1e-5
+    assert out.transpose(1, 2)[~rows].abs().max() == 0
+    # grouped-query attention: every query head reads key/value head 0
+    grouped, _ = streaming_attention(q, k[:, :1], v[:, :1], q_rank, k_rank, k_real, sink, window, 0.3,
+                                     kv_index=torch.zeros(h, dtype=torch.long))
+    scores = (q @ k[:, :1].transpose(2, 3) * 0.3).masked_fill(~allowed[:, None], float("-inf"))
+    assert (grouped - torch.softmax(scores, -1) @ v[:, :1]).transpose(1, 2)[rows].abs().max() <= 1e-5
+
+
+# -- real memory in generate -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_generate_with_a_streaming_cache_equals_the_masked_model(attn):
+    model = interp.load_model(_sharp("llama"), attn=attn)
+    ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(1))
+    heads = [(0, 0), (0, 1), (1, 2), (1, 3), (1, 0)]  # kv head 0 of layer 0 and kv head 1 of layer 1 stream
+    new = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    with interp.stream_heads(model, heads, sink=SINK, window=WINDOW) as s:
+        assert s.kv_heads == [(0, 0), (1, 1)]
+        masked_cache = DynamicCache()
+        masked = model.hf.generate(ids, cache=masked_cache, **new)
+        cache = s.new_cache()
+        streamed = model.hf.generate(ids, cache=cache, **new)
+    plain = model.hf.generate(ids, **new)
+    assert torch.equal(streamed, masked)
+    assert not torch.equal(masked, plain)  # streaming changed what the model says
+    seen = ids.shape[1] + 39  # generate does not feed the last token back
+    for layer in cache.layers:
+        assert isinstance(layer, StreamingLayer)
+        assert layer.stream_keys.shape == (2, 1, SINK + WINDOW, 8)
+        assert layer.keys.shape == (2, 1, seen, 8)
+    full = interp.kv_cache_bytes(masked_cache)
+    assert full == 2 * 2 * 2 * 2 * seen * 8 * 4  # layers, k and v, batch, kv heads, tokens, d, fp32
+    assert interp.kv_cache_bytes(cache) == full // 2 + 2 * 2 * 2 * (SINK + WINDOW) * 8 * 4
+
+
+def test_a_streaming_cache_refuses_padding_and_hooks():
+    model = interp.load_model(tiny_hf("llama"), attn="flash")
+    ids, mask = padded_batch(True, lengths=(8, 5))
+    with interp.stream_heads(model, [(0, 0), (0, 1)]) as s, torch.no_grad():
+        with pytest.raises(ValueError, match="without padding"):
+            model(ids, mask, cache=s.new_cache(), use_cache=True)
+        with pytest.raises(ValueError, match="without attention hooks"):
+            model.run_with_hooks(ids[:1], None, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: z)],
+                                 cache=s.new_cache(), use_cache=True)
+
+
+def test_kv_bytes_formula_is_what_a_streaming_cache_holds():
+    model = interp.load_model(tiny_hf("llama", max_position_embeddings=128), attn="flash")
+    ids = torch.randint(1, 99, (2, 50), generator=torch.Generator().manual_seed(0))
+    heads = [(0, 0), (0, 1), (0, 2), (1, 1)]  # layer 0: kv head 0 streams (kv head 1 keeps a full query head)
+    with interp.stream_heads(model, heads, sink=3, window=7) as s, torch.no_grad():
+        cache = s.new_cache()
+        model(ids, cache=cache, use_cache=True)
+    assert s.kv_heads == [(0, 0)]
+    assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, 50, sink=3, window=7, batch=2)
+    assert interp.streaming_kv_bytes(model, [], 50, batch=2) == 2 * 2 * 2 * 2 * 50 * 8 * 4
+
+
+# -- streaming curves ------------------------------------------------------------------------------------------
+def test_streaming_curve_steps_metric_and_memory():
+    import analyses
+    import pandas as pd
+
+    model = interp.load_model(_sharp("llama"), attn="flash")
+    ids = torch.randint(1, 99, (3, 40), generator=torch.Generator().manual_seed(0))
+    plain = analyses.lm_loss(model(ids), {"input_ids": ids, "attention_mask": None})
+    df = analyses.streaming_curve(model, ids, analyses.lm_loss, order="random", step=0.25, seeds=(0, 1), sink=2,
+                                  window=4)
+    assert list(df["heads_streaming"]) == [0, 2, 4, 6, 8] * 2
+    first, last = df.iloc[0], df.iloc[4]
+    assert first["metric"] == pytest.approx(plain, abs=1e-6) and first["kv_fraction"] == 1.0
+    assert last["kv_heads_streaming"] == 4 and last["kv_fraction"] == pytest.approx(6 / 40)
+    assert last["metric"] != pytest.approx(plain, abs=1e-3)  # streaming every head changes the loss
+    # a score table: the lowest scores stream first
+    scores = pd.DataFrame({"layer": [0] * 4 + [1] * 4, "head": list(range(4)) * 2,
+                           "retrieval": [0.9, 0.1, 0.5, 0.0, 0.2, 0.8, 0.3, 0.7]})
+    assert analyses.streaming_order(model, order=scores)[:3] == [(0, 3), (0, 1), (1, 0)]
+    table = analyses.streaming_curve(model, ids, analyses.lm_loss, order=scores, step=0.5, sink=2, window=4)
+    assert list(table["order"]) == ["retrieval"] * 3 and table["seed"].isna().all()
+    with pytest.raises(ValueError, match="score to order by"):
+        analyses.streaming_order(model, order=scores.rename(columns={"retrieval": "a"}).assign(b=1.0))
+    with pytest.raises(ValueError, match="step is"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, step=0)
+    with pytest.raises(ValueError, match="window must be"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, window=0)
+    assert all(STREAM_ATTR not in m.__dict__ for m in model.hf.modules())
+    analyses.streaming_curve_plot(df)
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_heads_that_do_not_stream_are_bit_for_bit_the_plain_models(attn):
+    """Layer 0's key/value head 0 streams whole (its query heads 0 and 1), so the flash path runs the fused kernel on
+    key/value head 1's query heads alone: their outputs must not move by a bit."""
+    model = interp.load_model(_sharp("llama"), attn=attn)
+    ids, mask = padded_batch(True, lengths=(40, 29, 12))
+    names = ["blocks.0.attn.hook_z"]
+    with torch.no_grad():
+        _, plain = model.run_with_cache(ids, mask, names=names)
+        with interp.stream_heads(model, HEADS, sink=SINK, window=WINDOW):
+            _, streamed = model.run_with_cache(ids, mask, names=names)
+    real = mask.bool()
+    assert torch.equal(streamed["blocks.0.attn.hook_z"][:, :, 2:][real], plain["blocks.0.attn.hook_z"][:, :, 2:][real])
+    assert not torch.equal(streamed["blocks.0.attn.hook_z"][:, :, :2], plain["blocks.0.attn.hook_z"][:, :, :2])
+
+
+def test_the_benchmark_runs(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_streaming
+
+    bench_streaming.main(["--quick"])
+    table = capsys.readouterr().out
+    assert "| 6 (75%) | 6 |" in table and "| 0.39 |" in table  # 6 of 8 kv heads keep 10 of 51 entries
+
+
+def test_right_padding_is_refused_clearly():
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    ids, mask = padded_batch(False, lengths=(8, 5))  # right padding
+    with interp.stream_heads(model, [(0, 0)]), pytest.raises(ValueError, match="pad on the left"):
+        model(ids, mask)
