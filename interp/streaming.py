@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from .kernels import fused_attention
+from .sites import check_heads
 from .streaming_cache import SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
@@ -264,27 +265,14 @@ def _check(model, heads, sink, window) -> list[tuple[int, int]]:
     for name, value, least in (("sink", sink, 0), ("window", window, 1)):
         if not _is_int(value) or value < least:
             raise ValueError(f"{name} must be an integer >= {least} (keys); got {value!r}.")
-    if isinstance(heads, tuple) and len(heads) == 2 and all(_is_int(x) for x in heads):
-        heads = [heads]
-    form = "heads must be (layer, head) pairs of integers, e.g. [(0, 1), (1, 3)]"
-    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__"):
-        raise ValueError(f"{form}; got {heads!r}.")
-    pairs, real, cfg = [], set(model.cfg.heads()), model.cfg
-    for pair in heads:
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_is_int(x) for x in pair)):
-            raise ValueError(f"{form}; got {pair!r} in {heads!r}.")
-        l, h = int(pair[0]), int(pair[1])
-        if (l, h) not in real:
-            span = f"layer {l} has heads 0..{cfg.heads_per_layer[l] - 1}" if 0 <= l < cfg.n_layers else \
-                f"layers run 0..{cfg.n_layers - 1}"
-            raise ValueError(f"{(l, h)} is not a head of this model: {span}.")
+    pairs = check_heads(model, heads, allow_empty=True)  # (layer, head) or ("blocks.3.attn", head)
+    for l, _ in pairs:
         layer = model.structure.layer_attn[l]
         if layer.window[0] is not None or layer.sinks is not None:
             what = f"a sliding window of {layer.window[0] + 1} keys" if layer.window[0] is not None else "sink logits"
             raise NotImplementedError(f"Layer {l} already has {what}; streaming its heads is not implemented. "
                                       "Stream heads of the layers with full attention.")
-        pairs.append((l, h))
-    return sorted(set(pairs))
+    return pairs
 
 
 class Streaming:

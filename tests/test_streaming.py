@@ -123,7 +123,7 @@ def test_the_model_is_unchanged_after_the_block_also_after_an_exception():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(heads=[(0, 9)]), "not a head"), (dict(heads=[(5, 0)]), "layers run"), (dict(heads="0.1"), "pairs"),
+    (dict(heads=[(0, 9)]), "out of range"), (dict(heads=[(5, 0)]), "layers run"), (dict(heads=[("blocks.0.atn", 1)]), "did you mean"), (dict(heads="0.1"), "pairs"),
     (dict(heads=[(0, 1.0)]), "pairs"), (dict(sink=-1), "sink must be"), (dict(window=0), "window must be"),
     (dict(window=True), "window must be"), (dict(sink=2.5), "sink must be"),
 ])
