@@ -117,7 +117,7 @@ def test_encoder_inputs_longer_than_the_positions_are_a_clear_error():
 
 
 @pytest.mark.parametrize("study", ["composition_scores", "ov_circuit", "qk_circuit", "direct_logit_attribution",
-                                   "logit_lens", "path_patching", "prune_model"])
+                                   "logit_lens", "prune_model"])
 def test_studies_that_do_not_handle_seq2seq_refuse_it_clearly(study):
     """composition_scores raised AttributeError: 'Seq2SeqConfig' object has no attribute 'n_layers';
     ov_circuit and qk_circuit raised KeyError: 0."""
@@ -127,7 +127,6 @@ def test_studies_that_do_not_handle_seq2seq_refuse_it_clearly(study):
              "ov_circuit": lambda: ov_circuit(model, 0), "qk_circuit": lambda: qk_circuit(model, 0),
              "direct_logit_attribution": lambda: direct_logit_attribution(model, batch, 5),
              "logit_lens": lambda: logit_lens(model, batch),
-             "path_patching": lambda: path_patching(model, batch, batch, [("decoder.blocks.1.attn", 0)], _last_logit),
              "prune_model": lambda: prune_model(model, [("encoder.blocks.0.attn", 0)])}
     with pytest.raises(TypeError, match="encoder-decoder"):
         calls[study]()
