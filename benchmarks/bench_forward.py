@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     p.add_argument("--kernel-batch", type=int, default=None, help="default: 16384 // --kernel-seq, at least 1")
     args = p.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        interp.set_threads(args.threads)
     bench_kernel(args) if args.kernel else bench_forward(args)
 
 

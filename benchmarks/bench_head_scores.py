@@ -103,7 +103,9 @@ def run_case(case: str, n: int, device: str, dtype: str) -> dict:
 def child_main(args) -> None:
     import torch
 
-    torch.set_num_threads(args.threads)
+    import interp
+
+    interp.set_threads(args.threads)
     if args.as_limit_gib and not args.device.startswith("cuda"):
         limit = int(args.as_limit_gib * GIB)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -234,7 +236,9 @@ def main(argv=None) -> int:
     if args.n_prompts:
         import torch
 
-        torch.set_num_threads(args.threads)
+        import interp
+
+        interp.set_threads(args.threads)
         print()
         print(f"detect_heads on {args.n_prompts} prompts of {args.prompt_len} tokens (flash path):")
         print()

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=12, help="tokens in each copy")
     args = p.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        interp.set_threads(args.threads)
     model = interp.load_model(args.model, attn="flash", device="cpu")
     clean, corrupted, metric = induction_task(model, n=args.n, length=args.length)
     attribution_patching(model, clean[:1], corrupted[:1], induction_task(model, 1, args.length)[2])  # warm-up

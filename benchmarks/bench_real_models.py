@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--report", action="store_true", help="also time `interp report --model MODEL`")
     args = p.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        interp.set_threads(args.threads)
     model = interp.load_model(args.model, attn="flash", device="cpu")
     kwargs = dict(n_prompts=100, seq_len=64, batch_size=32)
     work = batches(model, **kwargs)

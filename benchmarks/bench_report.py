@@ -27,8 +27,9 @@ from pathlib import Path
 # callback write_report has in every version compared (CPU seconds: this process, all its threads)
 _SCRIPT = """
 import json, sys, time, torch
-torch.set_num_threads(int(sys.argv[3]))
 import interp
+interp.set_threads(int(sys.argv[3]))  # the user's choice: load_model keeps it (torch.set_num_threads(2) on 2 CPUs looks
+                                      # like torch's default and would be replaced by "auto")
 from analyses.views.report import write_report
 marks = [("load", time.perf_counter(), time.process_time())]
 model = interp.load_model(sys.argv[1])

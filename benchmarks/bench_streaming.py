@@ -107,7 +107,7 @@ def main(argv=None) -> None:
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
     if a.quick:
         a.model, a.tokens, a.new, a.window, a.sink, a.rounds = "toy-induction", 48, 4, 8, 2, 1
-    torch.set_num_threads(1)
+    interp.set_threads(1)
     model = interp.load_model(a.model, attn="flash")
     ids = needle_prompts(model, [a.tokens], [0.5])[0].ids[None]  # corpus text with a needle at half depth
     plans = {f: streaming_heads(model, f) for f in a.fractions}

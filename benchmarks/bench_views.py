@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--screenshots", type=Path, default=None, help="folder for view_grid.png and view_head.png")
     args = p.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        interp.set_threads(args.threads)
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}", flush=True)
     model = interp.load_model(args.model, attn="flash")
     if args.retrieval_heads:

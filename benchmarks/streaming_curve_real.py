@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--plot", default=None, help="write the figure here (PNG)")
     a = p.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = interp.load_model(a.model, attn="flash")
     g = torch.Generator().manual_seed(0)  # each row: the corpus sentences in a fresh order (no repeats in a row)
     rows = torch.tensor([_haystack(model.tokenizer, a.tokens, g) for _ in range(a.rows)])
