@@ -259,6 +259,15 @@ def _check_out(out: Path, force: bool) -> None:
                         "(files of the same names are replaced)")
 
 
+def _check_out_file(out: Path, force: bool) -> None:
+    """An output file may be new (in a folder that exists); an existing one needs --force."""
+    if out.exists() and not force:
+        raise UserError(f"{str(out)!r} exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise UserError(f"the folder of --out, {str(out.parent)!r}, does not exist; create it first "
+                        f"(mkdir -p {out.parent})")
+
+
 _SCRATCH: list[str] = []  # temporary folders of the ranks other than 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (UserError, _id_line, _load, _model_options, _positive_int, _prompts, _rank_zero_path, _read_csv,
-                     _refuse_seq2seq)
+                     _refuse_seq2seq, _check_out_file)
 from .prune import _pruning_curves
 
 
@@ -43,11 +43,7 @@ def cmd_plot(args) -> int:
         raise UserError(f"--out {str(args.out)!r} is a folder; give a .png, .svg or .pdf file path")
     if args.out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UserError(f"--out {str(args.out)!r}: figures are written as .png, .svg or .pdf (vector, for papers)")
-    if args.out.exists() and not args.force:
-        raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
-    if not args.out.parent.is_dir():
-        raise UserError(f"the folder of --out, {str(args.out.parent)!r}, does not exist; create it first "
-                        f"(mkdir -p {args.out.parent})")
+    _check_out_file(args.out, args.force)
     if args.kind == "attention":
         if args.layer is None or args.head is None:
             raise UserError("`interp plot attention` needs --layer and --head, e.g. --layer 1 --head 3")

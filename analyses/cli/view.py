@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import UserError, _id_line, _load, _model_options, _parse_heads, _prompts, _rank_zero_path, _read_csv
+from .common import (UserError, _check_out_file, _id_line, _load, _model_options, _parse_heads, _prompts,
+                     _rank_zero_path, _read_csv)
 
 
 def add_parser(sub) -> None:
@@ -32,11 +33,7 @@ def cmd_view(args) -> int:
 
     if args.out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"--out {str(args.out)!r}: a view is one .html page")
-    if args.out.exists() and not args.force:
-        raise UserError(f"{str(args.out)!r} exists; pass --force to overwrite it")
-    if not args.out.parent.is_dir():
-        raise UserError(f"the folder of --out, {str(args.out.parent)!r}, does not exist; create it first "
-                        f"(mkdir -p {args.out.parent})")
+    _check_out_file(args.out, args.force)
     if args.kind == "grid" and (args.layers or args.heads):
         raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
     from ..seq2seq import is_seq2seq
