@@ -93,14 +93,12 @@ def _items(model, what: str, by: str, heads, batch: Batch) -> list[tuple]:
     if by not in ("head", "head_pos"):
         raise ValueError(f"by must be 'head' or 'head_pos'; got {by!r}.")
     kv = what in ("k", "v")  # one key/value head serves several query heads
-    if heads is None:
-        units = [u for u in model.cfg.heads()] if not kv else [
-            (l, g) for l, n in enumerate(model.cfg.kv_heads_per_layer) if l not in model.cfg.empty_layers
-            for g in range(n)] if is_layered(model) else [(s.name, g) for s in model.cfg.sites
-                                                           for g in range(s.n_kv_heads)]
-    else:
-        units = check_heads(model, heads, kv=kv)
-    units = [(site_of(model, u).name, u[1]) for u in units]
+    if heads is not None:
+        units = [(site_of(model, u).name, u[1]) for u in check_heads(model, heads, kv=kv)]
+    else:  # every head (key/value head) of every site that has real heads (not a layer pruned empty)
+        real = dict.fromkeys(site_of(model, h).name for h in model.cfg.heads())
+        units = [(site, g) for site in real for g in range(model.sites[site].n_kv_heads if kv else
+                                                           model.sites[site].n_heads)]
     if by == "head":
         return units
     entry = {name: batch[(model.sites[name].keys if kv else model.sites[name].queries)].shape[1]

@@ -165,7 +165,7 @@ def check_heads(model, heads, allow_empty: bool = False, kv: bool = False) -> li
 
 def _one(model, pair, layered: bool, kv: bool, form: str):
     where, head = pair[0], int(pair[1])
-    sites = {s.name: s for s in model.cfg.sites}
+    sites = model.sites  # name -> Site
     if isinstance(where, str):
         if where not in sites:
             close = difflib.get_close_matches(where, list(sites), n=3)
