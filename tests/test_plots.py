@@ -347,3 +347,41 @@ def test_token_labels_draw_every_script_or_show_an_escape_never_a_box():
             assert label == expected, (token, label)
             assert all(fonts._family_of(c) in families for c in token if fonts._family_of(c))
     assert matplotlib.rcParams["font.family"] == family_before and matplotlib.get_backend().lower() == "agg"
+
+
+def _saved_tight(fig) -> np.ndarray:
+    from PIL import Image
+
+    from analyses.views.report_parts import _DPI
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=_DPI, bbox_inches="tight")
+    return np.asarray(Image.open(buffer).convert("RGB")).astype(int)
+
+
+def test_the_reports_figure_pixels_are_savefigs_tight_picture(heads_df):
+    """The report cuts its figures from the canvas instead of saving and re-reading a PNG: the size
+    savefig(bbox_inches="tight") gives (to a pixel: savefig measures text in its own draw, which can differ from
+    the canvas's by a fraction of a pixel), the same picture up to anti-aliasing (savefig draws shifted by a
+    fraction of a pixel), the figure's dpi unchanged; and a figure with text beyond its edges still grows as
+    savefig grows it."""
+    from analyses.views.report_parts import _drawn
+
+    fig, ax = plt.subplots(figsize=(6.0, 5.0), layout="constrained")
+    head_score_grid(heads_df, "induction", ax=ax)
+    dpi, expected = fig.dpi, _saved_tight(fig)
+    got = np.asarray(_drawn(fig)).astype(int)
+    assert fig.dpi == dpi
+    assert all(abs(a - b) <= 1 for a, b in zip(got.shape, expected.shape))
+    rows, cols = min(got.shape[0], expected.shape[0]), min(got.shape[1], expected.shape[1])
+    difference = np.abs(got[:rows, :cols] - expected[:rows, :cols])
+    assert difference.mean() < 2.0                      # grey levels of 255: edges of glyphs differ, nothing else
+    assert (difference.max(-1) > 128).mean() < 0.02
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(4.0, 3.0))
+    ax.plot([0, 1], [0, 1])
+    ax.text(1.6, 0.5, "far beyond the right edge", transform=ax.transAxes)
+    expected = _saved_tight(fig)
+    assert expected.shape[1] > 4.0 * 200                # savefig grew the canvas to hold the text
+    assert np.asarray(_drawn(fig)).shape == expected.shape
+    plt.close(fig)
