@@ -5,8 +5,11 @@ before/after comparison under the same load), each as a user runs it: a fresh pr
     git worktree add /tmp/before <commit>                                           # then, side by side:
     python benchmarks/bench_report.py --model smollm2 --threads 1 --tree /tmp/before --tree . --repeats 2
 
-Prints one row per run: the tree, the process's wall seconds (loading included), the report's wall and CPU seconds,
-each stage's (``load`` is loading the model), and the load average before and after. CPU seconds are the steadier
+Prints one row per run: the tree, the process's wall seconds (start-up and loading included, the plain forward's
+timing excluded), the report's wall and CPU seconds,
+a plain forward of the model beside them (4 x 64 tokens, the median of 3, timed in the same process just before
+the report, and the report's wall time as a multiple of it), each stage's (``load`` is loading the model), and
+the load average before and after. CPU seconds are the steadier
 number on a shared machine: another process taking the core slows a one-thread run's wall clock, much less its
 CPU seconds.
 """
@@ -34,11 +37,20 @@ from analyses.views.report import write_report
 marks = [("load", time.perf_counter(), time.process_time())]
 model = interp.load_model(sys.argv[1])
 record = lambda stage: marks.append((stage, time.perf_counter(), time.process_time()))
+ids = torch.randint(100, 1000, (4, 64), generator=torch.Generator().manual_seed(0))  # a plain forward, for scale
+marks.append(("forward", time.perf_counter(), time.process_time()))
+with torch.no_grad():
+    model(ids)
+    forward = []
+    for _ in range(3):
+        t = time.perf_counter()
+        model(ids)
+        forward.append(time.perf_counter() - t)
 summary = write_report(model, sys.argv[2], progress=record, overwrite=True)
 marks.append(("end", time.perf_counter(), time.process_time()))
 stages = {a[0]: (round(b[1] - a[1], 2), round(b[2] - a[2], 2)) for a, b in zip(marks, marks[1:])}
-print(json.dumps({"stages": stages, "head_inputs": sorted(set(summary["head_inputs"].values())),
-                  "study": summary["study_inputs"], "threads": summary["threads"]}))
+print(json.dumps({"forward": sorted(forward)[1], "forward_block": stages.pop("forward")[0], "stages": stages,
+                  "head_inputs": sorted(set(summary["head_inputs"].values())), "study": summary["study_inputs"], "threads": summary["threads"]}))
 """
 
 
@@ -52,6 +64,7 @@ def run_report(tree: Path, model: str, threads: int) -> dict:
                               capture_output=True, text=True)
         wall = time.perf_counter() - t0
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["wall_without_forward"] = wall - result["forward_block"]  # the process as `interp report` runs it
     return {"wall": wall, "load": (load, os.getloadavg()[0]), **result}
 
 
@@ -65,15 +78,17 @@ def main(argv=None) -> int:
     trees = [t.resolve() for t in (args.tree or [Path(__file__).resolve().parents[1]])]
     print(f"# interp report --model {args.model} --threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    print("| tree | process wall s | report wall s | report CPU s | stages: wall / CPU s | load avg start/end |")
-    print("|---|---:|---:|---:|---|---|")
+    print("| tree | process wall s | report wall s | report CPU s | plain forward s (report / forward) "
+          "| stages: wall / CPU s | load avg start/end |")
+    print("|---|---:|---:|---:|---:|---|---|")
     for _ in range(args.repeats):
         for tree in trees:
             r = run_report(tree, args.model, args.threads)
             report = {k: v for k, v in r["stages"].items() if k != "load"}
             wall, cpu = (sum(v[i] for v in report.values()) for i in (0, 1))
             stages = ", ".join(f"{k} {w:.1f} / {c:.1f}" for k, (w, c) in r["stages"].items())
-            print(f"| {tree} | {r['wall']:.1f} | {wall:.1f} | {cpu:.1f} | {stages} | "
+            print(f"| {tree} | {r['wall_without_forward']:.1f} | {wall:.1f} | {cpu:.1f} | {r['forward']:.3f} ({wall / r['forward']:.0f}x) "
+                  f"| {stages} | "
                   f"{r['load'][0]:.2f} / {r['load'][1]:.2f} |", flush=True)
             print(f"<!-- {tree}: heads on {r['head_inputs']}; studies on {r['study']}; {r['threads']} threads -->",
                   flush=True)
