@@ -259,8 +259,10 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally,
             q, k = held.pop("q"), held.pop("k")
             layer = model.structure.layer_attn[hook.layer]  # the scale, cap and window the model computes with
             group = q.shape[2] // k.shape[2]
-            check(hook.layer, torch.cat([q[real], k[real].repeat_interleave(group, 1),
-                                         lse.transpose(1, 2)[real][..., None].to(q.dtype)], dim=-1))
+            if nonfinite is not None:  # per head, at real tokens: q, its key head's k, the logsumexp
+                finite = torch.isfinite(q).all(-1) & torch.isfinite(k).all(-1).repeat_interleave(group, 2)
+                bad = ~(finite & torch.isfinite(lse).transpose(1, 2))[real].all(0)  # (h,), no copy of q or k
+                nonfinite[hook.layer, : bad.shape[0]] += bad.cpu().long()
             tally.add_layer(hook.layer, index, targets,
                             lambda pairs: weights_from_qk(q, k, lse, layer.scale, pairs, layer.softcap, layer.window),
                             lambda: argmax_from_qk(q, k, targets, layer.window))
