@@ -193,12 +193,17 @@ def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, 
     heads = all_heads(model)
     rows = []
     bar = progress(desc=f"pruning curve ({order})", unit="step")
+    unpruned = None  # every curve starts from the whole model: evaluated once, not once per seed
     for seed in (seeds if order == "random" else [None]):
         rng = np.random.default_rng(seed)
         pruned: list[Head] = []
         while True:
+            if pruned:
+                value = _evaluate(model, batch, metric, pruned)
+            else:
+                unpruned = value = _evaluate(model, batch, metric, pruned) if unpruned is None else unpruned
             rows.append({"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned),
-                         "metric": _evaluate(model, batch, metric, pruned), "order": order, "seed": seed})
+                         "metric": value, "order": order, "seed": seed})
             remaining = Counter(l for l, h in heads if (l, h) not in pruned)
             candidates = [head for head in heads if head not in pruned]
             n = max(1, round(step * len(candidates)))
