@@ -8,7 +8,8 @@ heads), so that a saved folder rebuilds the same model::
     config.interp_streaming_heads = {"sink": 4, "window": 256, "heads": {layer: [heads]}}
 
 Every ``HookedModel`` reads the record when it is built (``load_model(folder)``, a copy, a pickle, ``prune_model`` of
-a streamed model), so the config is the one source of truth. Pruning composes: heads are numbered as in the unpruned
+a streamed model), so the config is the one source of truth: the specs on the attention modules are not copied
+(a bare ``copy.deepcopy(model.hf)`` does not stream until ``interp.load_model`` wraps it). Pruning composes: heads are numbered as in the unpruned
 model, a pruned streaming head simply goes, and the others keep streaming.
 
 ``generate`` (``model.hf.generate``) starts with a ``StreamingCache`` (``interp.streaming_cache``: streamed
@@ -39,17 +40,6 @@ __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 CONFIG_KEY = "interp_streaming_heads"
 _PLAN = "_interp_stream_plan"  # on the HF model: (sink, window, per layer (kv_full, kv_stream) or None)
 _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin method that builds generate's cache
-
-
-class _Permanent(_LayerStream):
-    """A layer's streaming heads that belong to the model: copies and pickles of the HF model keep them (the
-    ``stream_heads`` block's spec does not survive a copy, on purpose)."""
-
-    def __deepcopy__(self, memo):
-        return type(self)(self.heads, self.n_heads, self.n_kv_heads, self.sink, self.window)
-
-    def __reduce__(self):
-        return (type(self), (self.heads, self.n_heads, self.n_kv_heads, self.sink, self.window))
 
 
 # -- the record ----------------------------------------------------------------------------------------------
@@ -110,7 +100,7 @@ def _attach(model) -> None:
             module.__dict__.pop(STREAM_ATTR, None)
             plan.append(None)
             continue
-        spec = _Permanent(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window)
+        spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window)
         module.__dict__[STREAM_ATTR] = spec
         plan.append((spec.kv_full, spec.kv_stream) if spec.kv_stream else None)
     model.hf.__dict__[_PLAN] = (sink, window, plan)
