@@ -23,7 +23,7 @@ from .ablation import Head, all_heads
 from .engine import Shard, _arguments
 from .metrics import as_metric, batch_of
 
-__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot"]
+__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
 
 ORDERS = ("importance", "random")
 
@@ -144,3 +144,26 @@ def streaming_curve_plot(df: pd.DataFrame, ax=None):
     ax.legend(frameon=False, loc="upper left")
     ax.set_title("streaming curve")
     return ax
+
+
+def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
+    """Long inputs for a streaming curve, ``(ids (rows, tokens), metric, description)``: with a tokenizer, rows of
+    the project's sentences (each row a fresh order, no sentence twice in a row until all are used) and the
+    next-token loss; without one, ``[BOS, x, x]`` repeated random tokens (``tokens`` or one fewer) and the second
+    copy's loss (only heads that see ``len(x)`` tokens back can copy)."""
+    from .metrics import lm_loss, second_copy_loss
+    from .retrieval import _haystack
+    from .toy import repeated_sequences
+
+    limit = model.cfg.max_positions
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 8 <= tokens <= (limit or tokens):
+        raise ValueError(f"tokens must be an integer in [8, {limit}] (the model's positions); got {tokens!r}.")
+    g = torch.Generator().manual_seed(seed)
+    if model.tokenizer is not None:
+        ids = torch.tensor([_haystack(model.tokenizer, tokens, g) for _ in range(rows)])
+        return ids, lm_loss, f"{rows} rows of {tokens} tokens of the project's sentences, next-token loss"
+    bos = model.hf.config.bos_token_id
+    half = (tokens - (bos is not None)) // 2
+    ids = repeated_sequences(rows, half, model.cfg.vocab_size, g, bos)
+    return ids, second_copy_loss, (f"{rows} repeated random sequences [BOS, x, x] of {ids.shape[1]} tokens "
+                                   f"(len(x) = {half})")
