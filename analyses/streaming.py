@@ -25,19 +25,21 @@ from .metrics import as_metric, batch_of
 
 __all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
 
-ORDERS = ("importance", "random")
+ORDERS = ("importance", "random", "gates")
 
 
 def streaming_order(model, inputs=None, metric=None, order="random", column: str | None = None,
-                    seed: int = 0) -> list[Head]:
+                    seed: int = 0, sink: int = 4, window: int = 256) -> list[Head]:
     """Every head, the first to stream first. order: ``"importance"`` (least important first, from the metric's
-    loss), ``"random"`` (a permutation drawn with ``seed``) or a DataFrame with ``layer``, ``head`` and a score
-    column (``column``; default ``"retrieval"`` when present): lowest score first."""
+    loss), ``"random"`` (a permutation drawn with ``seed``), ``"gates"`` (lowest DuoAttention-style gate first:
+    ``analyses.streaming_gates`` on passkey-like inputs, with this ``sink`` and ``window``) or a DataFrame with
+    ``layer``, ``head`` and a score column (``column``; default ``"retrieval"``, or ``"gate"``, when present):
+    lowest score first."""
     heads = all_heads(model)
     if isinstance(order, pd.DataFrame):
         if column is None:
             numeric = [c for c in order.select_dtypes("number").columns if c not in ("layer", "head")]
-            column = "retrieval" if "retrieval" in order else (numeric[0] if len(numeric) == 1 else None)
+            column = next((c for c in ("retrieval", "gate") if c in order), numeric[0] if len(numeric) == 1 else None)
         if column is None or column not in order or not {"layer", "head"} <= set(order.columns):
             raise ValueError("A score table needs columns layer, head and the score to order by (column=...); got "
                              f"columns {list(order.columns)} and column={column!r}.")
@@ -57,6 +59,10 @@ def streaming_order(model, inputs=None, metric=None, order="random", column: str
         df = head_importance(model, inputs, loss=metric)
         score = {(r.layer, r.head): r.importance for r in df.itertuples()}
         return sorted(heads, key=lambda h: (score[h], h))
+    if isinstance(order, str) and order == "gates":
+        from .streaming_gates import streaming_gates
+
+        return streaming_order(model, order=streaming_gates(model, sink=sink, window=window, seed=seed))
     raise ValueError(f"Unknown streaming order {order!r}; use one of {', '.join(ORDERS)} or a score DataFrame with "
                      "layer and head columns (e.g. analyses.retrieval_heads' table).")
 
@@ -91,7 +97,8 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     heads = all_heads(model)
     per_step = max(1, round(step * len(heads)))
     stop = math.floor(max_fraction * len(heads) + 1e-9)
-    name = column or ("retrieval" if isinstance(order, pd.DataFrame) and "retrieval" in order else None)
+    name = column or (next((c for c in ("retrieval", "gate") if c in order), None) if isinstance(order, pd.DataFrame)
+                      else None)
     rows = []
     with model.studying():
         if isinstance(order, str) and order == "random":
@@ -99,7 +106,7 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
                 raise ValueError("order='random' needs at least one seed.")
             runs = [(s, streaming_order(model, batch, metric, "random", seed=s)) for s in seeds]
         else:
-            runs = [(None, streaming_order(model, batch, metric, order, column))]
+            runs = [(None, streaming_order(model, batch, metric, order, column, sink=sink, window=window))]
         for seed, ranked in runs:
             counts = sorted({0, *range(per_step, stop, per_step), stop})
             for n in counts:

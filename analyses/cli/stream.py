@@ -9,7 +9,7 @@ from pathlib import Path
 from .common import (UserError, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
                      _prompts, _rank_zero_path, _refuse_seq2seq)
 
-ORDERS = ("retrieval", "importance", "random")
+ORDERS = ("retrieval", "importance", "random", "gates")
 
 
 def add_parser(sub) -> None:
@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     _format_option(p)
     p.add_argument("--order", default="retrieval,random",
                    help=f"comma-separated orders, first to stream first: {', '.join(ORDERS)} (default "
-                        "retrieval,random: lowest retrieval score first, against random orders)")
+                        "retrieval,random: lowest retrieval score first, against random orders; gates: "
+                        "DuoAttention-style gates fitted on passkey-like inputs, 100 forward and backward passes)")
     p.add_argument("--sink", type=int, default=4, help="first keys every streaming head keeps (default 4)")
     p.add_argument("--window", type=_positive_int, default=256, help="recent keys each query sees (default 256)")
     p.add_argument("--step", type=float, default=0.1, help="share of all heads streamed more per step")
@@ -92,6 +93,10 @@ def cmd_stream(args) -> int:
                 from ..retrieval import retrieval_heads
 
                 ranked[order] = retrieval_heads(model, context=args.context or tokens, seed=args.seed)
+            elif order == "gates":  # DuoAttention-style gates on passkey-like inputs (100 eager forward+backward)
+                from ..streaming_gates import streaming_gates
+
+                ranked[order] = streaming_gates(model, sink=args.sink, window=args.window, seed=args.seed)
             else:
                 ranked[order] = order
         progress("streaming curves")
