@@ -67,7 +67,8 @@ def _main(output) -> torch.Tensor:
 
 
 def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: int = 256, steps: int = 100,
-                    lr: float = 0.05, l1: float = 0.05, tokens: int | None = None, seed: int = 0) -> pd.DataFrame:
+                    lr: float = 0.05, l1: float = 0.05, tokens: int | None = None, seed: int = 0,
+                    rows_per_pass: int = 1) -> pd.DataFrame:
     """One row per query head: ``layer``, ``head``, ``kv_head`` and ``gate`` (its key/value head's alpha after
     ``steps`` Adam steps; low = can stream). ``df.attrs`` records the loss at the start and the end, the distance
     and the L1 term at the end, and the arguments.
@@ -76,13 +77,14 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
     position) where the outputs are compared; None: ``passkey_inputs(model, tokens)`` with ``tokens`` default
     ``min(2 * (sink + window), model positions - 8)``, so that a needle in the first half is out of every window.
     Order heads with ``streaming_order(..., order=df)`` (lowest gate first), or ``order="gates"`` in
-    ``streaming_curve``.
+    ``streaming_curve``. rows_per_pass: rows per forward and backward (their patterns and scores are held for
+    the backward: ``2 * layers * heads * p^2`` fp32 numbers per row); the gradients of a step are summed over rows.
     """
-    for name, value, least in (("steps", steps, 1), ("lr", lr, 0), ("l1", l1, 0)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least or (
-                name == "steps" and not isinstance(value, int)):
-            raise ValueError(f"{name} must be a number >= {least}{' (an integer)' if name == 'steps' else ''}; "
-                             f"got {value!r}.")
+    for name, value, least in (("steps", steps, 1), ("rows_per_pass", rows_per_pass, 1), ("lr", lr, 0),
+                               ("l1", l1, 0)):
+        whole = name in ("steps", "rows_per_pass")
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value >= least:
+            raise ValueError(f"{name} must be {'an integer' if whole else 'a number'} >= {least}; got {value!r}.")
     heads = all_heads(model)
     with stream_heads(model, heads, sink=sink, window=window):  # clear errors: sink, window, model, sliding layers
         pass
@@ -110,7 +112,7 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
             for p in model.hf.parameters():
                 p.requires_grad_(False)  # gradients for the gates only; studying() restores the flags
             gates = {l: torch.ones(cfg.kv_heads_per_layer[l], device=model.device, requires_grad=True) for l in layers}
-            history = _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1)
+            history = _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_pass)
         finally:
             if model.attn != was:
                 model.set_attn(was)
@@ -119,18 +121,19 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
         group = cfg.heads_per_layer[l] // cfg.kv_heads_per_layer[l]
         rows.append({"layer": l, "head": h, "kv_head": h // group, "gate": float(gates[l][h // group].detach())})
     df = pd.DataFrame(rows)
-    df.attrs.update(sink=sink, window=window, steps=steps, lr=lr, l1=l1, **history)
+    df.attrs.update(sink=sink, window=window, steps=steps, lr=lr, l1=l1, rows_per_pass=rows_per_pass, **history)
     return df
 
 
-def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1) -> dict:
+def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_pass: int = 1) -> dict:
     cfg = model.cfg
     with torch.no_grad():
         full = _main(model(ids, mask))
     stash: dict[int, torch.Tensor] = {}
+    now = {"drop": drop}  # (rows, 1, q, k): the rows of the pass that runs
 
     def scores_hook(scores, hook):  # (b, h, q, k): keep the streaming pattern, leave the scores as they are
-        stash[hook.layer] = torch.softmax(scores.float().masked_fill(drop.to(scores.device), torch.finfo(
+        stash[hook.layer] = torch.softmax(scores.float().masked_fill(now["drop"].to(scores.device), torch.finfo(
             torch.float32).min), dim=-1)
         return scores
 
@@ -144,20 +147,28 @@ def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1) -> dict:
              ([f"blocks.{l}.attn.hook_pattern" for l in gates], pattern_hook)]
     opt = torch.optim.Adam(list(gates.values()), lr=lr)
     n_gates = sum(g.numel() for g in gates.values())
+    b = ids.shape[0]
+    chunks = [slice(i, min(b, i + rows_per_pass)) for i in range(0, b, rows_per_pass)]
     first = None
     with torch.enable_grad(), model.hooks(hooks):
         for step in range(steps + 1):  # the last pass only measures
             opt.zero_grad()
-            distance = _distance(model(ids, mask), full, positions).mean()
+            distance = 0.0
+            for rows in chunks:  # gradients summed over passes of a few rows: the patterns of one pass in memory
+                now["drop"] = drop[rows]
+                part = _distance(model(ids[rows], None if mask is None else mask[rows]), full[rows],
+                                 positions[rows]).sum() / b
+                if step < steps:
+                    part.backward()
+                distance += float(part.detach())
             reg = sum(g.sum() for g in gates.values()) / n_gates
-            loss = distance + l1 * reg
-            first = float(loss.detach()) if first is None else first
+            loss = distance + l1 * float(reg.detach())
+            first = loss if first is None else first
             if step == steps:
                 break
-            loss.backward()
+            (l1 * reg).backward()
             opt.step()
             with torch.no_grad():
                 for g in gates.values():
                     g.clamp_(0.0, 1.0)
-    return {"loss_start": first, "loss_end": float(loss.detach()), "distance_end": float(distance.detach()),
-            "l1_end": float(reg.detach())}
+    return {"loss_start": first, "loss_end": loss, "distance_end": distance, "l1_end": float(reg.detach())}
