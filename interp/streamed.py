@@ -31,6 +31,7 @@ from hooks.points import TORCH_HOOK_TABLES
 from . import distributed
 from . import model as _model
 from .attention import attached_layer_hooks
+from .pruning import CONFIG_KEY as PRUNED_KEY
 from .pruning import kept_heads, plan_layer
 from .streaming import STREAM_ATTR, _check, _LayerStream
 from .streaming_cache import StreamingCache, StreamingLayer
@@ -43,8 +44,11 @@ _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin meth
 
 
 # -- the record ----------------------------------------------------------------------------------------------
-def _layouts(config) -> dict[int, tuple[int, ...]]:
+def _layouts(model) -> dict[int, tuple[int, ...]]:
     """Each layer's query heads in original numbering, in the module's order now (a placeholder head: ())."""
+    config = model.hf.config
+    if not getattr(config, PRUNED_KEY, None):
+        return {l: tuple(range(n)) for l, n in enumerate(model.cfg.heads_per_layer)}
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     out = {}
@@ -64,7 +68,7 @@ def streaming_record(model) -> dict | None:
             record["heads"], Mapping):
         raise ValueError(f"config.{CONFIG_KEY} must be {{'sink': int, 'window': int, 'heads': {{layer: [heads]}}}} "
                          f"(written by interp.stream_model); got {record!r}.")
-    layouts = _layouts(model.hf.config)
+    layouts = _layouts(model)
     pairs = []
     for layer, heads in record["heads"].items():  # JSON turns the int keys into strings
         try:
@@ -78,7 +82,7 @@ def streaming_record(model) -> dict | None:
 
 
 def _record(model, pairs, sink, window) -> dict:
-    layouts = _layouts(model.hf.config)
+    layouts = _layouts(model)
     heads: dict[int, list[int]] = {}
     for l, h in pairs:
         heads.setdefault(l, []).append(int(layouts[l][h]))

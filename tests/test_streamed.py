@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 from conftest import padded_batch, tiny_hf
-from test_streaming import HEADS, SINK, WINDOW, _logits, _sharp
+from test_streaming import FAMILIES, HEADS, SINK, WINDOW, _logits, _sharp
 from transformers import DynamicCache
 
 import interp
@@ -26,9 +26,10 @@ def batch():
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-def test_the_converted_model_is_the_streaming_block_bit_for_bit(attn, batch, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_converted_model_is_the_streaming_block_bit_for_bit(family, attn, batch, tmp_path):
     ids, mask = batch
-    model = interp.load_model(_sharp("llama"), attn=attn)
+    model = interp.load_model(_sharp(family), attn=attn)
     plain = _logits(model, ids, mask)
     state = {k: v.clone() for k, v in model.hf.state_dict().items()}
     with interp.stream_heads(model, HEADS, sink=SINK, window=WINDOW):
