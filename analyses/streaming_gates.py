@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from interp.sites import FRONT, head_columns
 from interp.streaming import stream_heads
 
 from .ablation import all_heads
@@ -69,7 +70,8 @@ def _main(output) -> torch.Tensor:
 def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: int = 256, steps: int = 100,
                     lr: float = 0.05, l1: float = 0.05, tokens: int | None = None, seed: int = 0,
                     rows_per_pass: int = 1) -> pd.DataFrame:
-    """One row per query head: ``layer``, ``head``, ``kv_head`` and ``gate`` (its key/value head's alpha after
+    """One row per query head: the head's columns (``stack``, ``kind``, ``site``, ``layer``, ``head``), ``kv_head``
+    and ``gate`` (its key/value head's alpha after
     ``steps`` Adam steps; low = can stream). ``df.attrs`` records the loss at the start and the end, the distance
     and the L1 term at the end, and the arguments.
 
@@ -119,8 +121,8 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
     rows = []
     for l, h in heads:
         group = cfg.heads_per_layer[l] // cfg.kv_heads_per_layer[l]
-        rows.append({"layer": l, "head": h, "kv_head": h // group, "gate": float(gates[l][h // group].detach())})
-    df = pd.DataFrame(rows)
+        rows.append({**head_columns(model, (l, h)), "kv_head": h // group, "gate": float(gates[l][h // group].detach())})
+    df = pd.DataFrame(rows, columns=[*FRONT, "kv_head", "gate"])
     df.attrs.update(sink=sink, window=window, steps=steps, lr=lr, l1=l1, rows_per_pass=rows_per_pass, **history)
     return df
 
