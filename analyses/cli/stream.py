@@ -127,6 +127,7 @@ def cmd_stream(args) -> int:
         with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
             streamed.save_pretrained(staging)
         if distributed.rank_zero():
-            print(f"saved a model whose {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) stream "
+            named = ", ".join(f"{l}.{h}" for l, h in heads[:12]) + (", ..." if len(heads) > 12 else "")
+            print(f"saved a model whose {len(heads)} heads ({named}) stream "
                   f"(sink {args.sink}, window {args.window}) to {args.save}", file=sys.stderr)
     return 0
