@@ -28,7 +28,8 @@ _LAZY = {
     **dict.fromkeys(["needle_prompts", "retrieval_heads"], "retrieval"),
     "long_view": "views.long",
     # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
-    **dict.fromkeys(["streaming_curve", "streaming_curve_plot", "streaming_order"], "streaming"),
+    **dict.fromkeys(["streaming_curve", "streaming_curve_plot", "streaming_inputs", "streaming_order"], "streaming"),
+    **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
     # Views (issues 5 and 14: analyses/views/): plots, interactive views and the HTML report
     **dict.fromkeys(["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot",
                      "patching_heatmap", "dla_bars"], "views.plots"),

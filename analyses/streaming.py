@@ -23,21 +23,23 @@ from .ablation import Head, all_heads
 from .engine import Shard, _arguments
 from .metrics import as_metric, batch_of
 
-__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot"]
+__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
 
-ORDERS = ("importance", "random")
+ORDERS = ("importance", "random", "gates")
 
 
 def streaming_order(model, inputs=None, metric=None, order="random", column: str | None = None,
-                    seed: int = 0) -> list[Head]:
+                    seed: int = 0, sink: int = 4, window: int = 256) -> list[Head]:
     """Every head, the first to stream first. order: ``"importance"`` (least important first, from the metric's
-    loss), ``"random"`` (a permutation drawn with ``seed``) or a DataFrame with ``layer``, ``head`` and a score
-    column (``column``; default ``"retrieval"`` when present): lowest score first."""
+    loss), ``"random"`` (a permutation drawn with ``seed``), ``"gates"`` (lowest DuoAttention-style gate first:
+    ``analyses.streaming_gates`` on passkey-like inputs, with this ``sink`` and ``window``) or a DataFrame with
+    ``layer``, ``head`` and a score column (``column``; default ``"retrieval"``, or ``"gate"``, when present):
+    lowest score first."""
     heads = all_heads(model)
     if isinstance(order, pd.DataFrame):
         if column is None:
             numeric = [c for c in order.select_dtypes("number").columns if c not in ("layer", "head")]
-            column = "retrieval" if "retrieval" in order else (numeric[0] if len(numeric) == 1 else None)
+            column = next((c for c in ("retrieval", "gate") if c in order), numeric[0] if len(numeric) == 1 else None)
         if column is None or column not in order or not {"layer", "head"} <= set(order.columns):
             raise ValueError("A score table needs columns layer, head and the score to order by (column=...); got "
                              f"columns {list(order.columns)} and column={column!r}.")
@@ -57,6 +59,10 @@ def streaming_order(model, inputs=None, metric=None, order="random", column: str
         df = head_importance(model, inputs, loss=metric)
         score = {(r.layer, r.head): r.importance for r in df.itertuples()}
         return sorted(heads, key=lambda h: (score[h], h))
+    if isinstance(order, str) and order == "gates":
+        from .streaming_gates import streaming_gates
+
+        return streaming_order(model, order=streaming_gates(model, sink=sink, window=window, seed=seed))
     raise ValueError(f"Unknown streaming order {order!r}; use one of {', '.join(ORDERS)} or a score DataFrame with "
                      "layer and head columns (e.g. analyses.retrieval_heads' table).")
 
@@ -91,7 +97,8 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     heads = all_heads(model)
     per_step = max(1, round(step * len(heads)))
     stop = math.floor(max_fraction * len(heads) + 1e-9)
-    name = column or ("retrieval" if isinstance(order, pd.DataFrame) and "retrieval" in order else None)
+    name = column or (next((c for c in ("retrieval", "gate") if c in order), None) if isinstance(order, pd.DataFrame)
+                      else None)
     rows = []
     with model.studying():
         if isinstance(order, str) and order == "random":
@@ -99,7 +106,7 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
                 raise ValueError("order='random' needs at least one seed.")
             runs = [(s, streaming_order(model, batch, metric, "random", seed=s)) for s in seeds]
         else:
-            runs = [(None, streaming_order(model, batch, metric, order, column))]
+            runs = [(None, streaming_order(model, batch, metric, order, column, sink=sink, window=window))]
         for seed, ranked in runs:
             counts = sorted({0, *range(per_step, stop, per_step), stop})
             for n in counts:
@@ -144,3 +151,26 @@ def streaming_curve_plot(df: pd.DataFrame, ax=None):
     ax.legend(frameon=False, loc="upper left")
     ax.set_title("streaming curve")
     return ax
+
+
+def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
+    """Long inputs for a streaming curve, ``(ids (rows, tokens), metric, description)``: with a tokenizer, rows of
+    the project's sentences (each row a fresh order, no sentence twice in a row until all are used) and the
+    next-token loss; without one, ``[BOS, x, x]`` repeated random tokens (``tokens`` or one fewer) and the second
+    copy's loss (only heads that see ``len(x)`` tokens back can copy)."""
+    from .metrics import lm_loss, second_copy_loss
+    from .retrieval import _haystack
+    from .toy import repeated_sequences
+
+    limit = model.cfg.max_positions
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 8 <= tokens <= (limit or tokens):
+        raise ValueError(f"tokens must be an integer in [8, {limit}] (the model's positions); got {tokens!r}.")
+    g = torch.Generator().manual_seed(seed)
+    if model.tokenizer is not None:
+        ids = torch.tensor([_haystack(model.tokenizer, tokens, g) for _ in range(rows)])
+        return ids, lm_loss, f"{rows} rows of {tokens} tokens of the project's sentences, next-token loss"
+    bos = model.hf.config.bos_token_id
+    half = (tokens - (bos is not None)) // 2
+    ids = repeated_sequences(rows, half, model.cfg.vocab_size, g, bos)
+    return ids, second_copy_loss, (f"{rows} repeated random sequences [BOS, x, x] of {ids.shape[1]} tokens "
+                                   f"(len(x) = {half})")

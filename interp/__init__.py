@@ -14,10 +14,11 @@ from .loading import BUNDLED, load_model
 from .model import HookedModel, ModelConfig
 from .seq2seq import Seq2SeqHookedModel
 from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
+from .streamed import stream_model
 from .progress import set_progress
 from .threads import set_threads
 
 __all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "Seq2SeqHookedModel", "load_model",
-           "kv_cache_bytes", "set_progress", "set_threads", "stream_heads",
+           "kv_cache_bytes", "set_progress", "set_threads", "stream_heads", "stream_model",
            "streaming_kv_bytes"]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ _MODULE_KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", 
 
 
 _ENCODER_DECODER: list[type] = []  # the encoder-decoder wrapper, registered by interp.seq2seq (no import cycle)
+_ON_BUILD: list = []  # run on every new HookedModel: interp.streamed attaches the streaming heads a config records
 
 
 def _encoder_decoder(hf) -> bool:
@@ -91,6 +92,8 @@ class HookedModel(_Wrapper):
             self._layer_hooks.append(lh)
         self.attn: str | None = None
         self.set_attn(attn)
+        for build in _ON_BUILD:
+            build(self)
 
     def _has_point(self, kind: str, layer: int) -> bool:
         """Whether this model has the per-layer point ``kind`` in ``layer`` (parallel blocks have no resid_mid;

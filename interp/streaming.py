@@ -303,8 +303,9 @@ def stream_heads(model, heads, sink: int = 4, window: int = 256):
     modules = model._attn_modules
     busy = [l for l, m in enumerate(modules) if STREAM_ATTR in m.__dict__]
     if busy:
-        raise RuntimeError(f"Layers {busy} already stream heads (a stream_heads block is open); nesting is not "
-                           "supported: give all the heads to one block.")
+        raise RuntimeError(f"Layers {busy} already stream heads (a stream_heads block is open, or the model was made "
+                           "by interp.stream_model); nesting is not supported: give all the heads to one block, or "
+                           "open it on the model before stream_model.")
     layers: dict[int, _LayerStream] = {}
     for l in sorted({l for l, _ in pairs}):
         layers[l] = _LayerStream(tuple(h for ll, h in pairs if ll == l), model.cfg.heads_per_layer[l],

@@ -25,7 +25,7 @@ def run(capsys, *argv):
 def test_console_script_help():
     done = subprocess.run([sys.executable, "-m", "analyses.cli", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
-    for command in ("info", "heads", "ablate", "prune", "plot", "train-toy", "report"):
+    for command in ("info", "heads", "ablate", "prune", "stream", "plot", "train-toy", "report"):
         assert command in done.stdout
 
 
@@ -80,6 +80,28 @@ def test_prune_and_save(capsys, tmp_path):
     assert sum(pruned.cfg.heads_per_layer) == 6
 
 
+def test_stream_curves_and_save(capsys, tmp_path):
+    """`interp stream` on the toy model (issue 26): the lowest-retrieval heads (layer 0's) stream first and leave the
+    second-copy loss where it was, random orders break it; --save writes a model that loads streaming."""
+    out_dir, saved = tmp_path / "curve", tmp_path / "streamed"
+    code, out, err = run(capsys, "stream", "--tokens", "64", "--sink", "1", "--window", "8", "--step", "0.25",
+                         "--format", "csv", "--out", str(out_dir), "--save", str(saved), "--fraction", "0.5")
+    assert code == 0, err
+    df = pd.read_csv(io.StringIO(out))
+    assert df.equals(pd.read_csv(out_dir / "streaming_curve.csv"))
+    assert (out_dir / "streaming_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert set(df.order) == {"retrieval", "random"} and set(df.seed.dropna()) == {0, 1, 2}
+    at = df[df.fraction_streaming == 0.5].groupby("order").metric.mean()
+    full = df[df.fraction_streaming == 0].metric.iloc[0]
+    assert at["retrieval"] < full + 0.05 < at["random"]  # the detector's order keeps the induction circuit
+    import interp
+    from interp.streamed import streaming_record
+
+    record = streaming_record(interp.load_model(saved))
+    assert record == {"sink": 1, "window": 8, "heads": [(0, 0), (0, 1), (0, 2), (0, 3)]}
+    assert "stream (sink 1, window 8)" in err
+
+
 def test_plot(capsys, tmp_path):
     png = tmp_path / "map.png"
     code, out, _ = run(capsys, "plot", "--layer", "1", "--head", "3", "--out", str(png))
@@ -122,6 +144,10 @@ def test_train_toy_small(capsys, tmp_path):
     (["prune", "--save", "somewhere"], "--save needs --fraction"),
     (["prune", "--save", "somewhere", "--fraction", "1.5"], "in (0, 1)"),
     (["prune", "--fraction", "0.3"], "goes with --save"),
+    (["stream", "--out", "o", "--order", "retrieval,best"], "--order takes retrieval, importance, random"),
+    (["stream", "--out", "o", "--save", "s"], "--save needs --fraction"),
+    (["stream", "--out", "o", "--sink", "-1"], "--sink is a number of keys"),
+    (["stream", "--out", "o", "--tokens", "64"], "would still see every key"),
     (["plot", "--out", "x.png"], "needs --layer and --head"),
     (["plot", "heads", "--csv", "missing.csv", "--out", "x.png"], "cannot read table"),
     (["plot", "grid", "--out", "x.png"], "invalid choice: 'grid'"),  # argparse's own errors: one line too

@@ -4,6 +4,7 @@
     interp heads      [--model M]               classify every head (detect_heads)
     interp ablate     [--model M]               effect of ablating each head alone (ablation_scan)
     interp prune      [--model M] [--save DIR]  pruning curves, importance vs random; save a pruned model
+    interp stream     --out DIR [--save DIR]    streaming curves (retrieval order vs random); save a streaming model
     interp plot       --layer L --head H --out PNG [--text T]   one head's attention map
     interp plot       heads|ablation|pruning [--csv FILE] --out PNG   a score grid, scan or curve
     interp view       [head|grid] --out HTML [--text T]   an interactive view, one offline page
@@ -31,13 +32,13 @@ import os
 import shutil
 import sys
 
-from . import ablate, attribute, heads, info, patch, plot, prune, report, train_toy, view
+from . import ablate, attribute, heads, info, patch, plot, prune, report, stream, train_toy, view
 from .common import BUNDLED_NAMES, UserError, _one_line, _Parser, _SCRATCH, _set_threads, _user_mistake  # noqa: F401
 
 __all__ = ["main", "build_parser", "BUNDLED_NAMES"]
 
 # the verbs, in the order `interp --help` lists them
-VERBS = (info, heads, ablate, prune, plot, view, patch, attribute, train_toy, report)
+VERBS = (info, heads, ablate, prune, stream, plot, view, patch, attribute, train_toy, report)
 
 
 def build_parser() -> argparse.ArgumentParser:
