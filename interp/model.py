@@ -224,6 +224,10 @@ class HookedModel(_Wrapper):
 
         return hook
 
+    def o_proj_of(self, site) -> torch.nn.Module | None:
+        """The linear map that reads ``site``'s z (its path is relative to the block here), or None."""
+        return None if site.o_proj is None else self._blocks[site.block].get_submodule(site.o_proj)
+
     # -- inputs ----------------------------------------------------------------------------------------
     def to_tokens(self, text: str | Sequence[str], max_length: int | None = None):
         """Tokenize text into ``{"input_ids": (b, p), "attention_mask": (b, p)}``, padded (left for causal

@@ -125,6 +125,10 @@ class Seq2SeqHookedModel(HookedModel):
         first = next(iter(self._layer_hooks))
         return attached_layer_hooks(self._modules[first]) is self._layer_hooks[first]
 
+    def o_proj_of(self, site: Site) -> torch.nn.Module | None:
+        """The linear map that reads ``site``'s z (its path is relative to the attention module here), or None."""
+        return None if site.o_proj is None else self._modules[site.name].get_submodule(site.o_proj)
+
     # -- attention path --------------------------------------------------------------------------------
     def set_attn(self, attn: str) -> Seq2SeqHookedModel:
         """Switch every site between the exact ``"eager"`` path and the fused ``"flash"`` path."""

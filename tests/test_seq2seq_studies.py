@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 
 import interp
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, direct_logit_attribution,
-                      head_importance, prune_model, pruning_curve)
+                      head_importance, logit_lens, prune_model, pruning_curve)
 from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
                               train_copy_model)
 from test_seq2seq import _batch, _tiny
@@ -315,7 +315,44 @@ def test_clear_errors():
         head_importance(model, batch, target_accuracy())
     with pytest.raises(TypeError, match="encoder-decoder"):
         prune_model(model, [("decoder.blocks.1.cross_attn", 0)])
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        direct_logit_attribution(model, batch, 3)
     assert seq2seq_batch(model, batch)["decoder_input_ids"].shape == (3, 6)
     assert not model._registry.active()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "marian"])
+def test_direct_logit_attribution_of_the_decoder_stack_sums_to_the_logit_difference(family):
+    """The decoder stack's one residual stream splits exactly into the embedding, every self- and cross-attention
+    head, every MLP and the biases: T5 pre-norm with its scaled tied unembedding, BART and Marian post-norm (each
+    norm on the stream frozen at the run)."""
+    model = interp.load_model(_tiny(family), attn="flash")
+    batch = _padded()
+    df = direct_logit_attribution(model, batch, answer=5, wrong=[7, 8, 9], position=3)
+    with torch.no_grad():
+        logits = model(batch).logits[:, 3]
+    expected = float((logits[:, 5] - logits[torch.arange(3), torch.tensor([7, 8, 9])]).mean())
+    assert df.attrs["logit"] == pytest.approx(expected, abs=1e-6)
+    assert abs(df["attribution"].sum() - expected) <= 1e-5
+    assert abs(df.attrs["remainder"]) <= 1e-5 * max(1.0, abs(expected)), df.attrs["remainder"]
+    heads = df[df["component"] == "head"]
+    assert list(df.columns[:6]) == ["component", *FRONT]
+    assert sorted(map(tuple, heads[["site", "head"]].values.tolist())) == sorted(model.cfg.heads()[8:])  # decoder sites
+    assert set(heads["kind"]) == {"self", "cross"} and (heads["stack"] == "decoder").all()
+    assert (heads.groupby("kind")["attribution"].apply(lambda a: a.abs().max()) > 1e-5).all()  # both kinds count
+    assert len(df[df["component"] == "mlp"]) == 2
+    if family == "t5":
+        assert df.attrs["logit_scale"] == pytest.approx(32 ** -0.5)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_logit_lens_of_the_decoder_stack_ends_at_the_models_prediction(family):
+    model = interp.load_model(_tiny(family), attn="flash")
+    batch = _padded()
+    lens = logit_lens(model, batch, answer=[5, 6, 7], position=2)
+    assert list(lens["layer"]) == [-1, 0, 1]
+    with torch.no_grad():
+        probs = torch.softmax(model(batch).logits[:, 2].float(), -1)
+    assert lens["answer_prob"].iloc[-1] == pytest.approx(float(probs[torch.arange(3), torch.tensor([5, 6, 7])].mean()),
+                                                         abs=1e-6)
+    assert lens["answer_prob"].iloc[0] != pytest.approx(lens["answer_prob"].iloc[-1], abs=1e-6)
+    with pytest.raises(ValueError, match="positions"):
+        logit_lens(model, batch, position=6)  # the decoder has 6 positions (the source 9)
