@@ -77,7 +77,7 @@ class Seq2SeqHookedModel(HookedModel):
         check_supported(hf.config, seq2seq=True)
         self.hf, self.tokenizer = hf, tokenizer
         _take_over(hf)  # one wrapper at a time
-        sites, enc_path, dec_path, modules = _discover(hf)
+        sites, enc_path, dec_path, modules, self._weights = _discover(hf)
         c = hf.config
         self.cfg = Seq2SeqConfig(
             n_encoder_layers=sum(s.stack == "encoder" for s in sites),
@@ -128,6 +128,15 @@ class Seq2SeqHookedModel(HookedModel):
     def o_proj_of(self, site: Site) -> torch.nn.Module | None:
         """The linear map that reads ``site``'s z (its path is relative to the attention module here), or None."""
         return None if site.o_proj is None else self._modules[site.name].get_submodule(site.o_proj)
+
+    def projections_of(self, site: Site):
+        """``(module, Projections or the reason there are none)``: where the site's heads sit in its q/k/v weights,
+        paths relative to ``module`` (the attention module here)."""
+        return self._modules[site.name], self._weights[site.name][0]
+
+    def in_norm_of(self, site: Site) -> torch.nn.Module | None:
+        """The norm (in the site's block) whose output the site's queries read, or None."""
+        return self._weights[site.name][1]
 
     # -- attention path --------------------------------------------------------------------------------
     def set_attn(self, attn: str) -> Seq2SeqHookedModel:

@@ -12,8 +12,10 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
-from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, direct_logit_attribution,
-                      head_importance, logit_lens, prune_model, pruning_curve)
+from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, composition_scores,
+                      direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
+                      qk_circuit)
+from analyses.composition import head_weights
 from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
                               train_copy_model)
 from test_seq2seq import _batch, _tiny
@@ -356,3 +358,37 @@ def test_logit_lens_of_the_decoder_stack_ends_at_the_models_prediction(family):
     assert lens["answer_prob"].iloc[0] != pytest.approx(lens["answer_prob"].iloc[-1], abs=1e-6)
     with pytest.raises(ValueError, match="positions"):
         logit_lens(model, batch, position=6)  # the decoder has 6 positions (the source 9)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_composition_pairs_follow_what_each_side_reads(family):
+    """Queries read their own stack's stream, a cross site's keys and values the encoder's: encoder heads K- and
+    V-compose into cross sites and Q-compose into nothing of the decoder; decoder heads Q-compose into later
+    decoder sites (a block's self-attention into its own cross-attention included) and K-compose only into
+    decoder self-attention."""
+    model = interp.load_model(_tiny(family), attn="flash")
+    pairs = {kind: set(zip(df["source_site"], df["site"])) for kind in "qkv"
+             for df in [composition_scores(model, kind)]}
+    enc0, enc1 = "encoder.blocks.0.attn", "encoder.blocks.1.attn"
+    dec0, cross0, dec1, cross1 = ("decoder.blocks.0.attn", "decoder.blocks.0.cross_attn", "decoder.blocks.1.attn",
+                                  "decoder.blocks.1.cross_attn")
+    within = {(enc0, enc1), (dec0, cross0), (dec0, dec1), (dec0, cross1), (cross0, dec1), (cross0, cross1),
+              (dec1, cross1)}
+    assert pairs["q"] == within
+    into_cross = {(e, c) for e in (enc0, enc1) for c in (cross0, cross1)}
+    decoder_self = {(dec0, dec1), (cross0, dec1)}
+    assert pairs["k"] == pairs["v"] == {(enc0, enc1)} | into_cross | decoder_self
+    df = composition_scores(model, "k", fold_norms=False)
+    assert list(df.columns) == ["source_stack", "source_kind", "source_site", "source_layer", "source_head", *FRONT,
+                                "score"]
+    # an encoder head into a cross site's keys: the low-rank score equals the full d_model x d_model computation
+    ov, qk = ov_circuit(model, enc1, fold_norms=False).full()[2], qk_circuit(model, cross1, fold_norms=False).full()[3]
+    full = torch.linalg.norm(ov @ qk.T) / (torch.linalg.norm(ov) * torch.linalg.norm(qk))
+    row = df[(df.source_site == enc1) & (df.source_head == 2) & (df.site == cross1) & (df["head"] == 3)]
+    assert float(row["score"].iloc[0]) == pytest.approx(float(full), rel=1e-9)
+    # the factors are the module's own weights: head 3 of the cross site is rows 24..31 of its k projection (the
+    # keys read the encoder's output: no decoder norm folded in) and columns 24..31 of its output projection
+    module, proj = model.projections_of(model.sites[cross1])
+    weights = head_weights(model, cross1)
+    assert torch.equal(weights["W_K"][3], module.get_submodule(proj.k).weight.detach().double()[24:32].T)
+    assert torch.equal(weights["W_O"][3], model.o_proj_of(model.sites[cross1]).weight.detach().double()[:, 24:32].T)
