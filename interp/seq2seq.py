@@ -31,6 +31,7 @@ from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, position_limit, texts_of, tokenize
 from .model import _ENCODER_DECODER, HookedModel
+from .pruning import CONFIG_KEY
 from .seq2seq_structure import _discover
 from .sites import Site
 from .wrapper import _replace_first, _take_over
@@ -61,7 +62,7 @@ class Seq2SeqConfig:
     def stacks(self) -> tuple[str, ...]:
         return ("encoder", "decoder")
 
-    pruned = False  # structural pruning slices decoder-only and encoder-only models (interp.pruning)
+    pruned: bool = False  # heads sliced out by analyses.prune_model (interp.pruning.slice_sites)
 
 
 class Seq2SeqHookedModel(HookedModel):
@@ -84,7 +85,7 @@ class Seq2SeqHookedModel(HookedModel):
             n_decoder_layers=sum(s.stack == "decoder" and s.kind == "self" for s in sites),
             d_model=int(getattr(c, "d_model", None) or c.hidden_size), family=c.model_type,
             vocab_size=int(getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings),
-            sites=tuple(sites), max_positions=position_limit(c))
+            sites=tuple(sites), max_positions=position_limit(c), pruned=bool(getattr(c, CONFIG_KEY, None)))
         self.sites = {s.name: s for s in sites}
         self._modules = modules
         self._blocks = {"encoder": hf.get_encoder().get_submodule(enc_path),

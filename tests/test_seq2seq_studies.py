@@ -315,8 +315,9 @@ def test_clear_errors():
         ablation_scan(model, {k: v for k, v in batch.items() if k != "labels"}, metric)
     with pytest.raises(TypeError, match="no gradient"):
         head_importance(model, batch, target_accuracy())
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        prune_model(model, [("decoder.blocks.1.cross_attn", 0)])
+    with pytest.raises(NotImplementedError, match=r"t5 model: encoder.blocks.0.attn: .*relative_attention_bias.weight "
+                       r"of shape \(8, 4\).*no site's heads can be removed alone"):
+        prune_model(model, [("decoder.blocks.1.cross_attn", 0)])  # T5's position bias is shared by every block
     assert seq2seq_batch(model, batch)["decoder_input_ids"].shape == (3, 6)
     assert not model._registry.active()
 
@@ -392,3 +393,32 @@ def test_composition_pairs_follow_what_each_side_reads(family):
     weights = head_weights(model, cross1)
     assert torch.equal(weights["W_K"][3], module.get_submodule(proj.k).weight.detach().double()[24:32].T)
     assert torch.equal(weights["W_O"][3], model.o_proj_of(model.sites[cross1]).weight.detach().double()[:, 24:32].T)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_pruning_every_kind_of_site_equals_zero_ablation_and_survives_a_save(family, tmp_path):
+    model = interp.load_model(_tiny(family), attn="eager")
+    heads = [("encoder.blocks.0.attn", 1), ("encoder.blocks.1.attn", 0), ("encoder.blocks.1.attn", 3),
+             ("decoder.blocks.0.attn", 2), ("decoder.blocks.1.cross_attn", 0), ("decoder.blocks.1.cross_attn", 1)]
+    before = _state(model)
+    pruned = prune_model(model, heads)
+    assert_unchanged(model, before)
+    assert [s.n_heads for s in pruned.cfg.sites] == [3, 2, 3, 4, 4, 2]
+    assert pruned.hf.get_decoder().layers[1].encoder_attn.k_proj.weight.shape == (16, 32)  # physically smaller
+    batch = _padded()
+    with torch.no_grad():
+        with ablate_heads(model, heads):
+            expected = model(batch).logits
+        got = pruned(batch).logits
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert pruned.hf.config.interp_pruned_heads["decoder.blocks.1.cross_attn"] == [2, 3]
+    loaded = interp.load_model(pruned.save_pretrained(tmp_path / "pruned"), attn="eager")
+    assert [s.n_heads for s in loaded.cfg.sites] == [3, 2, 3, 4, 4, 2] and loaded.cfg.pruned
+    with torch.no_grad():
+        assert torch.allclose(loaded(batch).logits, got, atol=1e-6, rtol=0)
+    # pruning again names heads in the pruned model's numbering and records the original ones
+    again = prune_model(loaded, [("decoder.blocks.1.cross_attn", 0), ("encoder.blocks.1.attn", 1)])
+    assert again.hf.config.interp_pruned_heads["decoder.blocks.1.cross_attn"] == [3]
+    assert again.hf.config.interp_pruned_heads["encoder.blocks.1.attn"] == [1]
+    with pytest.raises(ValueError, match="every head"):
+        prune_model(model, [("decoder.blocks.0.cross_attn", h) for h in range(4)])
