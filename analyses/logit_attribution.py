@@ -42,8 +42,10 @@ def _stack(model) -> tuple[list, list[list]]:
             "Logit attribution needs a causal LM (a decoder stack) with an output layer; this model has "
             f"{'no output layer' if unembed is None else 'bidirectional attention only (an encoder)'}.")
     blocks = model._blocks["decoder"] if isinstance(model._blocks, dict) else model._blocks
-    empty = set(getattr(model.cfg, "empty_layers", ()))
-    per_block = [[s for s in sites if s.block == b and b not in empty] for b in range(len(blocks))]
+    empty = set(getattr(model.cfg, "empty_layers", ()))  # pruned empty: a zeroed placeholder head, not a head
+    empty_sites = set(getattr(model.cfg, "empty_sites", ()))
+    per_block = [[s for s in sites if s.block == b and b not in empty and s.name not in empty_sites]
+                 for b in range(len(blocks))]
     return blocks, per_block
 
 

@@ -5,6 +5,7 @@ loading needs, so that ``interp`` never imports ``analyses``. A pruned model rec
 in the original numbering, in its config::
 
     config.interp_pruned_heads = {layer: [kept heads]}   # layers not listed keep all their heads
+    config.interp_pruned_heads = {site: [kept heads]}    # an encoder-decoder model: per site name
 
 From that record and the original ``num_attention_heads``/``num_key_value_heads`` the layout of every
 layer follows (``plan_layer``), so a saved folder is rebuilt by slicing a freshly built model the same

@@ -55,14 +55,15 @@ class Seq2SeqConfig:
     max_positions: int | None = None  # source and target each (None: relative positions, e.g. T5)
 
     def heads(self) -> list[tuple[str, int]]:
-        """Every ``(site name, head)``."""
-        return [(s.name, h) for s in self.sites for h in range(s.n_heads)]
+        """Every ``(site name, head)`` (the placeholder of a site that was pruned empty is not a head)."""
+        return [(s.name, h) for s in self.sites if s.name not in self.empty_sites for h in range(s.n_heads)]
 
     @property
     def stacks(self) -> tuple[str, ...]:
         return ("encoder", "decoder")
 
     pruned: bool = False  # heads sliced out by analyses.prune_model (interp.pruning.slice_sites)
+    empty_sites: tuple[str, ...] = ()  # sites pruned of every head: one zeroed placeholder head each
 
 
 class Seq2SeqHookedModel(HookedModel):
@@ -85,7 +86,8 @@ class Seq2SeqHookedModel(HookedModel):
             n_decoder_layers=sum(s.stack == "decoder" and s.kind == "self" for s in sites),
             d_model=int(getattr(c, "d_model", None) or c.hidden_size), family=c.model_type,
             vocab_size=int(getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings),
-            sites=tuple(sites), max_positions=position_limit(c), pruned=bool(getattr(c, CONFIG_KEY, None)))
+            sites=tuple(sites), max_positions=position_limit(c), pruned=bool(getattr(c, CONFIG_KEY, None)),
+            empty_sites=tuple(name for name, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept))
         self.sites = {s.name: s for s in sites}
         self._modules = modules
         self._blocks = {"encoder": hf.get_encoder().get_submodule(enc_path),

@@ -420,5 +420,18 @@ def test_pruning_every_kind_of_site_equals_zero_ablation_and_survives_a_save(fam
     again = prune_model(loaded, [("decoder.blocks.1.cross_attn", 0), ("encoder.blocks.1.attn", 1)])
     assert again.hf.config.interp_pruned_heads["decoder.blocks.1.cross_attn"] == [3]
     assert again.hf.config.interp_pruned_heads["encoder.blocks.1.attn"] == [1]
+    emptied = [("decoder.blocks.0.cross_attn", h) for h in range(4)]
     with pytest.raises(ValueError, match="every head"):
-        prune_model(model, [("decoder.blocks.0.cross_attn", h) for h in range(4)])
+        prune_model(model, emptied)
+    empty = prune_model(model, emptied, allow_empty_layers=True)  # one zeroed placeholder head is left
+    with torch.no_grad():
+        with ablate_heads(model, emptied):
+            expected = model(batch).logits
+        assert torch.allclose(empty(batch).logits, expected, atol=1e-6, rtol=0)
+    assert empty.cfg.empty_sites == ("decoder.blocks.0.cross_attn",)
+    assert not any(site == "decoder.blocks.0.cross_attn" for site, _ in empty.cfg.heads())
+    with pytest.raises(ValueError, match="pruned empty"):
+        ablation_scan(empty, batch, target_loss(), heads=[("decoder.blocks.0.cross_attn", 0)])
+    dla = direct_logit_attribution(empty, batch, 5, position=2)
+    assert "decoder.blocks.0.cross_attn" not in set(dla["site"]) and abs(dla.attrs["remainder"]) <= 1e-5
+    assert "decoder.blocks.0.cross_attn" not in set(composition_scores(empty, "q")["site"])
