@@ -64,11 +64,15 @@ def _is_norm(module) -> bool:
 
 def _readout(model, blocks, final: torch.Tensor, logits: torch.Tensor):
     """``(norm or None, scale, logit bias (vocab,) or None)`` with which ``scale * unembed(norm(final)) + bias``
-    is the run's logits: the candidate norms are those beside the blocks (siblings of the block list), and
-    none; the one that reproduces the logits best wins (exactly where nothing else sits on the logits)."""
+    is the run's logits: the candidate norms are those beside the blocks (siblings of the block list), the final
+    norm a decoder-only model's probe found, and none; the one that reproduces the logits best wins (exactly
+    where nothing else sits on the logits)."""
     unembed = model.hf.get_output_embeddings()
     holder = next((m for m in model.hf.modules() if any(c is blocks for c in m.children())), None)
     candidates = [None] + ([m for m in holder.children() if _is_norm(m)] if holder is not None else [])
+    known = getattr(getattr(model, "structure", None), "final_norm", None)  # what a decoder-only probe found
+    if known is not None and all(model.hf.get_submodule(known) is not c for c in candidates):
+        candidates.append(model.hf.get_submodule(known))
     bias = getattr(model.hf, "final_logits_bias", None)  # BART's family adds a buffer to its logits (no module)
     bias = None if bias is None else bias.detach().float().reshape(-1).to(logits.device)
     target = logits - (0.0 if bias is None else bias)
