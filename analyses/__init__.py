@@ -16,7 +16,8 @@ _LAZY = {
                      "strongest_heads"], "labels"),
     "pattern_scores": "scores",
     # Circuits (issue 13): patching, attribution, composition
-    **dict.fromkeys(["attribution_patching", "direct_logit_attribution", "logit_lens"], "attribution"),
+    "attribution_patching": "attribution",
+    **dict.fromkeys(["direct_logit_attribution", "logit_lens"], "logit_attribution"),
     **dict.fromkeys(["LowRank", "composition_scores", "ov_circuit", "qk_circuit"], "composition"),
     **dict.fromkeys(["activation_patching", "path_patching"], "patching"),
     **dict.fromkeys(["induction_task", "ioi_task"], "tasks"),

@@ -3,10 +3,8 @@
 - ``attribution_patching`` (Nanda 2023; Syed et al. 2023): activation patching's ``patched - corrupted`` for every
   head at once, estimated as ``(z_clean - z_corrupted) . d metric / d z`` at the corrupted run, summed over the
   batch and positions: one clean forward, one corrupted forward and one backward.
-- ``direct_logit_attribution``: with the final norm's scale frozen at the run's value the final norm is affine,
-  so the logit (difference) splits into the embedding's, each head's, each MLP's contribution and the biases.
-- ``logit_lens`` (nostalgebraist 2020): the residual stream after each layer, through the final norm and the
-  unembedding.
+- the final norm frozen at a run's scale (``frozen_norm``) and token ids read from user input (``token_ids``), which
+  direct logit attribution and the logit lens (``analyses.logit_attribution``) build on.
 """
 
 from __future__ import annotations
@@ -14,20 +12,16 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.nn.functional as F
 
 import pandas as pd
 
-from interp.distributed import onloaded
 from interp.inputs import encode
 from interp.sites import FRONT, check_heads, head_columns, site_of
-from interp.tokens import display_tokens
 
 from .engine import Shard, _arguments, _run
-from .metrics import _main_output, batch_of
 from .patching import paired_batches, scalar_metric
 
-__all__ = ["attribution_patching", "direct_logit_attribution", "logit_lens", "frozen_norm", "token_ids"]
+__all__ = ["attribution_patching", "frozen_norm", "token_ids"]
 
 
 def attribution_patching(model, clean, corrupted, metric, by: str = "head", heads=None) -> pd.DataFrame:
@@ -133,6 +127,17 @@ def _eps(norm, d_model: int) -> float:
     return max(0.0, (1.0 - ratio**2 * small**2) / (ratio**2 - 1.0))
 
 
+def _centres(norm, d_model: int) -> bool:
+    """Whether the norm subtracts the mean (a LayerNorm) rather than only dividing by the root mean square (T5's
+    ``T5LayerNorm`` is an RMSNorm by another name): a LayerNorm's output ignores a constant added to the input."""
+    param = next(norm.parameters(), None)
+    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    x = torch.ones(1, d_model, dtype=dtype, device=device)
+    x[0, 1::2] = -1.0
+    with torch.no_grad():
+        return bool(torch.allclose(norm(x + 3.0).float(), norm(x).float(), atol=1e-3))
+
+
 def frozen_norm(norm, x: torch.Tensor):
     """The final norm at the residual ``x: (n, m)`` with its scale frozen: ``(apply, bias)`` where ``apply(c)``
     maps a component ``c: (..., n, m)`` linearly and ``apply(x) + bias`` equals ``norm(x)``.
@@ -142,7 +147,8 @@ def frozen_norm(norm, x: torch.Tensor):
     """
     eps = _eps(norm, x.shape[-1])
     x = x.float()
-    if "RMS" not in type(norm).__name__ and (isinstance(norm, torch.nn.LayerNorm) or "LayerNorm" in type(norm).__name__):
+    if isinstance(norm, torch.nn.LayerNorm) or ("RMS" not in type(norm).__name__ and "LayerNorm" in type(norm).__name__
+                                                and _centres(norm, x.shape[-1])):
         sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
         gamma = weight.detach().float().to(x.device) if weight is not None else torch.ones(x.shape[-1], device=x.device)
@@ -212,127 +218,3 @@ def _unembedding(model):
             "Logit attribution needs a causal LM with a final norm before its output layer; this model has "
             f"{'no output layer' if head is None else 'no final norm' if model.structure.final_norm is None else 'bidirectional attention'}.")
     return head
-
-
-def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = -1) -> pd.DataFrame:
-    """Each component's direct contribution to ``logit[answer] - logit[wrong]`` (or ``logit[answer]``) at
-    ``position``, averaged over the batch.
-
-    answer, wrong: a token id, one per sequence, or a one-token string. The residual stream entering the final
-    norm is the sum of the embedding (``hook_resid_pre`` of block 0: token and position embeddings), every head's
-    projected output (``hook_result``), every MLP's output and the output projections' biases; with the final
-    norm's scale frozen at this run's value the norm is affine, and each part maps to the logit through the
-    unembedding.
-
-    Rows: ``component`` (``embed``, ``head``, ``mlp``, ``bias``: output-projection, final-norm and unembedding
-    biases, and ``remainder``), ``layer``, ``head``, ``attribution``. A constant the model multiplies its logits
-    by (Cohere, Granite) is found on the run and applied (``df.attrs["logit_scale"]``). They sum to the model's logit (difference)
-    exactly: ``remainder`` is what the decomposition does not explain, 0 up to float error where the
-    architecture allows an exact split (pre-norm and parallel blocks) and nonzero where a norm or scale sits on a
-    branch (Gemma 2/3's post-attention norms, Granite's residual multiplier) or on the logits (soft-capping).
-    ``df.attrs`` holds the logit (difference) and the remainder.
-    """
-    unembed = _unembedding(model)
-    batch = batch_of(model, inputs)
-    n = batch["input_ids"].shape[0]
-    position = _check_position(position, batch["input_ids"].shape[1])
-    answer = token_ids(model, answer, n, "answer")
-    wrong = None if wrong is None else token_ids(model, wrong, n, "wrong")
-    s, last = model.structure, model.cfg.n_layers - 1
-    names = (["blocks.0.hook_resid_pre", f"blocks.{last}.hook_resid_post"]
-             + [f"blocks.{l}.attn.hook_result" for l in range(model.cfg.n_layers) if s.o_proj[l] is not None]
-             + [f"blocks.{l}.hook_mlp_out" for l in range(model.cfg.n_layers) if s.mlp[l] is not None])
-    with model.studying(), torch.no_grad():  # every activation on the inputs' device (blocks may live elsewhere)
-        out, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=names, device=model.device)
-    rows_ = torch.arange(n)
-    logits = _main_output(out)[:, position].float()  # (n, vocab)
-    target = logits[rows_, answer] - (logits[rows_, wrong] if wrong is not None else 0.0)
-    norm = model.hf.get_submodule(s.final_norm)
-    final = cache[f"blocks.{last}.hook_resid_post"][:, position]
-    with onloaded(unembed, norm):  # weights offloaded by a device map are read here, outside a forward
-        w_u = unembed.weight.detach().float().to(final.device)
-        direction = w_u[answer] - (w_u[wrong] if wrong is not None else 0.0)
-        u_bias = None if getattr(unembed, "bias", None) is None else unembed.bias.detach().float().to(final.device)
-        apply, beta = frozen_norm(norm, final.float())
-    del w_u
-    scale = _logit_scale(unembed, norm, final, logits)
-
-    def attribute(c):  # c: (..., n, m) at the position -> mean over the batch of its logit contribution
-        return scale * (apply(c) * direction).sum(-1).mean(-1)
-
-    rows = [{"component": "embed", "layer": None, "head": None,
-             "attribution": float(attribute(cache["blocks.0.hook_resid_pre"][:, position]))}]
-    bias = torch.zeros_like(direction[0])
-    for layer in range(model.cfg.n_layers):
-        if s.o_proj[layer] is not None and layer not in model.cfg.empty_layers:
-            result = cache["result", layer][:, position].transpose(0, 1)  # (h, n, m)
-            for head, value in enumerate(attribute(result).tolist()):
-                rows.append({"component": "head", "layer": layer, "head": head, "attribution": value})
-            o_proj = model._blocks[layer].get_submodule(s.o_proj[layer])
-            with onloaded(o_proj):
-                if getattr(o_proj, "bias", None) is not None:
-                    bias = bias + o_proj.bias.detach().float().to(bias.device)
-        if s.mlp[layer] is not None:
-            rows.append({"component": "mlp", "layer": layer, "head": None,
-                         "attribution": float(attribute(cache["mlp_out", layer][:, position]))})
-    bias_value = float((apply(bias.expand(n, -1)) * direction).sum(-1).mean() + (beta * direction).sum(-1).mean())
-    if u_bias is not None:
-        bias_value += float((u_bias[answer] - (u_bias[wrong] if wrong is not None else 0.0)).mean())
-    bias_value *= scale
-    rows.append({"component": "bias", "layer": None, "head": None, "attribution": bias_value})
-    explained = sum(r["attribution"] for r in rows)
-    total = float(target.mean())
-    rows.append({"component": "remainder", "layer": None, "head": None, "attribution": total - explained})
-    df = pd.DataFrame(rows, columns=["component", "layer", "head", "attribution"])
-    df["layer"], df["head"] = df["layer"].astype("Int64"), df["head"].astype("Int64")
-    df.attrs.update(logit=total, remainder=total - explained, logit_scale=scale, answer=answer.tolist(),
-                    wrong=None if wrong is None else wrong.tolist(), position=position)
-    return df
-
-
-def _logit_scale(unembed, norm, final: torch.Tensor, logits: torch.Tensor) -> float:
-    """The constant a model multiplies its logits by after the output layer (Cohere's ``logit_scale``, Granite's
-    ``1 / logits_scaling``), read off this run: 1.0 when there is none or when the relation is not one constant
-    (then the difference shows in the remainder)."""
-    with torch.no_grad():
-        computed = unembed(norm(final)).float().to(logits.device)  # (n, vocab)
-    scale = float((computed * logits).sum() / (computed * computed).sum().clamp(min=1e-30))
-    exact = (logits - scale * computed).abs().max() <= 1e-4 * max(1.0, float(logits.abs().max()))
-    return scale if bool(exact) and abs(scale - 1.0) > 1e-6 else 1.0
-
-
-def logit_lens(model, inputs, answer=None, position: int = -1, k: int = 5) -> pd.DataFrame:
-    """The residual stream after each layer read as the model's final prediction: through the final norm (as
-    it is, not frozen) and the unembedding, at ``position``, probabilities averaged over the batch.
-
-    Rows: ``layer`` (``-1`` is the embedding), ``top_tokens`` (the ``k`` most probable, as strings when the
-    model has a tokenizer), ``top_prob``, and with ``answer`` its ``answer_prob`` and ``answer_rank`` (0 best).
-    """
-    unembed = _unembedding(model)
-    batch = batch_of(model, inputs)
-    n = batch["input_ids"].shape[0]
-    position = _check_position(position, batch["input_ids"].shape[1])
-    vocab = model.cfg.vocab_size
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
-        raise ValueError(f"k is how many top tokens to list: an integer from 1 to the vocabulary size {vocab}; "
-                         f"got {k!r}.")
-    answer = None if answer is None else token_ids(model, answer, n, "answer")
-    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{l}.hook_resid_post" for l in range(model.cfg.n_layers)]
-    norm = model.hf.get_submodule(model.structure.final_norm)
-    with model.studying(), torch.no_grad():
-        _, cache = model.run_with_cache(batch["input_ids"], batch["attention_mask"], names=names)
-        rows = []
-        for layer, name in zip(range(-1, model.cfg.n_layers), names):
-            probs = F.softmax(unembed(norm(cache[name][:, position])).float(), dim=-1)  # (n, vocab)
-            mean = probs.mean(0)
-            top = mean.topk(k)
-            tokens = top.indices.tolist()
-            if model.tokenizer is not None:
-                tokens = display_tokens(model.tokenizer, tokens)
-            row = {"layer": layer, "top_tokens": tokens, "top_prob": float(top.values[0])}
-            if answer is not None:
-                chosen = probs[torch.arange(n), answer]
-                row["answer_prob"] = float(chosen.mean())
-                row["answer_rank"] = float((probs > chosen[:, None]).sum(-1).float().mean())
-            rows.append(row)
-    return pd.DataFrame(rows)

@@ -26,8 +26,11 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 from interp.distributed import onloaded
+from interp.sites import FRONT, Site, head_columns, is_layered
 
 __all__ = ["LowRank", "head_weights", "qk_circuit", "ov_circuit", "composition_scores"]
+
+SOURCE = ["source_stack", "source_kind", "source_site", "source_layer", "source_head"]  # head A's columns
 
 
 @dataclass(frozen=True)
@@ -73,104 +76,119 @@ def _norm_weight(norm) -> torch.Tensor | None:
         return norm(ones).double()[0] * (1.0 + _eps(norm, weight.shape[-1])) ** 0.5
 
 
-def head_weights(model, layer: int, fold_norms: bool = True) -> dict[str, torch.Tensor]:
-    """The layer's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps, on the
+def head_weights(model, layer, fold_norms: bool = True) -> dict[str, torch.Tensor]:
+    """One site's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps, on the
     model's input device (a model split by a device map has its layers elsewhere; offloaded weights are loaded for
-    the read)."""
-    _check_layer(model, layer)
-    with onloaded(model._blocks[layer]):
-        weights = _head_weights(model, layer, fold_norms)
+    the read). ``layer``: a site's name (``"decoder.blocks.0.cross_attn"``), or on a model with one site per
+    layer the layer's number."""
+    site = _check_site(model, layer)
+    module, _ = model.projections_of(site)
+    with onloaded(module):
+        weights = _head_weights(model, site, fold_norms)
     return {name: w.to(model.device) for name, w in weights.items()}
 
 
-def _refuse_seq2seq(model, what: str) -> None:
-    from .seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        raise TypeError(f"{what} is for decoder-only and encoder models (one stack of layers); encoder-decoder "
-                        "models are not handled yet. Study their heads per (site, head) with "
-                        "activation_patching, attribution_patching or ablation_scan.")
-
-
-def _check_layer(model, layer) -> None:
-    _refuse_seq2seq(model, "qk_circuit / ov_circuit / head_weights")
+def _check_site(model, layer) -> Site:
+    if isinstance(layer, str):
+        if layer not in model.sites:
+            raise ValueError(f"{layer!r} is not an attention site of this model; give one of "
+                             f"{', '.join(model.sites)}.")
+        return model.sites[layer]
+    if not is_layered(model):
+        raise ValueError(f"An encoder-decoder model's weights are read per site: give a site name such as "
+                         f"{model.cfg.sites[-1].name!r}; got {layer!r}.")
     n = model.cfg.n_layers
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
         raise ValueError(f"layer must be an integer in [0, {n}) (this model has {n} layers); got {layer!r}.")
+    return model.cfg.sites[layer]
 
 
-def _head_weights(model, layer: int, fold_norms: bool) -> dict[str, torch.Tensor]:
-    s = model.structure
-    proj = s.projections[layer]
-    if isinstance(proj, str) or s.o_proj[layer] is None:
-        raise NotImplementedError(f"Layer {layer}'s weights cannot be split per head: "
+def _head_weights(model, site: Site, fold_norms: bool) -> dict[str, torch.Tensor]:
+    module, proj = model.projections_of(site)  # paths relative to module
+    o_proj = model.o_proj_of(site)
+    if isinstance(proj, str) or o_proj is None:
+        raise NotImplementedError(f"{site.name}'s weights cannot be split per head: "
                                   f"{proj if isinstance(proj, str) else 'no output projection reads z'}.")
-    block, attention = model._blocks[layer], s.layer_attn[layer]
-    h, g, d, e = attention.n_heads, attention.n_kv_heads, attention.d_head, attention.d_head_v
+    h, g, d, e = site.n_heads, site.n_kv_heads, site.d_head, site.d_head_v
     arange = torch.arange
     if proj.layout == "separate":
-        q, k, v = (block.get_submodule(p) for p in (proj.q, proj.k, proj.v))
+        q, k, v = (module.get_submodule(p) for p in (proj.q, proj.k, proj.v))
         w_q, w_k, w_v = _rows(q, arange(h * d)), _rows(k, arange(g * d)), _rows(v, arange(g * e))
     elif proj.layout == "concat":
-        qkv = block.get_submodule(proj.q)
+        qkv = module.get_submodule(proj.q)
         w_q, w_k = _rows(qkv, arange(h * d)), _rows(qkv, arange(g * d) + h * d)
         w_v = _rows(qkv, arange(g * e) + h * d + g * d)
     else:  # interleaved per head: [q_h | k_h | v_h]
-        qkv = block.get_submodule(proj.q)
+        qkv = module.get_submodule(proj.q)
         base = (arange(h)[:, None] * 3 * d + arange(d)).flatten()
         w_q, w_k, w_v = _rows(qkv, base), _rows(qkv, base + d), _rows(qkv, base + 2 * d)
-    norm = block.get_submodule(s.attn_in_norm[layer]) if fold_norms and s.attn_in_norm[layer] else None
-    gamma = _norm_weight(norm)
-    if gamma is not None:
-        w_q, w_k, w_v = (gamma[:, None] * w for w in (w_q, w_k, w_v))
-    o_proj = block.get_submodule(s.o_proj[layer])
+    gamma = _norm_weight(model.in_norm_of(site)) if fold_norms else None
+    if gamma is not None:  # a cross site's keys and values read the encoder's output, not this norm's
+        w_q = gamma[:, None] * w_q
+        if site.kind == "self":
+            w_k, w_v = gamma[:, None] * w_k, gamma[:, None] * w_v
     w_o = o_proj.weight.detach().double()
     w_o = w_o if isinstance(o_proj, Conv1D) else w_o.T  # (h e, m)
     return {"W_Q": w_q.T.reshape(h, d, -1).transpose(1, 2), "W_K": w_k.T.reshape(g, d, -1).transpose(1, 2),
             "W_V": w_v.T.reshape(g, e, -1).transpose(1, 2), "W_O": w_o.reshape(h, e, -1)}
 
 
-def qk_circuit(model, layer: int, fold_norms: bool = True) -> LowRank:
-    """Every head's W_QK = W_Q @ W_K.T of a layer: LowRank with left (h, m, d), right (h, d, m)."""
+def qk_circuit(model, layer, fold_norms: bool = True) -> LowRank:
+    """Every head's W_QK = W_Q @ W_K.T of a site (a layer's number on a model with one site per layer): LowRank
+    with left (h, m, d), right (h, d, m)."""
     w = head_weights(model, layer, fold_norms)
     group = w["W_Q"].shape[0] // w["W_K"].shape[0]
     return LowRank(w["W_Q"], w["W_K"].repeat_interleave(group, 0).transpose(1, 2))
 
 
-def ov_circuit(model, layer: int, fold_norms: bool = True) -> LowRank:
-    """Every head's W_OV = W_V @ W_O of a layer: LowRank with left (h, m, e), right (h, e, m)."""
+def ov_circuit(model, layer, fold_norms: bool = True) -> LowRank:
+    """Every head's W_OV = W_V @ W_O of a site (a layer's number on a model with one site per layer): LowRank
+    with left (h, m, e), right (h, e, m)."""
     w = head_weights(model, layer, fold_norms)
     group = w["W_Q"].shape[0] // w["W_V"].shape[0]
     return LowRank(w["W_V"].repeat_interleave(group, 0), w["W_O"])
 
 
 def composition_scores(model, kind: str = "k", fold_norms: bool = True) -> pd.DataFrame:
-    """Q-, K- or V-composition (``kind``) of every earlier head A with every later head B.
+    """Q-, K- or V-composition (``kind``) of every earlier head A with every later head B that reads what A
+    writes.
 
-    Rows: ``source_layer``, ``source_head`` (A), ``layer``, ``head`` (B), ``score`` in [0, 1]. Random matrices
-    of these shapes score about ``sqrt(rank / d_model)``-sized values, so compare a score with the others, not
-    with 0 (``df.attrs["baseline"]`` holds the median over all pairs).
+    A writes the residual stream of its stack; B's queries read its own stack's stream and its keys and values
+    the stream named by its site (``Site.keys``). So on a model with one stack, A is any head of an earlier
+    layer; in an encoder-decoder model the pairs are within the encoder, within the decoder (a block's
+    self-attention before its cross-attention included, for Q-composition into cross sites), and encoder heads
+    into cross-attention keys and values (K- and V-composition: the cross site reads the encoder's final output;
+    the encoder's final norm is not folded in). Decoder heads do not K- or V-compose with cross sites (those read
+    no decoder head), and nothing composes into the encoder from the decoder.
+
+    Rows: ``source_stack``, ``source_kind``, ``source_site``, ``source_layer``, ``source_head`` (A), then B's
+    columns (``stack``, ``kind``, ``site``, ``layer``, ``head``), ``score`` in [0, 1]. Random matrices of these
+    shapes score about ``sqrt(rank / d_model)``-sized values, so compare a score with the others, not with 0
+    (``df.attrs["baseline"]`` holds the median over all pairs).
     """
     if kind not in ("q", "k", "v"):
         raise ValueError(f"kind must be 'q', 'k' or 'v'; got {kind!r}.")
-    _refuse_seq2seq(model, "composition_scores")
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
-    ov = {l: ov_circuit(model, l, fold_norms) for l in layers}
-    read = {l: (qk_circuit(model, l, fold_norms) if kind == "q" else qk_circuit(model, l, fold_norms).T
-                if kind == "k" else ov[l]) for l in layers}
+    empty = set(getattr(model.cfg, "empty_layers", ()))  # pruned empty: a zeroed placeholder head, not a head
+    sites = [s for s in model.cfg.sites if not (is_layered(model) and s.block in empty)
+             and s.name not in getattr(model.cfg, "empty_sites", ())]
+    ov = {s.name: ov_circuit(model, s.name, fold_norms) for s in sites}
+    read = {s.name: (qk_circuit(model, s.name, fold_norms) if kind == "q" else qk_circuit(model, s.name, fold_norms).T
+                     if kind == "k" else ov[s.name]) for s in sites}
     rows = []
-    for b in layers:
-        reader = read[b]  # (H_b, m, r) @ (H_b, r, m)
+    for j, b in enumerate(sites):
+        reader = read[b.name]  # (H_b, m, r) @ (H_b, r, m)
         reader_norm = reader.norm()  # (H_b,)
-        for a in [l for l in layers if l < b]:
-            writer = ov[a]
+        stream = b.queries if kind == "q" else b.keys  # the stream B's side reads
+        for a in [a for a in sites[:j] if a.queries == stream]:
+            writer = ov[a.name]
             writer_norm = writer.norm()  # (H_a,)
             pair = LowRank(writer.left[:, None], writer.right[:, None]) @ LowRank(reader.left[None], reader.right[None])
             scores = pair.norm() / (writer_norm[:, None] * reader_norm[None])  # (H_a, H_b)
             for ha in range(scores.shape[0]):
+                source = {"source_stack": a.stack, "source_kind": a.kind, "source_site": a.name,
+                          "source_layer": a.block, "source_head": ha}
                 for hb in range(scores.shape[1]):
-                    rows.append({"source_layer": a, "source_head": ha, "layer": b, "head": hb,
-                                 "score": float(scores[ha, hb])})
-    df = pd.DataFrame(rows, columns=["source_layer", "source_head", "layer", "head", "score"])
+                    rows.append({**source, **head_columns(model, (b.name, hb)), "score": float(scores[ha, hb])})
+    df = pd.DataFrame(rows, columns=[*SOURCE, *FRONT, "score"])
     df.attrs.update(kind=kind, fold_norms=fold_norms, baseline=float(df["score"].median()) if len(df) else float("nan"))
     return df

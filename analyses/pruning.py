@@ -24,12 +24,12 @@ import torch
 from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
-from interp.pruning import kept_heads, plan_layer, slice_heads
-from interp.sites import FRONT, head_columns, head_key, row_head
+from interp.pruning import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
+from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .batches import _main_output, batch_of
-from .engine import Shard, _arguments
+from .engine import Shard, _arguments, _run
 from .metrics import as_metric
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -244,7 +244,8 @@ def curve_summary(curves: pd.DataFrame, threshold: float | None = None) -> pd.Da
 
 
 def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
-    """A new ``HookedModel`` without ``heads`` (``(layer, head)`` pairs in ``model``'s numbering): its q/k/v/o
+    """A new ``HookedModel`` without ``heads`` (``(site, head)`` or ``(layer, head)`` pairs in ``model``'s
+    numbering; an encoder-decoder model's encoder, decoder and cross-attention sites alike): its q/k/v/o
     weights are sliced, so it is physically smaller, and its output equals the original with those heads
     zero-ablated. The original is untouched.
 
@@ -254,12 +255,6 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     Save with ``pruned.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the kept heads in ``interp_pruned_heads``).
     """
-    from .seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        raise TypeError("prune_model slices the heads of decoder-only and encoder models; it does not handle "
-                        "encoder-decoder models yet. Use ablate_heads(model, [(site, head), ...]) to remove heads, "
-                        "and pruning_curve to study how many can go.")
     heads = check_heads(model, heads)
     if model._registry.active():
         raise ValueError(f"Remove the hooks on {model._registry.active()[:3]} before pruning: prune_model copies "
@@ -270,31 +265,47 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
             f"(accelerate{', with weights offloaded to disk or CPU' if distributed.offloaded(model.hf) else ''}), "
             "which a copy does not carry over. Load it without device_map to prune it, or study the pruned model "
             "with ablate_heads / pruning_curve, which work on it as it is.")
-    cfg = model.cfg
-    original = kept_heads(model.hf.config)
-    n_heads, n_kv = cfg.n_heads, cfg.n_kv_heads
-    keep, emptied = {}, []
-    for layer in sorted({l for l, _ in heads}):
-        plan = plan_layer(n_heads, n_kv, original[layer])
-        gone = {plan.q[h] for l, h in heads if l == layer and not plan.placeholder}
-        keep[layer] = [h for h in original[layer] if h not in gone]
-        if not keep[layer] and original[layer]:
-            emptied.append(layer)
+    keep, emptied = _keep(model, heads)
     if emptied and not allow_empty_layers:
         raise ValueError(f"This would prune every head of layer(s) {emptied}. Keep at least one head per layer, or "
                          "pass allow_empty_layers=True (the layer's attention output is then only its bias).")
     hf = copy.deepcopy(model.hf)
     _without_torch_hooks(hf)  # the user's hooks belong to their model: the pruned one starts clean
-    slice_heads(hf, model.structure, keep)
+    if is_layered(model):
+        slice_heads(hf, model.structure, keep)
+    else:  # an encoder-decoder model: per site (interp.pruning.slice_sites)
+        slice_sites(hf, keep)
     why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
            "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "
-           "ablate_heads to remove these heads instead.").format(type(model._attn_modules[0]).__name__)
+           "ablate_heads to remove these heads instead.").format(
+        type(model._attn_modules[0] if is_layered(model) else model._modules[model.cfg.sites[0].name]).__name__)
     try:
         pruned = HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
     except RuntimeError as err:
         raise NotImplementedError(f"The pruned {model.cfg.family} model does not run ({err}): {why}") from None
     _check_pruned(model, pruned, heads, why)
     return pruned
+
+
+def _keep(model, heads) -> tuple[dict, list]:
+    """The heads each layer (site, on an encoder-decoder model) keeps after losing ``heads`` (checked, in the model's
+    numbering), in the original numbering the config records; and the layers (sites) that lose every head."""
+    record = getattr(model.hf.config, CONFIG_KEY, None) or {}
+    if is_layered(model):
+        original = kept_heads(model.hf.config)
+        plans = {layer: plan_layer(model.cfg.n_heads, model.cfg.n_kv_heads, original[layer]) for layer in original}
+    else:
+        original = {s.name: sorted(int(h) for h in record.get(s.name, range(s.n_heads))) for s in model.cfg.sites}
+        plans = {name: plan_layer(max(kept, default=0) + 1, max(kept, default=0) + 1, kept)
+                 for name, kept in original.items()}
+    keep, emptied = {}, []
+    for where in dict.fromkeys(w for w, _ in heads):
+        plan = plans[where]
+        gone = {plan.q[h] for w, h in heads if w == where and not plan.placeholder}
+        keep[where] = [h for h in original[where] if h not in gone]
+        if not keep[where] and original[where]:
+            emptied.append(where)
+    return keep, emptied
 
 
 def _without_torch_hooks(hf) -> None:
@@ -312,10 +323,13 @@ def _check_pruned(model, pruned, heads, why: str, tol: float = 1e-4) -> None:
     returning a model that computes something else."""
     ids = torch.randint(min(4, model.cfg.vocab_size - 1), model.cfg.vocab_size, (1, 7),
                         generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": None}
+    if any(site.queries == "decoder_input_ids" for site in model.cfg.sites):  # an encoder-decoder model's targets
+        batch.update(decoder_input_ids=ids[:, :5], decoder_attention_mask=None)
     with model.studying(), pruned.studying(), torch.no_grad():
         with ablate_heads(model, heads):
-            expected = _main_output(model(ids)).float()
-        got = _main_output(pruned(ids)).float()
+            expected = _main_output(_run(model, batch)).float()
+        got = _main_output(_run(pruned, batch)).float()
     err = float((got - expected).abs().max())
     if not err <= tol * max(1.0, float(expected.abs().max())):
         raise NotImplementedError(f"Pruning this {model.cfg.family} model does not give the zero-ablated model "

@@ -227,6 +227,20 @@ class HookedModel(_Wrapper):
 
         return hook
 
+    def o_proj_of(self, site) -> torch.nn.Module | None:
+        """The linear map that reads ``site``'s z (its path is relative to the block here), or None."""
+        return None if site.o_proj is None else self._blocks[site.block].get_submodule(site.o_proj)
+
+    def projections_of(self, site):
+        """``(module, Projections or the reason there are none)``: where the site's heads sit in its q/k/v weights,
+        paths relative to ``module`` (the block here)."""
+        return self._blocks[site.block], self.structure.projections[site.block]
+
+    def in_norm_of(self, site) -> torch.nn.Module | None:
+        """The norm whose output the site's attention reads, or None."""
+        path = self.structure.attn_in_norm[site.block]
+        return None if path is None else self._blocks[site.block].get_submodule(path)
+
     # -- inputs ----------------------------------------------------------------------------------------
     def to_tokens(self, text: str | Sequence[str], max_length: int | None = None):
         """Tokenize text into ``{"input_ids": (b, p), "attention_mask": (b, p)}``, padded (left for causal

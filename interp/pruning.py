@@ -5,6 +5,7 @@ loading needs, so that ``interp`` never imports ``analyses``. A pruned model rec
 in the original numbering, in its config::
 
     config.interp_pruned_heads = {layer: [kept heads]}   # layers not listed keep all their heads
+    config.interp_pruned_heads = {site: [kept heads]}    # an encoder-decoder model: per site name
 
 From that record and the original ``num_attention_heads``/``num_key_value_heads`` the layout of every
 layer follows (``plan_layer``), so a saved folder is rebuilt by slicing a freshly built model the same
@@ -35,10 +36,11 @@ from pathlib import Path
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .projections import Projections
+from .projections import Projections, _per_head_params
+from .seq2seq_structure import _discover
 from .structure import Structure, discover
 
-__all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "slice_heads", "check_head_counts",
+__all__ = ["CONFIG_KEY", "LayerPlan", "plan_layer", "kept_heads", "slice_heads", "slice_sites", "check_head_counts",
            "from_pretrained_pruned", "save_pruned"]
 
 CONFIG_KEY = "interp_pruned_heads"
@@ -235,6 +237,62 @@ def slice_heads(hf: torch.nn.Module, structure: Structure, keep: Mapping[int, Se
     setattr(config, CONFIG_KEY, {layer: record[layer] for layer in sorted(record)})
 
 
+def slice_sites(hf: torch.nn.Module, keep: Mapping[str, Sequence[int]]) -> None:
+    """An encoder-decoder model's ``slice_heads``: slice ``hf`` in place so that site ``name`` (``"encoder.blocks.0.attn"``,
+    ``"decoder.blocks.1.cross_attn"``, ...) keeps the heads ``keep[name]`` (original numbering), recorded in
+    ``hf.config.interp_pruned_heads`` by site name. Sites are found by the probe (``interp.seq2seq_structure``).
+    Raises NotImplementedError, naming the reason, where a model's heads cannot be sliced per site."""
+    config = hf.config
+    sites, _, _, modules, layout = _discover(hf)
+    by_name = {site.name: site for site in sites}
+    for site in sites:  # first, whether any site ties heads together (checked on every site: T5 shares them)
+        reason = _unsliceable(site, modules[site.name], layout[site.name][0])
+        if reason is not None:
+            raise NotImplementedError(f"Cannot prune heads of this {config.model_type} model: {site.name}: {reason}.")
+    before = {str(k): sorted(int(h) for h in v) for k, v in (getattr(config, CONFIG_KEY, None) or {}).items()}
+    record = dict(before)
+    for name, heads in keep.items():
+        if name not in by_name:
+            raise ValueError(f"{name!r} is not an attention site of this model; sites are {', '.join(by_name)}.")
+        site, heads = by_name[name], sorted(set(int(h) for h in heads))
+        current = before.get(name, list(range(site.n_heads)))
+        missing = sorted(set(heads) - set(current))
+        if missing:
+            raise ValueError(f"{name} no longer has heads {missing} (it keeps {current}).")
+        if heads == current:
+            continue
+        if site.n_heads != site.n_kv_heads:
+            raise NotImplementedError(f"Cannot prune {name}: it groups {site.n_heads} query heads over "
+                                      f"{site.n_kv_heads} key/value heads, which encoder-decoder pruning does not handle.")
+        n = max([*current, *heads, 0]) + 1
+        old, new = plan_layer(n, n, current), plan_layer(n, n, heads)
+        local = LayerPlan(q=(0,) if new.placeholder else tuple(old.q.index(h) for h in new.q),
+                          kv=(0,) if new.placeholder else tuple(old.q.index(h) for h in new.q),
+                          placeholder=new.placeholder)
+        attn = modules[name]
+        _slice_layer(attn, attn, layout[name][0], attn.get_submodule(site.o_proj), local, len(old.q), len(old.q),
+                     site.d_head, site.d_head_v)
+        record[name] = heads
+    setattr(config, CONFIG_KEY, {name: record[name] for name in by_name if name in record})
+
+
+def _unsliceable(site, attn: torch.nn.Module, proj: Projections | str) -> str | None:
+    """Why a site's heads cannot be sliced out of its attention module, or None."""
+    if isinstance(proj, str):
+        return proj
+    if site.o_proj is None:
+        return "no linear map reads z (the heads' outputs) directly, so there is nothing to slice per head"
+    linears = [attn.get_submodule(path) for path in (proj.q, proj.k, proj.v, site.o_proj)]
+    names = {m: n for n, m in attn.named_modules()}
+    extra = _per_head_params(attn, linears, site.n_heads, site.n_kv_heads, site.d_head, names)
+    if isinstance(extra, str):
+        return (f"{extra.replace('the attention module', 'its attention module')}. A parameter not split per head "
+                "along its first axis, such as T5's relative position bias (one column per head, computed in the "
+                "stack's first block and passed to every later block), ties the heads of different blocks together, "
+                "so no site's heads can be removed alone")
+    return f"per-head parameters outside its projections ({', '.join(p for p, _, _ in extra)})" if extra else None
+
+
 def check_head_counts(model) -> None:
     """Raise if a layer's output projection does not take ``heads * d_head_v`` features (config and weights
     disagree, e.g. a pruned folder loaded without its ``interp_pruned_heads`` record)."""
@@ -275,15 +333,19 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def from_pretrained_pruned(model_class, folder: Path, config, attn_key: str,
                            dtype: torch.dtype | None) -> torch.nn.Module:
     """Build the model ``config`` describes, slice it as its ``interp_pruned_heads`` says, load the weights."""
-    keep = kept_heads(config)
     record = dict(getattr(config, CONFIG_KEY))
+    by_site = getattr(config, "is_encoder_decoder", False)  # recorded per site name (slice_sites), else per layer
+    keep = None if by_site else kept_heads(config)
     setattr(config, CONFIG_KEY, {})  # build the unpruned shape first, then slice to the record
     kwargs = {"attn_implementation": attn_key}
     if dtype is not None:
         kwargs["dtype"] = dtype
     build = getattr(model_class, "from_config", None) or model_class._from_config  # Auto classes, or the class itself
     hf = build(config, **kwargs)
-    slice_heads(hf, discover(hf), {int(layer): keep[int(layer)] for layer in record})
+    if by_site:
+        slice_sites(hf, record)
+    else:
+        slice_heads(hf, discover(hf), {int(layer): keep[int(layer)] for layer in record})
     state = _read_state_dict(folder)
     result = hf.load_state_dict(state, strict=False)
     if result.unexpected_keys:

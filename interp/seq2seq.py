@@ -31,6 +31,7 @@ from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .families import check_supported
 from .inputs import check_inputs, pad_ids, position_limit, texts_of, tokenize
 from .model import _ENCODER_DECODER, HookedModel
+from .pruning import CONFIG_KEY
 from .seq2seq_structure import _discover
 from .sites import Site
 from .wrapper import _replace_first, _take_over
@@ -54,14 +55,15 @@ class Seq2SeqConfig:
     max_positions: int | None = None  # source and target each (None: relative positions, e.g. T5)
 
     def heads(self) -> list[tuple[str, int]]:
-        """Every ``(site name, head)``."""
-        return [(s.name, h) for s in self.sites for h in range(s.n_heads)]
+        """Every ``(site name, head)`` (the placeholder of a site that was pruned empty is not a head)."""
+        return [(s.name, h) for s in self.sites if s.name not in self.empty_sites for h in range(s.n_heads)]
 
     @property
     def stacks(self) -> tuple[str, ...]:
         return ("encoder", "decoder")
 
-    pruned = False  # structural pruning slices decoder-only and encoder-only models (interp.pruning)
+    pruned: bool = False  # heads sliced out by analyses.prune_model (interp.pruning.slice_sites)
+    empty_sites: tuple[str, ...] = ()  # sites pruned of every head: one zeroed placeholder head each
 
 
 class Seq2SeqHookedModel(HookedModel):
@@ -77,14 +79,15 @@ class Seq2SeqHookedModel(HookedModel):
         check_supported(hf.config, seq2seq=True)
         self.hf, self.tokenizer = hf, tokenizer
         _take_over(hf)  # one wrapper at a time
-        sites, enc_path, dec_path, modules = _discover(hf)
+        sites, enc_path, dec_path, modules, self._weights = _discover(hf)
         c = hf.config
         self.cfg = Seq2SeqConfig(
             n_encoder_layers=sum(s.stack == "encoder" for s in sites),
             n_decoder_layers=sum(s.stack == "decoder" and s.kind == "self" for s in sites),
             d_model=int(getattr(c, "d_model", None) or c.hidden_size), family=c.model_type,
             vocab_size=int(getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings),
-            sites=tuple(sites), max_positions=position_limit(c))
+            sites=tuple(sites), max_positions=position_limit(c), pruned=bool(getattr(c, CONFIG_KEY, None)),
+            empty_sites=tuple(name for name, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept))
         self.sites = {s.name: s for s in sites}
         self._modules = modules
         self._blocks = {"encoder": hf.get_encoder().get_submodule(enc_path),
@@ -124,6 +127,19 @@ class Seq2SeqHookedModel(HookedModel):
     def _owns_hf(self) -> bool:
         first = next(iter(self._layer_hooks))
         return attached_layer_hooks(self._modules[first]) is self._layer_hooks[first]
+
+    def o_proj_of(self, site: Site) -> torch.nn.Module | None:
+        """The linear map that reads ``site``'s z (its path is relative to the attention module here), or None."""
+        return None if site.o_proj is None else self._modules[site.name].get_submodule(site.o_proj)
+
+    def projections_of(self, site: Site):
+        """``(module, Projections or the reason there are none)``: where the site's heads sit in its q/k/v weights,
+        paths relative to ``module`` (the attention module here)."""
+        return self._modules[site.name], self._weights[site.name][0]
+
+    def in_norm_of(self, site: Site) -> torch.nn.Module | None:
+        """The norm (in the site's block) whose output the site's queries read, or None."""
+        return self._weights[site.name][1]
 
     # -- attention path --------------------------------------------------------------------------------
     def set_attn(self, attn: str) -> Seq2SeqHookedModel:

@@ -7,14 +7,16 @@ from __future__ import annotations
 import torch
 
 from .distributed import input_device
-from .probe import _find_blocks, _is_linear, _ModuleLog, probe
+from .probe import _find_blocks, _is_linear, _is_norm, _ModuleLog, probe
+from .projections import Projections
 from .sites import Site
 
 _SOURCE_LEN, _TARGET_LEN = 7, 5  # probe lengths: different, so that cross-attention shows in its shapes
 
 
-def _discover(hf) -> tuple[list[Site], str, str, dict]:
-    """Probe forward on our eager path: the attention sites, the two block lists, and the modules."""
+def _discover(hf) -> tuple[list[Site], str, str, dict, dict]:
+    """Probe forward on our eager path: the attention sites, the two block lists, the modules, and per site its
+    weights' layout (``_weights``)."""
     vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(1234)
     device = input_device(hf)
@@ -58,11 +60,35 @@ def _discover(hf) -> tuple[list[Site], str, str, dict]:
                 keys="decoder_input_ids" if stack == "decoder" and kind == "self" else "input_ids"))
     order = {("encoder", "self"): 0, ("decoder", "self"): 1, ("decoder", "cross"): 2}
     sites.sort(key=lambda s: (order[(s.stack, s.kind)] > 0, s.block, order[(s.stack, s.kind)]))
-    by_name = {}
+    groups = {("encoder", "self"): enc, ("decoder", "self"): dec_self, ("decoder", "cross"): dec_cross}
+    blocks = {"encoder": encoder.get_submodule(enc_path), "decoder": dec_blocks}
+    by_name, layout = {}, {}
     for site in sites:
-        group = {("encoder", "self"): enc, ("decoder", "self"): dec_self, ("decoder", "cross"): dec_cross}[(site.stack, site.kind)]
-        by_name[site.name] = group[site.block]["module"]
-    return sites, enc_path, dec_path, by_name
+        call = groups[(site.stack, site.kind)][site.block]
+        by_name[site.name] = call["module"]
+        layout[site.name] = _weights(call, log, blocks[site.stack][site.block])
+    return sites, enc_path, dec_path, by_name, layout
+
+
+def _weights(call: dict, log: _ModuleLog, block) -> tuple[Projections | str, torch.nn.Module | None]:
+    """Where a site's heads sit in its weights: ``Projections`` (paths relative to the attention module; the q, k
+    and v linears are those whose outputs are the query, key and value the attention function got) or the reason
+    they cannot be read, and the norm in its block whose output the site's queries are computed from (None: none)."""
+    attn = call["module"]
+    names = {m: n for n, m in attn.named_modules()}
+    found = {}
+    for role in ("query", "key", "value"):
+        t = call[role]  # (b, n, p, d)
+        want = t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+        found[role] = next((m for m in attn.modules() if _is_linear(m) and (out := log.outputs.get(m)) is not None
+                            and out.shape == want.shape and torch.equal(out, want)), None)
+    missing = [role for role, m in found.items() if m is None]
+    projections = (f"no linear map's output is the {' or '.join(missing)} the attention function got" if missing
+                   else Projections("separate", names[found["query"]], names[found["key"]], names[found["value"]]))
+    attn_input = log.inputs.get(attn)
+    norm = next((m for m in block.modules() if _is_norm(m) and attn_input is not None and log.outputs.get(m) is attn_input),
+                None)
+    return projections, norm
 
 
 def _o_proj(call: dict, log: _ModuleLog) -> str | None:

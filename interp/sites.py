@@ -181,6 +181,8 @@ def _one(model, pair, layered: bool, kv: bool, form: str):
         layer = site.block if site is not None else int(where)
         _check_layer(model.cfg, layer, head, kv)
         return layer, head
+    if site.name in getattr(model.cfg, "empty_sites", ()):
+        raise ValueError(f"{site.name} has no heads left (it was pruned empty), so {tuple(pair)!r} is not a head.")
     count = site.n_kv_heads if kv else site.n_heads
     if not 0 <= head < count:
         kind = "Key/value head" if kv else "Head"

@@ -12,8 +12,10 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
-from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, direct_logit_attribution,
-                      head_importance, prune_model, pruning_curve)
+from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, composition_scores,
+                      direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
+                      qk_circuit)
+from analyses.composition import head_weights
 from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
                               train_copy_model)
 from test_seq2seq import _batch, _tiny
@@ -313,9 +315,123 @@ def test_clear_errors():
         ablation_scan(model, {k: v for k, v in batch.items() if k != "labels"}, metric)
     with pytest.raises(TypeError, match="no gradient"):
         head_importance(model, batch, target_accuracy())
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        prune_model(model, [("decoder.blocks.1.cross_attn", 0)])
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        direct_logit_attribution(model, batch, 3)
+    with pytest.raises(NotImplementedError, match=r"t5 model: encoder.blocks.0.attn: .*relative_attention_bias.weight "
+                       r"of shape \(8, 4\).*no site's heads can be removed alone"):
+        prune_model(model, [("decoder.blocks.1.cross_attn", 0)])  # T5's position bias is shared by every block
     assert seq2seq_batch(model, batch)["decoder_input_ids"].shape == (3, 6)
     assert not model._registry.active()
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "marian"])
+def test_direct_logit_attribution_of_the_decoder_stack_sums_to_the_logit_difference(family):
+    """The decoder stack's one residual stream splits exactly into the embedding, every self- and cross-attention
+    head, every MLP and the biases: T5 pre-norm with its scaled tied unembedding, BART and Marian post-norm (each
+    norm on the stream frozen at the run)."""
+    model = interp.load_model(_tiny(family), attn="flash")
+    batch = _padded()
+    df = direct_logit_attribution(model, batch, answer=5, wrong=[7, 8, 9], position=3)
+    with torch.no_grad():
+        logits = model(batch).logits[:, 3]
+    expected = float((logits[:, 5] - logits[torch.arange(3), torch.tensor([7, 8, 9])]).mean())
+    assert df.attrs["logit"] == pytest.approx(expected, abs=1e-6)
+    assert abs(df["attribution"].sum() - expected) <= 1e-5
+    assert abs(df.attrs["remainder"]) <= 1e-5 * max(1.0, abs(expected)), df.attrs["remainder"]
+    heads = df[df["component"] == "head"]
+    assert list(df.columns[:6]) == ["component", *FRONT]
+    assert sorted(map(tuple, heads[["site", "head"]].values.tolist())) == sorted(model.cfg.heads()[8:])  # decoder sites
+    assert set(heads["kind"]) == {"self", "cross"} and (heads["stack"] == "decoder").all()
+    assert (heads.groupby("kind")["attribution"].apply(lambda a: a.abs().max()) > 1e-5).all()  # both kinds count
+    assert len(df[df["component"] == "mlp"]) == 2
+    if family == "t5":
+        assert df.attrs["logit_scale"] == pytest.approx(32 ** -0.5)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_logit_lens_of_the_decoder_stack_ends_at_the_models_prediction(family):
+    model = interp.load_model(_tiny(family), attn="flash")
+    batch = _padded()
+    lens = logit_lens(model, batch, answer=[5, 6, 7], position=2)
+    assert list(lens["layer"]) == [-1, 0, 1]
+    with torch.no_grad():
+        probs = torch.softmax(model(batch).logits[:, 2].float(), -1)
+    assert lens["answer_prob"].iloc[-1] == pytest.approx(float(probs[torch.arange(3), torch.tensor([5, 6, 7])].mean()),
+                                                         abs=1e-6)
+    assert lens["answer_prob"].iloc[0] != pytest.approx(lens["answer_prob"].iloc[-1], abs=1e-6)
+    with pytest.raises(ValueError, match="positions"):
+        logit_lens(model, batch, position=6)  # the decoder has 6 positions (the source 9)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_composition_pairs_follow_what_each_side_reads(family):
+    """Queries read their own stack's stream, a cross site's keys and values the encoder's: encoder heads K- and
+    V-compose into cross sites and Q-compose into nothing of the decoder; decoder heads Q-compose into later
+    decoder sites (a block's self-attention into its own cross-attention included) and K-compose only into
+    decoder self-attention."""
+    model = interp.load_model(_tiny(family), attn="flash")
+    pairs = {kind: set(zip(df["source_site"], df["site"])) for kind in "qkv"
+             for df in [composition_scores(model, kind)]}
+    enc0, enc1 = "encoder.blocks.0.attn", "encoder.blocks.1.attn"
+    dec0, cross0, dec1, cross1 = ("decoder.blocks.0.attn", "decoder.blocks.0.cross_attn", "decoder.blocks.1.attn",
+                                  "decoder.blocks.1.cross_attn")
+    within = {(enc0, enc1), (dec0, cross0), (dec0, dec1), (dec0, cross1), (cross0, dec1), (cross0, cross1),
+              (dec1, cross1)}
+    assert pairs["q"] == within
+    into_cross = {(e, c) for e in (enc0, enc1) for c in (cross0, cross1)}
+    decoder_self = {(dec0, dec1), (cross0, dec1)}
+    assert pairs["k"] == pairs["v"] == {(enc0, enc1)} | into_cross | decoder_self
+    df = composition_scores(model, "k", fold_norms=False)
+    assert list(df.columns) == ["source_stack", "source_kind", "source_site", "source_layer", "source_head", *FRONT,
+                                "score"]
+    # an encoder head into a cross site's keys: the low-rank score equals the full d_model x d_model computation
+    ov, qk = ov_circuit(model, enc1, fold_norms=False).full()[2], qk_circuit(model, cross1, fold_norms=False).full()[3]
+    full = torch.linalg.norm(ov @ qk.T) / (torch.linalg.norm(ov) * torch.linalg.norm(qk))
+    row = df[(df.source_site == enc1) & (df.source_head == 2) & (df.site == cross1) & (df["head"] == 3)]
+    assert float(row["score"].iloc[0]) == pytest.approx(float(full), rel=1e-9)
+    # the factors are the module's own weights: head 3 of the cross site is rows 24..31 of its k projection (the
+    # keys read the encoder's output: no decoder norm folded in) and columns 24..31 of its output projection
+    module, proj = model.projections_of(model.sites[cross1])
+    weights = head_weights(model, cross1)
+    assert torch.equal(weights["W_K"][3], module.get_submodule(proj.k).weight.detach().double()[24:32].T)
+    assert torch.equal(weights["W_O"][3], model.o_proj_of(model.sites[cross1]).weight.detach().double()[:, 24:32].T)
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_pruning_every_kind_of_site_equals_zero_ablation_and_survives_a_save(family, tmp_path):
+    model = interp.load_model(_tiny(family), attn="eager")
+    heads = [("encoder.blocks.0.attn", 1), ("encoder.blocks.1.attn", 0), ("encoder.blocks.1.attn", 3),
+             ("decoder.blocks.0.attn", 2), ("decoder.blocks.1.cross_attn", 0), ("decoder.blocks.1.cross_attn", 1)]
+    before = _state(model)
+    pruned = prune_model(model, heads)
+    assert_unchanged(model, before)
+    assert [s.n_heads for s in pruned.cfg.sites] == [3, 2, 3, 4, 4, 2]
+    assert pruned.hf.get_decoder().layers[1].encoder_attn.k_proj.weight.shape == (16, 32)  # physically smaller
+    batch = _padded()
+    with torch.no_grad():
+        with ablate_heads(model, heads):
+            expected = model(batch).logits
+        got = pruned(batch).logits
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    assert pruned.hf.config.interp_pruned_heads["decoder.blocks.1.cross_attn"] == [2, 3]
+    loaded = interp.load_model(pruned.save_pretrained(tmp_path / "pruned"), attn="eager")
+    assert [s.n_heads for s in loaded.cfg.sites] == [3, 2, 3, 4, 4, 2] and loaded.cfg.pruned
+    with torch.no_grad():
+        assert torch.allclose(loaded(batch).logits, got, atol=1e-6, rtol=0)
+    # pruning again names heads in the pruned model's numbering and records the original ones
+    again = prune_model(loaded, [("decoder.blocks.1.cross_attn", 0), ("encoder.blocks.1.attn", 1)])
+    assert again.hf.config.interp_pruned_heads["decoder.blocks.1.cross_attn"] == [3]
+    assert again.hf.config.interp_pruned_heads["encoder.blocks.1.attn"] == [1]
+    emptied = [("decoder.blocks.0.cross_attn", h) for h in range(4)]
+    with pytest.raises(ValueError, match="every head"):
+        prune_model(model, emptied)
+    empty = prune_model(model, emptied, allow_empty_layers=True)  # one zeroed placeholder head is left
+    with torch.no_grad():
+        with ablate_heads(model, emptied):
+            expected = model(batch).logits
+        assert torch.allclose(empty(batch).logits, expected, atol=1e-6, rtol=0)
+    assert empty.cfg.empty_sites == ("decoder.blocks.0.cross_attn",)
+    assert not any(site == "decoder.blocks.0.cross_attn" for site, _ in empty.cfg.heads())
+    with pytest.raises(ValueError, match="pruned empty"):
+        ablation_scan(empty, batch, target_loss(), heads=[("decoder.blocks.0.cross_attn", 0)])
+    dla = direct_logit_attribution(empty, batch, 5, position=2)
+    assert "decoder.blocks.0.cross_attn" not in set(dla["site"]) and abs(dla.attrs["remainder"]) <= 1e-5
+    assert "decoder.blocks.0.cross_attn" not in set(composition_scores(empty, "q")["site"])

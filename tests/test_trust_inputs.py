@@ -21,9 +21,8 @@ from test_trust import _text_causal_model  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import interp  # noqa: E402
-from analyses import (activation_patching, attention_heatmap, composition_scores, detect_heads,  # noqa: E402
-                      direct_logit_attribution, head_view, ioi_task, logit_lens, ov_circuit, path_patching,
-                      prune_model, pruning_curve, qk_circuit)
+from analyses import (activation_patching, attention_heatmap, detect_heads, direct_logit_attribution,  # noqa: E402
+                      head_view, ioi_task, logit_lens, ov_circuit, path_patching, pruning_curve, qk_circuit)
 from hooks import ActivationCache  # noqa: E402
 
 
@@ -116,20 +115,15 @@ def test_encoder_inputs_longer_than_the_positions_are_a_clear_error():
         model(torch.randint(1, 99, (1, 65)))
 
 
-@pytest.mark.parametrize("study", ["composition_scores", "ov_circuit", "qk_circuit", "direct_logit_attribution",
-                                   "logit_lens", "prune_model"])
-def test_studies_that_do_not_handle_seq2seq_refuse_it_clearly(study):
+def test_studies_that_do_not_handle_seq2seq_refuse_it_clearly():
     """composition_scores raised AttributeError: 'Seq2SeqConfig' object has no attribute 'n_layers';
-    ov_circuit and qk_circuit raised KeyError: 0."""
+    ov_circuit and qk_circuit raised KeyError: 0. They now read sites, and a layer number is refused by name."""
     model = interp.load_model(tiny_seq2seq("bart"))
-    batch = {"input_ids": torch.randint(3, 100, (2, 9)), "decoder_input_ids": torch.randint(3, 100, (2, 6))}
-    calls = {"composition_scores": lambda: composition_scores(model),
-             "ov_circuit": lambda: ov_circuit(model, 0), "qk_circuit": lambda: qk_circuit(model, 0),
-             "direct_logit_attribution": lambda: direct_logit_attribution(model, batch, 5),
-             "logit_lens": lambda: logit_lens(model, batch),
-             "prune_model": lambda: prune_model(model, [("encoder.blocks.0.attn", 0)])}
-    with pytest.raises(TypeError, match="encoder-decoder"):
-        calls[study]()
+    for study in (ov_circuit, qk_circuit):
+        with pytest.raises(ValueError, match="give a site name such as 'decoder.blocks.1.cross_attn'; got 0"):
+            study(model, 0)
+    with pytest.raises(ValueError, match="is not an attention site"):
+        ov_circuit(model, "decoder.blocks.9.attn")
 
 
 def test_weight_circuits_check_the_layer():

@@ -21,13 +21,15 @@ def add_parser(sub) -> None:
 
 
 def cmd_attribute(args) -> int:
-    from ..attribution import direct_logit_attribution, logit_lens, token_ids
+    from ..attribution import token_ids
+    from ..logit_attribution import direct_logit_attribution, logit_lens
 
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
         model = _load(args)
-        _refuse_seq2seq(model, "interp attribute (logit attribution reads one residual stream)",
-                        "use interp patch --method attribution (per site and head).")
+        _refuse_seq2seq(model, "interp attribute (its prompts and --text are decoder-only inputs)",
+                        "call analyses.direct_logit_attribution or logit_lens on a batch with decoder_input_ids "
+                        "(the decoder stack), or use interp patch --method attribution.")
         if args.text is None:
             from ..tasks import induction_task
 

@@ -9,7 +9,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from ..ablation import ablation_scan
-from ..attribution import attribution_patching, direct_logit_attribution
+from ..attribution import attribution_patching
+from ..logit_attribution import direct_logit_attribution
 from ..engine import copies_per_forward
 from ..metrics import batch_of
 from ..patching import activation_patching
