@@ -270,8 +270,9 @@ def _check(model, heads, sink, window) -> list[tuple[int, int]]:
         layer = model.structure.layer_attn[l]
         if layer.window[0] is not None or layer.sinks is not None:
             what = f"a sliding window of {layer.window[0] + 1} keys" if layer.window[0] is not None else "sink logits"
+            full = [i for i, a in enumerate(model.structure.layer_attn) if a.window[0] is None and a.sinks is None]
             raise NotImplementedError(f"Layer {l} already has {what}; streaming its heads is not implemented. "
-                                      "Stream heads of the layers with full attention.")
+                                      f"Stream heads of the layers with full attention: {full}.")
     return pairs
 
 
