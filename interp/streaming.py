@@ -32,7 +32,7 @@ from .sites import check_heads
 from .streaming_cache import SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
-           "streaming_kv_bytes"]
+           "streaming_kv_bytes", "streamable_heads"]
 
 STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
@@ -274,6 +274,13 @@ def _check(model, heads, sink, window) -> list[tuple[int, int]]:
             raise NotImplementedError(f"Layer {l} already has {what}; streaming its heads is not implemented. "
                                       f"Stream heads of the layers with full attention: {full}.")
     return pairs
+
+
+def streamable_heads(model) -> list[tuple[int, int]]:
+    """Every (layer, head) that ``stream_heads`` takes: the heads of layers with full attention (on Gemma 3 its
+    global layers; a sliding-window layer already keeps a window)."""
+    return [(l, h) for l, a in enumerate(model.structure.layer_attn) if a.window[0] is None and a.sinks is None
+            for h in range(model.cfg.heads_per_layer[l])]
 
 
 class Streaming:

@@ -210,6 +210,9 @@ def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
     with pytest.raises(NotImplementedError, match=r"Layer 0 already has a sliding window of 9 keys.*\[1\]"):
         with interp.stream_heads(ours, [(0, 1)]):
             pass
+    assert interp.streaming.streamable_heads(ours) == [(1, h) for h in range(4)]
+    from analyses.streaming import streaming_order
+    assert sorted(streaming_order(ours, order="random", seed=3)) == [(1, h) for h in range(4)]
     # generation: the global layer's one key/value head streams in the cache, the sliding layers keep theirs
     ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(1))
     new = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
