@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kernels import fused_attention
 from .sites import check_heads
@@ -295,9 +295,11 @@ class Streaming:
         """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate``, inside this block only."""
         layers = []
         for l in range(self.model.cfg.n_layers):
-            s = self._layers.get(l)
-            layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window)
-                          if s is not None and s.kv_stream else DynamicLayer())
+            s, left = self._layers.get(l), self.model.structure.layer_attn[l].window[0]
+            if s is not None and s.kv_stream:
+                layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window))
+            else:  # a sliding-window layer keeps its window, as HF's own cache does (Gemma 3's local layers)
+                layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
         return StreamingCache(layers)
 
 

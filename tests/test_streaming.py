@@ -223,6 +223,8 @@ def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
         streamed = ours.hf.generate(ids, cache=cache, **new)
     assert torch.equal(streamed, masked)
     assert isinstance(cache.layers[1], StreamingLayer) and cache.layers[1].stream_keys.shape[2] == SINK + WINDOW
+    for l in (0, 2):  # the sliding layers hold their window only, as HF's own cache for this config does
+        assert cache.layers[l].keys.shape[2] == DynamicCache(config=cfg).layers[l].sliding_window - 1 == 8
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
