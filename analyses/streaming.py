@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp.streaming import stream_heads, streaming_kv_bytes
+from interp.streaming import stream_heads, streamable_heads, streaming_kv_bytes
 
-from .ablation import Head, all_heads
+from .ablation import Head
 from .engine import Shard, _arguments
 from .metrics import as_metric, batch_of
 
@@ -30,12 +30,12 @@ ORDERS = ("importance", "random", "gates")
 
 def streaming_order(model, inputs=None, metric=None, order="random", column: str | None = None,
                     seed: int = 0, sink: int = 4, window: int = 256) -> list[Head]:
-    """Every head, the first to stream first. order: ``"importance"`` (least important first, from the metric's
-    loss), ``"random"`` (a permutation drawn with ``seed``), ``"gates"`` (lowest DuoAttention-style gate first:
-    ``analyses.streaming_gates`` on passkey-like inputs, with this ``sink`` and ``window``) or a DataFrame with
-    ``layer``, ``head`` and a score column (``column``; default ``"retrieval"``, or ``"gate"``, when present):
-    lowest score first."""
-    heads = all_heads(model)
+    """Every head that can stream (``interp.streaming.streamable_heads``: layers with full attention), the first to
+    stream first. order: ``"importance"`` (least important first, from the metric's loss), ``"random"`` (a
+    permutation drawn with ``seed``), ``"gates"`` (lowest DuoAttention-style gate first: ``analyses.streaming_gates``
+    on passkey-like inputs, with this ``sink`` and ``window``) or a DataFrame with ``layer``, ``head`` and a score
+    column (``column``; default ``"retrieval"``, or ``"gate"``, when present): lowest score first."""
+    heads = streamable_heads(model)
     if isinstance(order, pd.DataFrame):
         if column is None:
             numeric = [c for c in order.select_dtypes("number").columns if c not in ("layer", "head")]
@@ -78,7 +78,8 @@ def _evaluate(model, batch, metric, heads, sink, window) -> float:
 def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
                     sink: int = 4, window: int = 256, column: str | None = None, kv_tokens: int | None = None,
                     max_fraction: float = 1.0, higher_is_better: bool | None = None) -> pd.DataFrame:
-    """Stream ``step`` of all heads more at a time, in ``order`` (see ``streaming_order``), recording ``metric``.
+    """Stream ``step`` of the heads that can stream (``streamable_heads``; all heads but those of sliding-window
+    layers) more at a time, in ``order`` (see ``streaming_order``), recording ``metric``.
 
     Returns one row per step: ``fraction_streaming``, ``heads_streaming``, ``kv_heads_streaming`` (key/value heads
     all of whose query heads stream: the ones whose cache shrinks), ``metric``, ``kv_bytes`` (what a
@@ -94,7 +95,7 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     batch = batch_of(model, inputs)
     tokens = batch["input_ids"].shape[1] if kv_tokens is None else kv_tokens
     full = streaming_kv_bytes(model, [], tokens, sink, window)  # a clear error for a bad sink, window or model
-    heads = all_heads(model)
+    heads = streamable_heads(model)
     per_step = max(1, round(step * len(heads)))
     stop = math.floor(max_fraction * len(heads) + 1e-9)
     name = column or (next((c for c in ("retrieval", "gate") if c in order), None) if isinstance(order, pd.DataFrame)

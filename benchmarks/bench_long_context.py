@@ -20,6 +20,7 @@ layer (the pattern alone). The slope is the growth per 1k tokens between the sho
 memory doubles when n doubles (ratio 2, quadratic 4).
 
     python benchmarks/bench_long_context.py                 # SmolLM2 at 4k, 8k (Gemma 3 with --gemma)
+    python benchmarks/bench_long_context.py --gemma --lengths   # Gemma 3 alone
     python benchmarks/bench_long_context.py --quick         # toy model, 32 and 64 tokens: checks the script runs
 """
 
@@ -167,7 +168,8 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "N", "TASK"), help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="toy model at 32 and 64 tokens")
     parser.add_argument("--gemma", action="store_true", help="also Gemma 3 270M at --gemma-lengths")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192],
+                        help="SmolLM2's lengths; none (a bare --lengths) runs Gemma 3 alone")
     parser.add_argument("--gemma-lengths", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -179,7 +181,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; fp32; cpu count {os.cpu_count()}; "
           f"load average at start {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
-    plan = [("toy-induction", [32, 64])] if args.quick else [("smollm2", args.lengths)]
+    plan = [("toy-induction", [32, 64])] if args.quick else [("smollm2", args.lengths)] if args.lengths else []
     if args.gemma and not args.quick:
         plan.append(("gemma3", args.gemma_lengths))
     rows = [row for model, lengths in plan for row in measure(model, lengths, args.tasks)]

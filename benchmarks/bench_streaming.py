@@ -54,9 +54,11 @@ def _reset_peak() -> int:
 
 
 def streaming_heads(model, fraction: float, seed: int = 0) -> list[tuple[int, int]]:
-    """Every query head of ``fraction`` of the key/value heads (rounded), chosen at random."""
+    """Every query head of ``fraction`` of the key/value heads (rounded), chosen at random among the layers that
+    can stream (full attention: Gemma 3's global layers)."""
     cfg = model.cfg
-    groups = [(l, g) for l in range(cfg.n_layers) for g in range(cfg.kv_heads_per_layer[l])]
+    layers = sorted({l for l, _ in interp.streaming.streamable_heads(model)})
+    groups = [(l, g) for l in layers for g in range(cfg.kv_heads_per_layer[l])]
     picked = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))[: round(fraction * len(groups))]
     heads = []
     for i in sorted(picked.tolist()):

@@ -25,14 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kernels import fused_attention
 from .sites import check_heads
 from .streaming_cache import SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
-           "streaming_kv_bytes"]
+           "streaming_kv_bytes", "streamable_heads"]
 
 STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
@@ -270,9 +270,17 @@ def _check(model, heads, sink, window) -> list[tuple[int, int]]:
         layer = model.structure.layer_attn[l]
         if layer.window[0] is not None or layer.sinks is not None:
             what = f"a sliding window of {layer.window[0] + 1} keys" if layer.window[0] is not None else "sink logits"
+            full = [i for i, a in enumerate(model.structure.layer_attn) if a.window[0] is None and a.sinks is None]
             raise NotImplementedError(f"Layer {l} already has {what}; streaming its heads is not implemented. "
-                                      "Stream heads of the layers with full attention.")
+                                      f"Stream heads of the layers with full attention: {full}.")
     return pairs
+
+
+def streamable_heads(model) -> list[tuple[int, int]]:
+    """Every (layer, head) that ``stream_heads`` takes: the heads of layers with full attention (on Gemma 3 its
+    global layers; a sliding-window layer already keeps a window)."""
+    return [(l, h) for l, a in enumerate(model.structure.layer_attn) if a.window[0] is None and a.sinks is None
+            for h in range(model.cfg.heads_per_layer[l])]
 
 
 class Streaming:
@@ -287,9 +295,11 @@ class Streaming:
         """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate``, inside this block only."""
         layers = []
         for l in range(self.model.cfg.n_layers):
-            s = self._layers.get(l)
-            layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window)
-                          if s is not None and s.kv_stream else DynamicLayer())
+            s, left = self._layers.get(l), self.model.structure.layer_attn[l].window[0]
+            if s is not None and s.kv_stream:
+                layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window))
+            else:  # a sliding-window layer keeps its window, as HF's own cache does (Gemma 3's local layers)
+                layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
         return StreamingCache(layers)
 
 

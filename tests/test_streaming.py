@@ -181,6 +181,53 @@ def test_the_kernel_equals_a_dense_mask_with_padding_and_sparse_ranks(sink, wind
 
 # -- real memory in generate -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
+    """Gemma 3's layout: sliding-window layers around a full-attention one. The global layer's heads stream (the
+    explicit-mask reference, both paths, with padding and GQA); a sliding layer's heads are refused by name."""
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           sliding_window=9, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    hf = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj")) and p.ndim == 2:
+                p.mul_(6.0)
+    ref_model = interp.load_model(copy.deepcopy(hf), attn="eager")
+    ours = interp.load_model(copy.deepcopy(hf), attn=attn)
+    heads = [(1, 0), (1, 2), (1, 3)]
+    ids, mask = padded_batch(True, lengths=(40, 29, 12))
+    valid = mask.bool()
+    plain = _logits(ref_model, ids, mask)
+    expected = _logits(ref_model, ids, mask, [(lambda n: n.endswith("hook_attn_scores"),
+                                              _reference_hook(mask, heads, SINK, WINDOW))])
+    assert (expected - plain)[valid].abs().max() > 1e-3
+    with interp.stream_heads(ours, heads, sink=SINK, window=WINDOW):
+        got = _logits(ours, ids, mask)
+    err = (got - expected)[valid].abs().max().item()
+    assert err <= TOL[attn], f"gemma3 mixed/{attn}: {err:.3g}"
+    with pytest.raises(NotImplementedError, match=r"Layer 0 already has a sliding window of 9 keys.*\[1\]"):
+        with interp.stream_heads(ours, [(0, 1)]):
+            pass
+    assert interp.streaming.streamable_heads(ours) == [(1, h) for h in range(4)]
+    from analyses.streaming import streaming_order
+    assert sorted(streaming_order(ours, order="random", seed=3)) == [(1, h) for h in range(4)]
+    # generation: the global layer's one key/value head streams in the cache, the sliding layers keep theirs
+    ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(1))
+    new = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    with interp.stream_heads(ours, [(1, h) for h in range(4)], sink=SINK, window=WINDOW) as s:
+        assert s.kv_heads == [(1, 0)]
+        masked = ours.hf.generate(ids, cache=DynamicCache(), **new)
+        cache = s.new_cache()
+        streamed = ours.hf.generate(ids, cache=cache, **new)
+    assert torch.equal(streamed, masked)
+    assert isinstance(cache.layers[1], StreamingLayer) and cache.layers[1].stream_keys.shape[2] == SINK + WINDOW
+    for l in (0, 2):  # the sliding layers hold their window only, as HF's own cache for this config does
+        assert cache.layers[l].keys.shape[2] == DynamicCache(config=cfg).layers[l].sliding_window - 1 == 8
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
 def test_generate_with_a_streaming_cache_equals_the_masked_model(attn):
     model = interp.load_model(_sharp("llama"), attn=attn)
     ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(1))
