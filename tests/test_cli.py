@@ -147,6 +147,8 @@ def test_train_toy_small(capsys, tmp_path):
     (["stream", "--out", "o", "--order", "retrieval,best"], "--order takes retrieval, importance, random"),
     (["stream", "--out", "o", "--save", "s"], "--save needs --fraction"),
     (["stream", "--out", "o", "--sink", "-1"], "--sink is a number of keys"),
+    (["stream", "--out", "o", "--order", "gates", "--steps", "0"], "--steps"),
+    (["report", "--model", "minilm", "--streaming", "--out", "o"], "streaming section is for causal decoders"),
     (["stream", "--out", "o", "--tokens", "64"], "would still see every key"),
     (["plot", "--out", "x.png"], "needs --layer and --head"),
     (["plot", "heads", "--csv", "missing.csv", "--out", "x.png"], "cannot read table"),

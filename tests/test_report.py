@@ -29,6 +29,36 @@ def report(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def streaming_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("streaming_report")
+    assert main(["report", "--out", str(out), "--force", "--streaming"]) == 0
+    return out
+
+
+def test_streaming_section_only_when_asked(report, streaming_report):
+    """--streaming adds the section, its figure, its table and a finding (issue 26); without it none of them, and the
+    default report's stages are the same as before."""
+    on = json.loads((streaming_report / "summary.json").read_text())
+    page = (streaming_report / "index.html").read_text()
+    assert 'id="streaming"' in page and "streaming curve" in page and 'href="streaming.csv"' in page
+    assert (streaming_report / "figures" / "streaming.png").read_bytes()[:4] == b"\x89PNG"
+    df = pd.read_csv(streaming_report / "streaming.csv")
+    assert set(df.order) == {"induction", "random"} and set(df.seed.dropna()) == {0, 1}
+    assert df.kv_fraction.min() < 1 and df[df.fraction_streaming == 0].kv_fraction.eq(1).all()
+    assert sum("#streaming" in line for line in on["findings"]) == 1
+    assert list(on["seconds"])[-2:] == ["streaming", "total"]
+    # the induction order keeps the induction circuit longer than random orders (layer 0 streams first)
+    half = df[df.fraction_streaming == 0.5].groupby("order").metric.mean()
+    assert half["induction"] < half["random"]
+    off = json.loads((report / "summary.json").read_text())
+    page = (report / "index.html").read_text()
+    assert "streaming" not in off and 'id="streaming"' not in page and "streaming.csv" not in page
+    assert not (report / "streaming.csv").exists() and not (report / "figures" / "streaming.png").exists()
+    assert not any("#streaming" in line for line in off["findings"])
+    assert list(off["seconds"]) == ["heads", "attention maps", "ablation", "classes", "pruning", "total"]
+
+
 def test_report_files(report):
     for name in ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json"):
         assert (report / name).stat().st_size > 0, name

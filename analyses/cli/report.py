@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
                    "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
+    p.add_argument("--streaming", action="store_true", help="add a streaming-heads section (sinks + a recent window, "
+                   "in order of the induction score against random orders; causal decoders only)")
     p.set_defaults(func=cmd_report)
 
 
@@ -26,13 +28,15 @@ def cmd_report(args) -> int:
 
     _check_out(args.out, args.force)
     t0 = time.perf_counter()
-    progress = _Progress(["load", "heads", "attention maps", "ablation", "circuits", "classes", "pruning"])
+    stages = ["load", "heads", "attention maps", "ablation", "circuits", "classes", "pruning"]
+    progress = _Progress(stages + (["streaming"] if args.streaming else []))
     try:
         progress("load")
         model = _load(args)
         summary = write_report(model, _rank_zero_path(args.out), prompts=_prompts(args, model), seed=args.seed,
                                n_prompts=args.n_prompts, progress=progress,
-                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()], overwrite=args.force)
+                               fmt=[f.strip() for f in args.fmt.split(",") if f.strip()], overwrite=args.force,
+                               streaming=args.streaming)
     finally:
         progress.close()
     if "attention_maps" in summary:

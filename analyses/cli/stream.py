@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", type=_positive_int, default=None,
                    help="length of each input row (default: the model's positions, at most 1024); without --prompts")
     p.add_argument("--rows", type=_positive_int, default=4, help="input rows (default 4); without --prompts")
+    p.add_argument("--steps", type=_positive_int, default=100, help="order gates: optimisation steps of the "
+                   "DuoAttention-style gates (default 100)")
     p.add_argument("--seeds", type=_positive_int, default=3, help="random orders: how many seeds (default 3)")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
                    help="retrieval order: the longest needle-in-a-haystack prompt (default --tokens)")
@@ -96,7 +98,8 @@ def cmd_stream(args) -> int:
             elif order == "gates":  # DuoAttention-style gates on passkey-like inputs (100 eager forward+backward)
                 from ..streaming_gates import streaming_gates
 
-                ranked[order] = streaming_gates(model, sink=args.sink, window=args.window, seed=args.seed)
+                ranked[order] = streaming_gates(model, sink=args.sink, window=args.window, seed=args.seed,
+                                                 steps=args.steps)
             else:
                 ranked[order] = order
         progress("streaming curves")

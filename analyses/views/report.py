@@ -33,6 +33,7 @@ from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _DPI, _Figures, _formats, _png  # noqa: E402,F401
 from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
+from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
 from .seq2seq_report import seq2seq_study_inputs, write_seq2seq_report  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
@@ -124,7 +125,7 @@ def example_prompt(model, prompts: list | None = None, seed: int = 0):
 
 def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int | None = None,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
-                 fmt: str | Sequence[str] = "png", overwrite: bool = False) -> dict:
+                 fmt: str | Sequence[str] = "png", overwrite: bool = False, streaming: bool = False) -> dict:
     """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
     model gets its own page (``seq2seq_report.write_seq2seq_report``: heads per attention site, on the copy task).
 
@@ -140,13 +141,18 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     it an existing report file is an error. Every file is written into a staging folder first and moved into
     ``out`` only when all are written (``interp.files.staged_folder``): a full disk or an error midway leaves
     ``out`` as it was.
+    streaming: add a streaming section (``report_streaming``: heads streamed in order of their induction score
+    against random orders, the KV cache beside the metric; ``streaming.csv``). Off by default (it adds a stage);
+    causal decoders only, else a ValueError.
     """
     _formats(fmt)
-    with staged_folder(out, overwrite, names=(*REPORT_FILES, "figures")) as staging:
-        return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt)
+    if streaming:
+        check_streaming(model)
+    with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures")) as staging:
+        return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
 
 
-def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt) -> dict:
+def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming=False) -> dict:
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
@@ -207,6 +213,10 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     threshold = 0.95 if metric.name == "embedding_similarity" else None
     curves = _pruning(model, inputs, metric, figures, out, n_heads, threshold)
     summary_curves = curve_summary(curves, threshold)
+    stream = None
+    if streaming:
+        timed("streaming")
+        stream = streaming_section(model, heads, figures, out, seed)
     ends = [start for _, start in stages[1:]] + [time.perf_counter()]
     timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
 
@@ -230,6 +240,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "circuits": circuits,
         "class_ablation": by_class,
         "higher_is_better": metric.higher_is_better,
+        **({"streaming": stream} if stream else {}),
         "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,

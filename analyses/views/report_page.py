@@ -11,6 +11,7 @@ import time
 import pandas as pd
 
 from ..labels import SCORE_DEFINITIONS
+from .report_streaming import streaming_html
 
 __all__ = ["page"]
 
@@ -108,7 +109,8 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
         f"<figure>{figures.img(name, f'attention map of {kind} head {l}.{h} on {what}')}<figcaption>{esc(kind)}: "
         f"{esc(SCORE_DEFINITIONS.get(kind, ''))}.</figcaption></figure>" for kind, l, h, what, name in maps)
     files = ["heads.csv", "ablation.csv", "pruning.csv", "summary.json"] + \
-        (["attribution.csv", "dla.csv"] if summary.get("circuits") else [])
+        (["attribution.csv", "dla.csv"] if summary.get("circuits") else []) + \
+        (["streaming.csv"] if summary.get("streaming") else [])
     top = pd.DataFrame(summary["most_important_by_ablation"])
     seconds = summary["seconds"]
     formats = ", ".join(summary.get("figure_formats", ["png"]))
@@ -174,7 +176,7 @@ each step, on {esc(summary['study_inputs'])}, metric <code>{esc(summary['metric'
 <a href="pruning.csv"><code>pruning.csv</code></a>.</p>
 {figures.img('pruning', 'pruning curve')}
 {_table(curves.rename(columns={"area": "area (" + _better(summary.get("higher_is_better")) + ")"}), '{:.3f}')}
-<p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
+{streaming_html(summary.get("streaming"), figures, _table)}<p class="muted">Stage times (s): {esc(', '.join(f'{k} {v}' for k, v in seconds.items()))}.</p>
 
 <h2 id="model">Model internals</h2>
 <details><summary>What discovery found: {esc(m['class'])}, its layout and hook points</summary>

@@ -19,6 +19,7 @@ from ..engine import scan
 from ..metrics import first_copy_loss, second_copy_loss
 from ..labels import LABEL_ORDER
 from ..toy import repeated_sequences
+from .report_streaming import streaming_finding
 
 __all__ = ["class_ablation", "findings", "model_name", "model_size"]
 
@@ -173,4 +174,7 @@ def findings(summary: dict, heads) -> list[str]:
             lines.append(f"Pruning heads in order of importance keeps the metric {verdict} than random orders "
                          f"(area {a:.3f} against {b:.3f}; {'higher' if better else 'lower'} is better) "
                          '<a href="#pruning">evidence</a>')
+    stream = streaming_finding(summary.get("streaming"))
+    if stream:
+        lines.append(stream)
     return lines
