@@ -195,6 +195,27 @@ def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
     assert abs(got - expected) < 1e-7 and abs(expected) > 0
 
 
+
+@torch.no_grad()
+def test_cached_cie_equals_the_full_forward_per_head():
+    """method="cached" (keys and values of the prompts kept, a layer's heads per forward of the final token) gives
+    the whole-prompt-per-head numbers: probabilities equal to float rounding, every head, left padding included."""
+    from analyses.function_vectors import function_vector_scores
+
+    model = _tiny_with_tokenizer()
+    kw = dict(tasks=["antonyms", "country_capital"], n_prompts=5, n_shots=3, n_bootstrap=50)
+    full = function_vector_scores(model, method="full", **kw)
+    cached = function_vector_scores(model, **kw)
+    assert cached.attrs["method"] == "cached" and full.attrs["method"] == "full"
+    scale = full["function_vector"].abs().max()
+    assert scale > 0  # a random model: P(answer) about 2e-5, effects about 1e-8; agreement is relative
+    assert (full["function_vector"] - cached["function_vector"]).abs().max() <= 1e-4 * scale
+    for task, p in full.attrs["shuffled_probability"].items():
+        assert abs(p - cached.attrs["shuffled_probability"][task]) <= 1e-5 * p
+    assert full["function_vector"].corr(cached["function_vector"], method="spearman") > 0.999
+    with pytest.raises(ValueError, match="method must be"):
+        function_vector_scores(model, method="fast", **kw)
+
 def test_validation_script_quick_mode_runs(tmp_path, capsys):
     """benchmarks/validate_taxonomy.py --quick on a tiny random model (about 6 s): every class gets its row."""
     import importlib.util
