@@ -9,6 +9,7 @@ the largest difference between the two scores and the Spearman correlation of th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +37,11 @@ def main(argv=None):
         runs[method] = function_vector_scores(model, tasks=tasks, n_prompts=args.prompts, n_shots=args.shots,
                                               n_bootstrap=200, method=method)
         seconds[method] = time.perf_counter() - t
+    for df in runs.values():
+        df.attrs = {}  # mean z tensors: pandas compares attrs when it concatenates
     a, b = runs["full"]["function_vector"], runs["cached"]["function_vector"]
     print(f"{args.model}, tasks {tasks}, {args.prompts} prompts of {args.shots} shots, {len(a)} heads, "
-          f"{args.threads} thread(s)")
+          f"{args.threads} thread(s); load average at the end: {os.getloadavg()[0]:.2f}")
     print(f"full: {seconds['full']:.1f} s; cached: {seconds['cached']:.1f} s; speed-up "
           f"{seconds['full'] / seconds['cached']:.1f}x")
     print(f"largest |full - cached| {float((a - b).abs().max()):.2e} (largest |score| {float(a.abs().max()):.2e}); "
