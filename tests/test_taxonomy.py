@@ -263,3 +263,23 @@ def test_cli_heads_takes_scores(tmp_path):
     df = pd.read_csv(io.StringIO(run.stdout))
     row = df[(df.layer == 1) & (df["head"] == 1)].iloc[0]
     assert row["copy_suppression"] == 1.0 and row["label"] == "copy_suppression"
+
+
+@torch.no_grad()
+def test_path_patching_with_a_receiver_before_every_sender_of_a_group():
+    """Receivers in layers 0 and 2, one sender per forward: a layer-1 sender's forward starts after the layer-0
+    receiver (Gemma 3's S-inhibition run hit this as a KeyError); its effect is the one through layer 2 alone."""
+    from analyses import logit_difference, path_patching
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = interp.load_model(LlamaForCausalLM(cfg).eval())
+    g = torch.Generator().manual_seed(1)
+    clean, corrupted = torch.randint(1, 99, (4, 10), generator=g), torch.randint(1, 99, (4, 10), generator=g)
+    metric = logit_difference(5, 7)
+    senders = [(1, h) for h in range(4)]
+    both = path_patching(model, clean, corrupted, [(0, 1), (2, 0)], metric, senders=senders, heads_per_forward=1)
+    late = path_patching(model, clean, corrupted, [(2, 0)], metric, senders=senders, heads_per_forward=1)
+    assert np.allclose(both["metric"].to_numpy(), late["metric"].to_numpy(), rtol=0, atol=1e-6)
+    assert late["effect"].abs().max() > 0  # the senders do act through layer 2
