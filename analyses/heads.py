@@ -36,9 +36,10 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
 
     scores: the issue's name for ``kinds`` (give one of the two). Besides the attention-pattern kinds below it
         takes the literature's classes, computed only on request (``analyses.taxonomy``): ``successor`` and
-        ``copy_suppression`` (from weights, seconds), ``name_mover``, ``s_inhibition`` (IOI task) and
-        ``function_vector`` (ICL tasks; forward passes per head, minutes on a 135M model). Asking only for these
-        computes no attention-pattern score; ``prompts`` and ``n_prompts`` do not apply to them.
+        ``copy_suppression`` (from weights, seconds), ``copy_suppression_behaviour`` (the same class read off
+        one run on corpus text, ``analyses.taxonomy_behaviour``; no label), ``name_mover``, ``s_inhibition`` (IOI
+        task) and ``function_vector`` (ICL tasks; forward passes per head, minutes on a 135M model). Asking only for
+        these computes no attention-pattern score; ``prompts`` and ``n_prompts`` do not apply to them.
 
     kinds: score kinds to compute (None: all that apply): ``previous_token``, ``next_token`` (bidirectional
         models only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions

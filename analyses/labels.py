@@ -26,7 +26,8 @@ DEFAULT_THRESHOLDS = {
     "function_vector": 0.02,  # two points of P(answer) on shuffled-label prompts
     "retrieval": 0.1,  # Wu et al. 2024: fewer than 5% of heads score above 0.1
 }
-TAXONOMY_SCORES = ("successor", "copy_suppression", "name_mover", "s_inhibition", "function_vector")
+TAXONOMY_SCORES = ("successor", "copy_suppression", "copy_suppression_behaviour", "name_mover", "s_inhibition",
+                   "function_vector")  # copy_suppression_behaviour: a score without a published threshold, no label
 
 
 # -- labels ----------------------------------------------------------------------------------------------
@@ -45,6 +46,9 @@ SCORE_DEFINITIONS = {
                  "highest among its list (Gould et al. 2023)",
     "copy_suppression": "the share of tokens whose effective embedding the head's OV maps to that token among the "
                         "10 most negative logits (McDougall et al. 2023)",
+    "copy_suppression_behaviour": "on corpus text, the share of positions where the earlier token the head attends "
+                                  "to most is among the 10 tokens the logit lens predicts at its input and the "
+                                  "head's output lowers that token's logit (McDougall et al. 2023)",
     "name_mover": "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also attends "
                   "END->IO more than END->S (io_attention > 0; Wang et al. 2022)",
     "s_inhibition": "on IOI prompts, the share of the clean-corrupted logit difference the head carries through the "

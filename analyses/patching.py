@@ -291,6 +291,8 @@ def _receiver_hooks(via: str, targets: Sequence[tuple[str, int]], patched: dict[
 
     def hook_for(site, heads):
         def hook(act, point):
+            if site not in patched:  # every sender of this group runs after this receiver (the replay started
+                return act           # after it): the receiver's input is the corrupted run's, as computed here
             act = act.clone()
             act[:, :, heads] = patched[site][:, :, heads].to(act.dtype)
             return act

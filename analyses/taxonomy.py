@@ -230,7 +230,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
 
 # -- detect_heads's dispatch -------------------------------------------------------------------------------------
 CHEAP_SCORES = ("successor", "copy_suppression")  # weights only: seconds on a 135M model
-TASK_SCORES = ("name_mover", "s_inhibition", "function_vector")  # forward passes per head: minutes
+TASK_SCORES = ("copy_suppression_behaviour", "name_mover", "s_inhibition", "function_vector")  # forward passes
 
 
 def split_scores(names) -> tuple[object, list[str]]:
@@ -253,6 +253,10 @@ def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 10
         frames.append(successor_scores(model, n_bootstrap=n_bootstrap, seed=seed))
     if "copy_suppression" in names:
         frames.append(copy_suppression_scores(model, n_bootstrap=n_bootstrap, seed=seed))
+    if "copy_suppression_behaviour" in names:
+        from .taxonomy_behaviour import copy_suppression_behaviour_scores
+
+        frames.append(copy_suppression_behaviour_scores(model, n_bootstrap=n_bootstrap, seed=seed))
     if "name_mover" in names or "s_inhibition" in names:
         from .taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
 

@@ -32,6 +32,7 @@ from analyses.function_vectors import (_mean_z, fv_accuracy, function_vector, fu
 from analyses.metrics import _main_output  # noqa: E402
 from analyses.taxonomy import (_bundled_lists, bootstrap, copy_suppression_scores, ordinal_lists,  # noqa: E402
                                successor_scores)
+from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores  # noqa: E402
 from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores  # noqa: E402
 from analyses.tasks import induction_task  # noqa: E402
 
@@ -190,13 +191,62 @@ def validate(model, classes, k, draws, quick, seed=0):
                                       "steering": steering, "steering_layer": layer,
                                       **_causal(model, heads, _accuracy(model, batch, answers), batch, draws, seed),
                                       "seconds": time.time() - t}
+    if "copy_suppression_behaviour" in classes:
+        results["copy_suppression_behaviour"] = behaviour(model, k, draws, quick, seed)
     return results
+
+
+def behaviour(model, k, draws, quick, seed=0):
+    """The behavioural copy-suppression signature (analyses.taxonomy_behaviour) of the top-k weight-based copy
+    suppressors, of k heads drawn at random from the same layers (``draws`` sets), and of all heads."""
+    t = time.time()
+    heads, _ = _top(copy_suppression_scores(model, n_tokens=80 if quick else 400), "copy_suppression", k)
+    df = copy_suppression_behaviour_scores(model, n_prompts=8 if quick else 32, seed=seed).set_index(["layer", "head"])
+    columns = ["copy_suppression_behaviour", "cs_attends_predicted", "cs_predicted_effect"]
+
+    def mean(rows):
+        return {c: float(rows[c].mean()) for c in columns}
+
+    controls = [mean(df.loc[r]) for r in _random_like(model, heads, draws, seed)]
+    ranked = df.sort_values("copy_suppression_behaviour", ascending=False).head(k).reset_index()
+    return {"kind": "behaviour", "weight_heads": heads, "per_head": df.loc[heads].reset_index().to_dict("records"),
+            "weight_heads_mean": mean(df.loc[heads]), "all_heads_mean": mean(df),
+            "random_mean": {c: sum(x[c] for x in controls) / len(controls) for c in columns},
+            "random_min": {c: min(x[c] for x in controls) for c in columns},
+            "random_max": {c: max(x[c] for x in controls) for c in columns},
+            "top": ranked, "overlap_with_weights": _overlap(heads, [(int(l), int(h)) for l, h in
+                                                                    zip(ranked["layer"], ranked["head"])]),
+            "seconds": time.time() - t}
+
+
+def _print_behaviour(r):
+    print("copy_suppression_behaviour (a: top attended earlier token among the logit lens's top 10 at the head's "
+          "input; b: the head's direct effect on its logit there; score: share of positions with both a and b < 0)")
+    for row in r["per_head"]:
+        print(f"  weight-based suppressor {row['layer']}.{row['head']}: score {row['copy_suppression_behaviour']:.3f} "
+              f"[{row['copy_suppression_behaviour_lo']:.3f}, {row['copy_suppression_behaviour_hi']:.3f}], a "
+              f"{row['cs_attends_predicted']:.3f}, b {row['cs_predicted_effect']:+.3f}")
+    for what, m in (("weight-based top heads, mean", r["weight_heads_mean"]),
+                    ("random same layers, mean", r["random_mean"]), ("all heads, mean", r["all_heads_mean"])):
+        print(f"  {what}: score {m['copy_suppression_behaviour']:.3f}, a {m['cs_attends_predicted']:.3f}, "
+              f"b {m['cs_predicted_effect']:+.3f}")
+    lo, hi = r["random_min"], r["random_max"]
+    print(f"  random same layers, range over draws: score [{lo['copy_suppression_behaviour']:.3f}, "
+          f"{hi['copy_suppression_behaviour']:.3f}], b [{lo['cs_predicted_effect']:+.3f}, "
+          f"{hi['cs_predicted_effect']:+.3f}]")
+    top = ", ".join(f"{int(x.layer)}.{int(x.head)} {x.copy_suppression_behaviour:.3f} (b {x.cs_predicted_effect:+.2f})"
+                    for x in r["top"].itertuples())
+    print(f"  top heads by the behavioural score: {top}; overlap with the weight-based top: "
+          f"{r['overlap_with_weights']:.2f}  ({r['seconds']:.0f} s)")
 
 
 def print_table(results, k):
     print(f"{'class':<17} {'top heads: score [95% CI]':<60} {'stab.':>5}  measure: baseline, "
           "class-ablated change [95% CI] | random same layers: mean [min, max]")
     for name, r in results.items():
+        if r.get("kind") == "behaviour":
+            _print_behaviour(r)
+            continue
         top = ", ".join(f"{int(x.layer)}.{int(x.head)} {getattr(x, r['column']):.3f} "
                         f"[{getattr(x, r['column'] + '_lo'):.3f}, {getattr(x, r['column'] + '_hi'):.3f}]"
                         for x in r["top"].itertuples())
@@ -227,22 +277,44 @@ def _quick_model():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--classes", default="successor,copy_suppression,name_mover,s_inhibition,function_vector")
+    parser.add_argument("--classes", default="successor,copy_suppression,name_mover,s_inhibition,function_vector",
+                        help="also copy_suppression_behaviour: the behavioural signature of the weight-based "
+                             "copy suppressors against random heads (no ablation)")
     parser.add_argument("--top", type=int, default=4, help="heads per class to ablate")
     parser.add_argument("--draws", type=int, default=5, help="random head sets from the same layers")
     parser.add_argument("--quick", action="store_true", help="a tiny random model with SmolLM2's tokenizer")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    interp.set_threads(1)
     model = _quick_model() if args.quick else interp.load_model(args.model)
     classes = [c.strip() for c in args.classes.split(",") if c.strip()]
-    results = validate(model, classes, args.top, args.draws, args.quick)
+    results = {}
+    for group in _groups(classes):  # one group at a time, printed and saved as it ends: a long run that is
+        done = validate(model, group, args.top, args.draws, args.quick)  # stopped keeps what finished
+        results.update(done)
+        print_table(done, args.top)
+        sys.stdout.flush()
+        if args.json:
+            out = {n: {k: (v.to_dict("records") if hasattr(v, "to_dict") else v) for k, v in r.items()}
+                   for n, r in results.items()}
+            Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    print("\nall classes:")
     print_table(results, args.top)
-    if args.json:
-        out = {n: {k: (v.to_dict("records") if hasattr(v, "to_dict") else v) for k, v in r.items()}
-               for n, r in results.items()}
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return results
+
+
+def _groups(classes):
+    """The classes in runs of one, except name_mover and s_inhibition, which share their IOI scores."""
+    ioi = [c for c in classes if c in ("name_mover", "s_inhibition")]
+    groups, seen = [], False
+    for c in classes:
+        if c in ioi:
+            if not seen:
+                groups.append(ioi)
+            seen = True
+        else:
+            groups.append([c])
+    return groups
 
 
 if __name__ == "__main__":

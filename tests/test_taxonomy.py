@@ -195,6 +195,27 @@ def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
     assert abs(got - expected) < 1e-7 and abs(expected) > 0
 
 
+
+@torch.no_grad()
+def test_cached_cie_equals_the_full_forward_per_head():
+    """method="cached" (keys and values of the prompts kept, a layer's heads per forward of the final token) gives
+    the whole-prompt-per-head numbers: probabilities equal to float rounding, every head, left padding included."""
+    from analyses.function_vectors import function_vector_scores
+
+    model = _tiny_with_tokenizer()
+    kw = dict(tasks=["antonyms", "country_capital"], n_prompts=5, n_shots=3, n_bootstrap=50)
+    full = function_vector_scores(model, method="full", **kw)
+    cached = function_vector_scores(model, **kw)
+    assert cached.attrs["method"] == "cached" and full.attrs["method"] == "full"
+    scale = full["function_vector"].abs().max()
+    assert scale > 0  # a random model: P(answer) about 2e-5, effects about 1e-8; agreement is relative
+    assert (full["function_vector"] - cached["function_vector"]).abs().max() <= 1e-4 * scale
+    for task, p in full.attrs["shuffled_probability"].items():
+        assert abs(p - cached.attrs["shuffled_probability"][task]) <= 1e-5 * p
+    assert full["function_vector"].corr(cached["function_vector"], method="spearman") > 0.999
+    with pytest.raises(ValueError, match="method must be"):
+        function_vector_scores(model, method="fast", **kw)
+
 def test_validation_script_quick_mode_runs(tmp_path, capsys):
     """benchmarks/validate_taxonomy.py --quick on a tiny random model (about 6 s): every class gets its row."""
     import importlib.util
@@ -242,3 +263,23 @@ def test_cli_heads_takes_scores(tmp_path):
     df = pd.read_csv(io.StringIO(run.stdout))
     row = df[(df.layer == 1) & (df["head"] == 1)].iloc[0]
     assert row["copy_suppression"] == 1.0 and row["label"] == "copy_suppression"
+
+
+@torch.no_grad()
+def test_path_patching_with_a_receiver_before_every_sender_of_a_group():
+    """Receivers in layers 0 and 2, one sender per forward: a layer-1 sender's forward starts after the layer-0
+    receiver (Gemma 3's S-inhibition run hit this as a KeyError); its effect is the one through layer 2 alone."""
+    from analyses import logit_difference, path_patching
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = interp.load_model(LlamaForCausalLM(cfg).eval())
+    g = torch.Generator().manual_seed(1)
+    clean, corrupted = torch.randint(1, 99, (4, 10), generator=g), torch.randint(1, 99, (4, 10), generator=g)
+    metric = logit_difference(5, 7)
+    senders = [(1, h) for h in range(4)]
+    both = path_patching(model, clean, corrupted, [(0, 1), (2, 0)], metric, senders=senders, heads_per_forward=1)
+    late = path_patching(model, clean, corrupted, [(2, 0)], metric, senders=senders, heads_per_forward=1)
+    assert np.allclose(both["metric"].to_numpy(), late["metric"].to_numpy(), rtol=0, atol=1e-6)
+    assert late["effect"].abs().max() > 0  # the senders do act through layer 2

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     _format_option(p)
     p.add_argument("--kinds", "--scores", dest="kinds", default=None,
                    help="comma-separated score kinds (default: all attention-pattern kinds that apply); on request also "
-                        "successor, copy_suppression, name_mover, s_inhibition, function_vector, retrieval")
+                        "successor, copy_suppression, copy_suppression_behaviour, name_mover, s_inhibition, "
+                        "function_vector, retrieval")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
                    help="with --scores retrieval: the longest needle-in-a-haystack prompt (default: the model's "
                         "positions, at most 8192)")
