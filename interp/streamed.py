@@ -24,7 +24,7 @@ import copy
 import types
 from collections.abc import Mapping
 
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from hooks.points import TORCH_HOOK_TABLES
 
@@ -33,13 +33,13 @@ from . import model as _model
 from .attention import attached_layer_hooks
 from .pruning import CONFIG_KEY as PRUNED_KEY
 from .pruning import kept_heads, plan_layer
-from .streaming import STREAM_ATTR, _check, _LayerStream
-from .streaming_cache import StreamingCache, StreamingLayer
+from .streaming import STREAM_ATTR, _check, _LayerStream, layer_windows, streaming_cache
 
 __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 
 CONFIG_KEY = "interp_streaming_heads"
-_PLAN = "_interp_stream_plan"  # on the HF model: (sink, window, per layer (kv_full, kv_stream) or None)
+_PLAN = "_interp_stream_plan"  # on the HF model: (each layer's sliding window, per layer
+                               # (kv_full, kv_stream) or None, sink, window)
 _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin method that builds generate's cache
 
 
@@ -107,7 +107,7 @@ def _attach(model) -> None:
         spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window)
         module.__dict__[STREAM_ATTR] = spec
         plan.append((spec.kv_full, spec.kv_stream) if spec.kv_stream else None)
-    model.hf.__dict__[_PLAN] = (sink, window, plan)
+    model.hf.__dict__[_PLAN] = (layer_windows(model), plan, sink, window)  # streaming_cache's arguments
     model.hf.__dict__[_PREPARE] = types.MethodType(_prepare_cache_for_generation, model.hf)
 
 
@@ -115,7 +115,7 @@ def _streaming_cache_fits(hf, model_kwargs) -> bool:
     """Whether generate may use a StreamingCache: a plan with something to shrink, eval mode, no padding, no
     attention hook active, and the streaming specs still attached."""
     plan = hf.__dict__.get(_PLAN)
-    if plan is None or not any(plan[2]) or hf.training:
+    if plan is None or not any(plan[1]) or hf.training:
         return False
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
@@ -136,9 +136,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, 
     for name, before in given.items():
         made = model_kwargs.get(name)
         if before is None and type(made) is DynamicCache and _streaming_cache_fits(self, model_kwargs):
-            sink, window, plan = self.__dict__[_PLAN]
-            model_kwargs[name] = StreamingCache([DynamicLayer() if p is None else StreamingLayer(*p, sink, window)
-                                                 for p in plan])
+            model_kwargs[name] = streaming_cache(*self.__dict__[_PLAN])
     return result
 
 

@@ -293,14 +293,27 @@ class Streaming:
 
     def new_cache(self) -> StreamingCache:
         """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate``, inside this block only."""
-        layers = []
-        for l in range(self.model.cfg.n_layers):
-            s, left = self._layers.get(l), self.model.structure.layer_attn[l].window[0]
-            if s is not None and s.kv_stream:
-                layers.append(StreamingLayer(s.kv_full, s.kv_stream, self.sink, self.window))
-            else:  # a sliding-window layer keeps its window, as HF's own cache does (Gemma 3's local layers)
-                layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
-        return StreamingCache(layers)
+        kv = [(s.kv_full, s.kv_stream) if s is not None and s.kv_stream else None
+              for s in map(self._layers.get, range(self.model.cfg.n_layers))]
+        return streaming_cache(layer_windows(self.model), kv, self.sink, self.window)
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (keys before the query; None for full attention), as ``streaming_cache`` takes."""
+    return [model.structure.layer_attn[l].window[0] for l in range(model.cfg.n_layers)]
+
+
+def streaming_cache(windows: list, kv: list, sink: int, window: int) -> StreamingCache:
+    """An empty cache whose layer ``l`` keeps sink + window entries of its streaming key/value heads (``kv[l]``:
+    ``(kv_full, kv_stream)``, or None where no key/value head streams); a layer with nothing streaming keeps every
+    key, or its sliding window ``windows[l]`` where it has one, as HF's own cache does (Gemma 3's local layers)."""
+    layers = []
+    for left, split in zip(windows, kv):
+        if split is not None:
+            layers.append(StreamingLayer(*split, sink, window))
+        else:
+            layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
+    return StreamingCache(layers)
 
 
 @contextmanager
