@@ -1,6 +1,7 @@
-"""The CLI and the report on encoder-decoder models: every command runs on a saved tiny T5 (heads per site, SITE.HEAD
-head specs) or refuses in one line what does not apply yet; the report of the copy toy finds its copying
-cross-attention heads and reads offline in Chromium."""
+"""The CLI and the report on encoder-decoder models: every command runs on a saved tiny T5 or BART (heads per site,
+SITE.HEAD head specs) or refuses in one line what does not apply (T5 cannot be pruned structurally: one position
+bias serves every block's heads); the report of the copy toy finds its copying cross-attention heads and reads
+offline in Chromium."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def t5_folder(tmp_path_factory):
             if name.endswith((".q.weight", ".k.weight")):
                 p.mul_(3)
     hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bart_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bart")
+    tiny_model("bart", cls=model_class("bart", seq2seq=True)).save_pretrained(folder)
     return folder
 
 
@@ -61,9 +69,10 @@ def test_heads_ablate_and_patch_name_every_site(t5_folder):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["attribute"], "use interp patch --method attribution"),
     (["patch", "--method", "path", "--receivers", "1.0"], "use --method activation or attribution"),
     (["prune", "--save", "{tmp}/pruned", "--fraction", "0.3"], "drop --save"),
+    (["prune", "--save", "{tmp}/pruned", "--fraction", "0.3"], "relative position bias"),
+    (["attribute", "--text", "5 6", "--answer", "7", "--target", "x"], "--target: this model has no tokenizer"),
     (["plot", "--layer", "0", "--head", "0", "--out", "{tmp}/map.png"], "use interp view"),
     (["patch", "--clean", "a", "--corrupted", "b", "--answer", "x", "--wrong", "y"], "copy task"),
     (["ablate", "--heads", "decoder.blocks.9.cross_attn.0"], "decoder.blocks"),
@@ -71,6 +80,38 @@ def test_heads_ablate_and_patch_name_every_site(t5_folder):
 def test_what_does_not_apply_is_refused_in_one_line(t5_folder, tmp_path, argv, says):
     code, _, err = run(*[a.format(tmp=tmp_path) for a in argv], "--model", t5_folder)
     assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_attribute_splits_the_decoders_logit_over_its_self_and_cross_heads(bart_folder):
+    code, out, _ = run("attribute", "--model", bart_folder, "--format", "csv", "--n-prompts", "4")
+    df = pd.read_csv(io.StringIO(out))
+    heads = df[df["component"] == "head"]
+    assert code == 0 and set(heads["site"]) == {"decoder.blocks.0.attn", "decoder.blocks.0.cross_attn",
+                                                "decoder.blocks.1.attn", "decoder.blocks.1.cross_attn"}
+    assert len(heads) == 4 * 4 and heads["kind"].tolist().count("cross") == 8
+    remainder = float(df.loc[df["component"] == "remainder", "attribution"].iloc[0])
+    assert abs(remainder) < 1e-3 * df["attribution"].abs().sum()  # the parts add up to the logit
+
+    # a source, the target so far and the next token, as token ids (the model has no tokenizer)
+    code, out, _ = run("attribute", "--model", bart_folder, "--text", "5 6 7 8", "--target", "5 6",
+                       "--answer", "7", "--wrong", "9")
+    assert code == 0 and "source '5 6 7 8', target '5 6': logit difference" in out and "cross_attn" in out
+    code, out, _ = run("attribute", "--model", bart_folder, "--lens", "--format", "csv", "--n-prompts", "4")
+    lens = pd.read_csv(io.StringIO(out))
+    assert code == 0 and lens["layer"].tolist() == [-1, 0, 1]
+
+
+def test_prune_saves_a_model_without_its_least_important_heads_per_site(bart_folder, tmp_path):
+    import interp
+
+    code, out, err = run("prune", "--model", bart_folder, "--n-prompts", "4", "--step", "0.5",
+                         "--save", tmp_path / "pruned", "--fraction", "0.25")
+    assert code == 0 and "importance" in out and "saved a model without 6 heads" in err
+    dropped = err.split("(")[1].split(")")[0].split(", ")
+    assert all(d.rsplit(".", 1)[0] in {s.name for s in interp.load_model(bart_folder).cfg.sites} for d in dropped)
+    pruned = interp.load_model(tmp_path / "pruned")
+    assert sum(s.n_heads for s in pruned.cfg.sites) == 6 * 4 - 6
+    assert all(s.n_heads >= 1 for s in pruned.cfg.sites)
 
 
 def test_view_offers_every_site(t5_folder, tmp_path):

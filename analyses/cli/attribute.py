@@ -1,8 +1,10 @@
-"""`interp attribute`: direct logit attribution of every head and MLP, or the logit lens."""
+"""`interp attribute`: direct logit attribution of every head and MLP, or the logit lens, on every model: a head is a
+row per ``(site, head)`` of the stack that feeds the logits (an encoder-decoder model's decoder self- and
+cross-attention sites alike)."""
 
 from __future__ import annotations
 
-from .common import (UserError, _Progress, _emit, _format_option, _load, _model_options, _positive_int, _refuse_seq2seq,
+from .common import (UserError, _Progress, _emit, _format_option, _id_line, _load, _model_options, _positive_int,
                      _text_or_ids, _token)
 
 
@@ -11,7 +13,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("attribute", help="direct logit attribution of every head and MLP (or the logit lens)")
     _model_options(p)
     _format_option(p)
-    p.add_argument("--text", default=None, help="the input (default: the induction task's second copy)")
+    p.add_argument("--text", default=None, help="the input (default: the induction task's second copy; an "
+                   "encoder-decoder model's: the copy task's last target token); an encoder-decoder model's source")
+    p.add_argument("--target", default=None, help="encoder-decoder models: the target so far, fed to the decoder "
+                   "behind its start token (default: none, the first target token is attributed)")
     p.add_argument("--answer", default=None, help="the next token to attribute (a token or its id)")
     p.add_argument("--wrong", default=None, help="attribute logit[answer] - logit[wrong]")
     p.add_argument("--lens", action="store_true", help="print the logit lens instead")
@@ -23,26 +28,31 @@ def add_parser(sub) -> None:
 def cmd_attribute(args) -> int:
     from ..attribution import token_ids
     from ..logit_attribution import direct_logit_attribution, logit_lens
+    from ..seq2seq import is_seq2seq
 
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
         model = _load(args)
-        _refuse_seq2seq(model, "interp attribute (its prompts and --text are decoder-only inputs)",
-                        "call analyses.direct_logit_attribution or logit_lens on a batch with decoder_input_ids "
-                        "(the decoder stack), or use interp patch --method attribution.")
+        seq2seq = is_seq2seq(model)
+        if args.target is not None and not seq2seq:
+            raise UserError("--target is an encoder-decoder model's target so far; a decoder-only model reads "
+                            "--text alone")
         if args.text is None:
-            from ..tasks import induction_task
-
-            clean, _, _ = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
-            inputs, answer, wrong = clean[:, :-1], clean[:, -1], None
-            what = "the induction task's second copy, last token"
+            if args.target is not None:
+                raise UserError("--target goes with --text (the source) and --answer")
+            inputs, answer, what = _default_inputs(model, args, seq2seq)
+            wrong = None
         else:
             if args.answer is None:
                 raise UserError("--text needs --answer (the next token to attribute), and optionally --wrong")
-            inputs = _text_or_ids(args.text, model)
             answer = token_ids(model, _token(args.answer), 1, "--answer")
             wrong = None if args.wrong is None else token_ids(model, _token(args.wrong), 1, "--wrong")
-            what = repr(args.text)
+            inputs = _text_or_ids(args.text, model)
+            if seq2seq:  # the decoder reads its start token and the target so far; its last position predicts answer
+                inputs, what = _pair(model, inputs, args.target, answer), f"source {args.text!r}"
+                what += f", target {args.target!r}" if args.target else ", the first target token"
+            else:
+                what = repr(args.text)
         progress("attribution")
         if args.lens:
             df = logit_lens(model, inputs, answer=answer)
@@ -54,3 +64,36 @@ def cmd_attribute(args) -> int:
         df = df.reindex(df["attribution"].abs().sort_values(ascending=False).index).head(args.top)
     _emit(df, args.format)
     return 0
+
+
+def _default_inputs(model, args, seq2seq: bool):
+    """(inputs, answer, description): the induction task's second copy (its last token), or on an encoder-decoder
+    model the copy task, teacher-forced (its last target token)."""
+    if seq2seq:
+        from ..seq2seq import copy_task
+
+        batch = copy_task(model, n=args.n_prompts, length=12, seed=args.seed)
+        return batch, batch["labels"][:, -1], f"the copy task ({args.n_prompts} pairs), last target token"
+    from ..tasks import induction_task
+
+    clean, _, _ = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
+    return clean[:, :-1], clean[:, -1], "the induction task's second copy, last token"
+
+
+def _pair(model, source, target: str | None, answer) -> dict:
+    """An encoder-decoder batch: the source, and the decoder fed its start token and ``target``'s tokens (no special
+    tokens added), so that its last position predicts ``answer``."""
+    import torch
+
+    from interp.inputs import encode
+
+    if target is None:
+        ids = []
+    elif model.tokenizer is None:
+        ids = _id_line(target, "--target")
+    else:
+        ids = encode(model.tokenizer, target, add_special_tokens=False)
+    batch = source if isinstance(source, dict) else {"input_ids": source, "attention_mask": None}
+    labels = torch.tensor([[*ids, int(answer[0])]], device=model.device)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
+            "decoder_input_ids": model.decoder_inputs(labels)}

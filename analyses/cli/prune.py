@@ -1,12 +1,13 @@
-"""`interp prune`: pruning curves, importance against random; with --save, a structurally pruned copy."""
+"""`interp prune`: pruning curves, importance against random; with --save, a structurally pruned copy of any model
+(its heads are ``(site, head)``: an encoder-decoder model's encoder, decoder and cross-attention sites alike)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from .common import (UserError, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
-                     _prompts, _rank_zero_path, _refuse_seq2seq)
+from .common import (UserError, _one_line, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
+                     _prompts, _rank_zero_path)
 
 
 def add_parser(sub) -> None:
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
 def cmd_prune(args) -> int:
     from interp import distributed
 
-    from ..pruning import curve_summary, head_importance, prune_model
+    from ..pruning import curve_summary
     from ..views.report import study_inputs
 
     if args.save is not None:  # check before any work
@@ -36,12 +37,14 @@ def cmd_prune(args) -> int:
         _check_out(args.save, args.force)
     elif args.fraction is not None:
         raise UserError("--fraction goes with --save DIR (where the pruned model is written)")
-    with _Progress(["load", "pruning curves"]) as progress:
+    with _Progress(["load", *(["importance"] if args.save is not None else []), "pruning curves"]) as progress:
         progress("load")
         model = _load(args)
-        if args.save is not None:
-            _refuse_seq2seq(model, "--save (a structurally pruned copy)", "drop --save to get the pruning curves.")
         inputs, metric, what = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
+        pruned = heads = None
+        if args.save is not None:  # before the curves: a model that cannot be sliced is refused at once
+            progress("importance")
+            pruned, heads = _pruned(model, inputs, metric, args.fraction)
         progress("pruning curves")
         curves = _pruning_curves(model, inputs, metric, args.step, args.seed)
     if args.format == "table":
@@ -50,16 +53,7 @@ def cmd_prune(args) -> int:
         _emit(curve_summary(curves, threshold), "table")
         print()
     _emit(curves, args.format)
-    if args.save is not None:
-        importance = head_importance(model, inputs, loss=metric)
-        n = int(round(args.fraction * len(importance)))
-        left = dict(enumerate(model.cfg.heads_per_layer))
-        heads = []  # the n least important, keeping at least one head in every layer
-        for r in importance.sort_values(["importance", "layer", "head"]).itertuples():
-            if len(heads) < n and left[r.layer] > 1:
-                heads.append((int(r.layer), int(r.head)))
-                left[r.layer] -= 1
-        pruned = prune_model(model, heads)
+    if pruned is not None:
         from interp.files import staged_folder
 
         with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
@@ -78,3 +72,27 @@ def _pruning_curves(model, inputs, metric, step: float, seed: int):
     return pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step),
                       pruning_curve(model, inputs, metric, order="random", step=step,
                                     seeds=tuple(range(seed, seed + 3)))])
+
+
+def _pruned(model, inputs, metric, fraction: float):
+    """(the pruned model, the heads it lost): the ``fraction`` of heads least important by Michel et al.'s importance,
+    keeping at least one head at every site (layer). A model whose heads cannot be sliced (T5: one relative
+    position bias shared by every block's heads) is refused in one line."""
+    from interp.sites import row_head
+
+    from ..pruning import head_importance, prune_model
+
+    importance = head_importance(model, inputs, loss=metric)
+    n = int(round(fraction * len(importance)))
+    sites = importance["site"] if "site" in importance else importance["layer"]
+    left = sites.value_counts().to_dict()
+    heads = []  # the n least important (ties: in site order), keeping at least one head at every site
+    order = importance["importance"].sort_values(kind="stable").index
+    for where, r in zip(sites[order], importance.loc[order].itertuples()):
+        if len(heads) < n and left[where] > 1:
+            heads.append(row_head(model, r))
+            left[where] -= 1
+    try:
+        return prune_model(model, heads), heads
+    except NotImplementedError as err:
+        raise UserError(f"--save: {_one_line(err)}; drop --save to get the pruning curves") from None
