@@ -31,17 +31,56 @@ import torch
 from .engine import Shard
 from .scores import pattern_scores
 
-__all__ = ["CROSS_KINDS", "copy_accuracy", "copy_patching_task", "copy_task", "is_seq2seq", "seq2seq_heads", "train_copy_model"]
+__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task", "copy_task",
+           "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
 
 
 CROSS_KINDS = ("alignment", "source_sink", "source_positional")
 CROSS_THRESHOLDS = {"alignment": 0.4, "source_sink": 0.3, "source_positional": 0.9}
+# The score columns of cross-attention heads a grid is coloured by (source_positional reads its fraction), and each
+# kind's one-line definition, as above.
+CROSS_SCORES = ("alignment", "source_positional_fraction", "source_sink")
+CROSS_DEFINITIONS = {
+    "alignment": "cross-attention: the weight a target position i puts on source position i (on the copy task, "
+                 "the token being copied)",
+    "source_sink": "cross-attention: the weight a target position puts on source position 0",
+    "source_positional": "cross-attention: the share of target rows whose largest weight sits at one fixed offset "
+                         "from the aligned source position (Voita et al. 2019); the offset is source_positional_offset",
+}
 
 
 def is_seq2seq(model) -> bool:
-    from interp.seq2seq import Seq2SeqHookedModel
+    """Whether the model's sites read a batch of two sequences (a source and a target fed to a decoder stack of its
+    own): a fact of its sites (``site.queries``), not of its class."""
+    return any(s.queries == "decoder_input_ids" for s in model.cfg.sites)
 
-    return isinstance(model, Seq2SeqHookedModel)
+
+def pair_batch(model, inputs) -> dict:
+    """``{"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"}`` (masks None where there is
+    no padding) from a ``(source, target)`` pair (texts or token ids; the target is fed shifted right behind the
+    decoder's start token, teacher-forced, ``model.decoder_inputs``) or a batch dict with ``input_ids`` and
+    ``decoder_input_ids`` (or ``labels``, shifted)."""
+    if isinstance(inputs, Mapping):
+        if "input_ids" not in inputs or not {"decoder_input_ids", "labels"} & set(inputs):
+            raise ValueError(f"A batch for an encoder-decoder view needs input_ids and decoder_input_ids (or labels); "
+                             f"got keys {sorted(inputs)}.")
+        src, src_mask = model._ids(inputs["input_ids"], inputs.get("attention_mask"), "input_ids")
+        if "decoder_input_ids" in inputs:
+            tgt, tgt_mask = model._ids(inputs["decoder_input_ids"], inputs.get("decoder_attention_mask"),
+                                       "decoder_input_ids")
+            return {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
+                    "decoder_attention_mask": tgt_mask}
+        labels, labels_mask = model._ids(inputs["labels"], inputs.get("decoder_attention_mask"), "labels")
+    elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+        src, src_mask = model._ids(inputs[0], None, "input_ids")  # text is tokenized, padded on the right
+        labels, labels_mask = model._ids(inputs[1], None, "labels")
+    else:
+        raise ValueError("An encoder-decoder view needs a source and a target: pass (source, target) (texts or token "
+                         "ids) or a batch dict with input_ids and decoder_input_ids; got "
+                         f"{'nothing' if inputs is None else type(inputs).__name__}.")
+    tgt_mask = None if labels_mask is None else torch.cat([torch.ones_like(labels_mask[:, :1]), labels_mask[:, :-1]], 1)
+    return {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": model.decoder_inputs(labels),
+            "decoder_attention_mask": tgt_mask}
 
 
 def copy_task(model, n: int = 64, length: int = 10, seed: int = 0) -> dict:

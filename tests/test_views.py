@@ -85,6 +85,16 @@ def test_a_cache_view_equals_a_model_view_and_reads_only_the_heads_shown(toy, to
         head_view(cache, None, layers=[0])
 
 
+def test_sites_name_the_layers_of_a_decoder_only_model(toy, tokens):
+    """(site, head) on every model: a decoder-only model's sites are its layers, by name or number."""
+    by_site = head_view(toy, tokens, heads=[("blocks.1.attn", 3), (0, 1)]).data
+    assert by_site["layers"] == [0, 1] and by_site["heads"] == [[1], [3]] and "sites" not in by_site
+    assert by_site["weights"] == head_view(toy, tokens, heads=[(0, 1), (1, 3)]).data["weights"]
+    assert head_view(toy, tokens, layers="blocks.1.attn").data["weights"] == head_view(toy, tokens, layers=1).data["weights"]
+    with pytest.raises(KeyError, match="blocks.1.attn"):
+        head_view(toy, tokens, layers="blocks.1.atn")
+
+
 def test_padding_is_dropped_and_a_padded_row_shows_what_it_shows_alone(toy):
     short, long = torch.arange(1, 9), torch.arange(1, 17)
     ids = torch.stack([long, torch.cat([torch.zeros(8, dtype=torch.long), short])])

@@ -5,10 +5,10 @@ The JavaScript and CSS (``assets/view.js``, ``assets/view.css``: vanilla, no lib
 are inline, so the page makes no request of any kind. The interactive elements carry stable ``data-role``,
 ``data-layer``, ``data-head`` and ``data-token`` attributes for tests and scripts.
 
-Encoder-decoder models (``Seq2SeqHookedModel``) have three kinds of attention, each a *site*
-(``model.cfg.sites``): what a decoder-only view calls a layer is a site there, named in the page by stack, block
-and kind ("encoder 0 self", "decoder 0 self", "decoder 0 cross"); ``data-layer`` is the site's index in
-``model.cfg.sites`` and ``data-site`` its name. Encoder self-attention shows source tokens on both sides,
+Every model is a list of attention *sites* (``model.cfg.sites``, read by ``runs.py``) and the selector picks one: on
+a decoder-only or encoder model the sites are the layers ("layer 3"); an encoder-decoder model's are named in the
+page by stack, block and kind ("encoder 0 self", "decoder 0 self", "decoder 0 cross"), ``data-layer`` is the site's
+index in ``model.cfg.sites`` and ``data-site`` its name. Encoder self-attention shows source tokens on both sides,
 decoder self-attention target tokens, cross-attention target tokens (queries) against source tokens (keys).
 
 Patterns come from ``cache.pattern(layer, heads)``: on the flash path only the heads shown are rebuilt from the
@@ -26,18 +26,14 @@ kept. The weight shown on hover is the pattern's weight to those 4 decimals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import numpy as np
-import torch
 from interp.sites import one_site_per_layer
 
-from .common import (MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens,
-                     visible_token)
-from .seq2seq import CROSS_DEFINITIONS, CROSS_SCORES, _embed_sites, _Seq2SeqRun, _site_indices
+from ..seq2seq import CROSS_DEFINITIONS, CROSS_SCORES
+from .common import MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens, visible_token
+from .runs import SIDES, _Run, places_of, site_indices
 
-__all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token"]
+__all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token", "model_tokens"]
 
 LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines need a row per token)
 # Score columns of detect_heads a grid can be coloured by, in LABEL_ORDER; positional reads its fraction.
@@ -53,14 +49,15 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     source: a ``HookedModel`` with ``text_or_tokens`` (a text, token ids ``(p,)`` or ``(b, p)``, or
       ``model.to_tokens`` output), run once capturing q and k; or an ``ActivationCache`` from ``run_with_cache``
       (either path) with ``text_or_tokens`` the token strings to label it with (default: positions).
-    layers: a layer or layers to offer in the selector (default all). heads: head indices shown in each of them
-      (default all), or ``(layer, head)`` pairs (then ``layers`` follows from them).
+    layers: a layer or layers to offer in the selector (default all), by number or site name (``"blocks.3.attn"``).
+      heads: head indices shown in each of them (default all), or ``(layer, head)`` or ``(site, head)`` pairs
+      (then ``layers`` follows from them).
     window: ``(start, stop)``: only positions ``start .. stop - 1`` (slice rules) of a longer prompt; hovering a
       query also shows how much of its weight falls outside the window.
     batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
       heatmap per head); default lines up to 128 tokens.
 
-    Encoder-decoder models (T5, BART, ...: a ``Seq2SeqHookedModel``) show one attention *site* at a time:
+    Encoder-decoder models (T5, BART, ...) show one attention *site* at a time, as others show one layer:
       source: the model with ``text_or_tokens`` one of
         - a ``(source, target)`` pair, each a text, a list of texts, token ids ``(p,)`` or ``(b, p)``: the target
           is what the decoder should produce, fed shifted right as in training (``model.decoder_inputs``), so
@@ -68,7 +65,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
         - a batch dict with ``input_ids`` and ``decoder_input_ids`` (``attention_mask``,
           ``decoder_attention_mask`` optional; ``labels`` instead of ``decoder_input_ids`` are shifted), e.g.
           ``analyses.seq2seq.copy_task(model)``: the decoder's tokens are ``decoder_input_ids`` as given;
-      or a ``Seq2SeqCache`` with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
+      or its cache with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
       ``(p,)`` or ``(b, p)``), or the batch dict it was run on, or None (positions).
       layers: sites, as names (``"decoder.blocks.0.cross_attn"``) or indices into ``model.cfg.sites``; heads:
       head indices, or ``(site, head)`` pairs. window is not offered (the source and target are shown whole).
@@ -81,11 +78,11 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     """
     if display not in (None, "lines", "matrix"):
         raise ValueError(f"display is 'lines' or 'matrix'; got {display!r}.")
-    layers, heads = _site_indices(source, layers, heads)
+    layers, heads = site_indices(places_of(source), layers, heads)
     run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads))
     chosen = _choose(run, layers, heads)
     data = _embed(run, chosen, window, "head view")
-    sequences = [data["source"], data["target"]] if "sites" in data else [data]
+    sequences = [data[side] for side in SIDES.values()] if "sites" in data else [data]
     data["display"] = display or ("lines" if max(len(s["tokens"]) for s in sequences) <= LINES_UP_TO else "matrix")
     data["title"] = title or f"head view: {run.name}"
     return HeadView(data)
@@ -113,7 +110,7 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
 
         scores = detect_heads(run.model)
     data = _embed(run, _choose(run, None, None), window, "grid")
-    data["scores"] = None if scores is None else _score_table(scores, getattr(run, "sites", None))
+    data["scores"] = None if scores is None else _score_table(scores, run.places if run.multi else None)
     columns = [] if scores is None else data["scores"]["columns"]
     if score is not None:
         score = "positional_fraction" if score == "positional" else score
@@ -125,102 +122,7 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
     return AttentionGrid(data)
 
 
-# -- reading patterns ------------------------------------------------------------------------------------
-@dataclass
-class _Run:
-    """One sequence's cache: the patterns to show come from ``cache.pattern``; ``keep`` drops its padding."""
-
-    cache: object
-    batch: int
-    keep: torch.Tensor | None  # (p,) bool, or None when the sequence has no padding
-    tokens: list[str]
-    heads_per_layer: list[int]
-    available: list[int]  # layers whose patterns the cache can give
-    name: str
-    model: object = None
-
-    unit = "layer"  # what the selector picks: a layer here, a site in an encoder-decoder model
-
-    @classmethod
-    def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None) -> _Run:
-        from hooks import ActivationCache
-        from interp import HookedModel, Seq2SeqHookedModel
-        from interp.seq2seq import Seq2SeqCache
-
-        if isinstance(source, Seq2SeqHookedModel):
-            return _Seq2SeqRun.from_model(source, text_or_tokens, batch, layers)
-        if isinstance(source, Seq2SeqCache):
-            return _Seq2SeqRun.from_cache(source, text_or_tokens, batch)
-        if isinstance(source, HookedModel):
-            return cls._from_model(source, text_or_tokens, batch, layers)
-        if isinstance(source, ActivationCache):
-            return cls._from_cache(source, text_or_tokens, batch)
-        raise TypeError(f"A view reads a HookedModel (or Seq2SeqHookedModel) with text or tokens, or an "
-                        f"ActivationCache from run_with_cache; got {type(source).__name__}.")
-
-    @classmethod
-    def _from_model(cls, model, inputs, batch: int, layers: list[int] | None) -> _Run:
-        if inputs is None:
-            raise ValueError("head_view(model, text_or_tokens): give the text (or token ids) to run.")
-        ids, mask = model._inputs(inputs)
-        if not 0 <= batch < ids.shape[0]:
-            raise IndexError(f"batch {batch} is out of range: the input holds {ids.shape[0]} sequence(s).")
-        row = ids[batch] if mask is None else ids[batch][mask[batch].bool()]  # padding dropped: run alone
-        n_layers = model.cfg.n_layers
-        layers = range(n_layers) if layers is None else layers
-        bad = [l for l in layers if not 0 <= l < n_layers]
-        if bad:
-            raise IndexError(f"layer {bad[0]} is out of range: this model has layers 0..{n_layers - 1}.")
-        names = [f"blocks.{l}.attn.hook_{kind}" for l in layers for kind in ("q", "k")]
-        with model.studying(), torch.no_grad():
-            _, cache = model.run_with_cache(row[None], names=names)
-        return cls(cache, 0, None, model_tokens(model, row),
-                   list(model.cfg.heads_per_layer), list(layers), f"{type(model.hf).__name__} ({model.attn} path)",
-                   model)
-
-    @classmethod
-    def _from_cache(cls, cache, tokens, batch: int) -> _Run:
-        meta = cache.meta
-        if meta is not None:
-            heads_per_layer = [meta.heads(l)[0] for l in range(len(meta.scaling))]
-        else:  # a cache of patterns made by hand
-            layers = sorted(int(k.split(".")[1]) for k in cache.keys() if k.endswith(".attn.hook_pattern"))
-            heads_per_layer = [cache["pattern", l].shape[1] if l in layers else 0
-                               for l in range(max(layers) + 1 if layers else 0)]
-        available = [l for l, n in enumerate(heads_per_layer) if n and (
-            ("pattern", l) in cache or meta is not None and ("q", l) in cache and ("k", l) in cache)]
-        if not available:
-            raise KeyError("This cache holds neither q and k nor patterns of any layer; run_with_cache captures q "
-                           "and k by default.")
-        ref = cache["pattern", available[0]] if ("pattern", available[0]) in cache else cache["q", available[0]]
-        n_batch, n_pos = ref.shape[0], ref.shape[-1] if ("pattern", available[0]) in cache else ref.shape[1]
-        if not 0 <= batch < n_batch:
-            raise IndexError(f"batch {batch} is out of range: the cache holds {n_batch} sequence(s).")
-        mask = None if meta is None else meta.attention_mask
-        keep = None if mask is None else mask[batch].bool().cpu()
-        n_real = n_pos if keep is None else int(keep.sum())
-        if isinstance(tokens, str):
-            raise TypeError("A cache cannot tokenize text: pass its token strings, e.g. model.to_str_tokens(ids), "
-                            "or give the model and the text instead of the cache.")
-        if tokens is None:
-            labels = [str(i) for i in range(n_pos)]
-        else:
-            if isinstance(tokens, torch.Tensor) and tokens.ndim == 2 or \
-                    isinstance(tokens, Sequence) and tokens and isinstance(tokens[0], (list, tuple, torch.Tensor)):
-                tokens = tokens[batch]
-            labels = [visible_token(t.item() if isinstance(t, torch.Tensor) else t) for t in tokens]
-        if keep is not None and len(labels) == n_pos:
-            labels = [t for t, k in zip(labels, keep.tolist()) if k]
-        if len(labels) != n_real:
-            raise ValueError(f"{len(labels)} token labels for a sequence of {n_real} real positions.")
-        return cls(cache, batch, keep, labels, heads_per_layer, available, "cached run")
-
-    def pattern(self, layer: int, heads: list[int]) -> torch.Tensor:
-        """(h, q, k) float32 on the CPU, padding dropped."""
-        p = self.cache.pattern(layer, heads)[self.batch].float().cpu()
-        return p if self.keep is None else p[:, self.keep][:, :, self.keep]
-
-
+# -- choosing and packing what a view embeds ----------------------------------------------------------
 def _needed_layers(layers, heads) -> list[int] | None:
     """The layers whose q and k a model run must capture (None: all)."""
     if heads is not None and len(heads) and isinstance(heads[0], (tuple, list)):
@@ -261,37 +163,53 @@ def _choose(run: _Run, layers, heads) -> dict[int, list[int]]:
     return dict(sorted(chosen.items()))
 
 
-def _embed(run, chosen: dict[int, list[int]], window, what: str) -> dict:
-    """The data every view embeds: tokens, the chosen heads' weights (and, windowed, the weight outside)."""
-    if hasattr(run, "sites"):  # an encoder-decoder model's run (views/seq2seq.py)
-        return _embed_sites(run, chosen, window, what)
-    n_total = len(run.tokens)
-    lo, hi = _window(window, n_total)
-    n = hi - lo
-    n_heads = sum(len(h) for h in chosen.values())
-    size = 2 * n_heads * n * n * 4 / 3  # base64 bytes of the full matrices, before the triangle is dropped
-    if size > MAX_BYTES:
-        raise ValueError(f"This {what} would embed about {size / 1e6:.0f} MB of weights ({n_heads} heads x {n}^2 "
-                         f"positions); show fewer with layers=, heads= or window=(start, stop).")
+def _embed(run: _Run, chosen: dict[int, list[int]], window, what: str) -> dict:
+    """The data every view embeds: each sequence's tokens, the chosen heads' weights site after site, each
+    ``(q, k)`` (the lower triangle alone where nothing above the diagonal is left); windowed, the weight outside."""
+    if run.multi and window is not None:
+        raise ValueError("window= picks positions of one sequence; an encoder-decoder view shows its source and target "
+                         "whole: give shorter inputs, or fewer sites and heads with layers= and heads=.")
+    n_total = {e: len(t) for e, t in run.tokens.items()}
+    lo, hi = _window(window, n_total["input_ids"]) if not run.multi else (0, None)
+    span = lambda e: (lo, hi) if not run.multi else (0, n_total[e])  # noqa: E731
+    n = {e: span(e)[1] - span(e)[0] for e in n_total}
+    size = 2 * sum(len(h) * n[run.places[l].queries] * n[run.places[l].keys] for l, h in chosen.items()) * 4 / 3
+    if size > MAX_BYTES:  # base64 bytes of the full matrices, before a triangle is dropped
+        what_tokens = (f"{n['input_ids']} source and {n['decoder_input_ids']} target tokens" if run.multi else
+                       f"{sum(len(h) for h in chosen.values())} heads x {n['input_ids']}^2 positions")
+        how = "sites and heads with layers= and heads=" if run.multi else "with layers=, heads= or window=(start, stop)"
+        raise ValueError(f"This {what} would embed about {size / 1e6:.0f} MB of weights ({what_tokens}); show fewer "
+                         f"{how}.")
     shown, outside = [], []
     for layer, heads in chosen.items():
+        place, where = run.places[layer], (run.places[layer].name if run.multi else f"layer {layer}")
         pattern = run.pattern(layer, heads)  # (h, q, k)
-        part = pattern[:, lo:hi, lo:hi]
-        shown.append(_quantise(part, f"layer {layer}", heads))
-        if (lo, hi) != (0, n_total):  # the weight of each shown query on keys outside the window
+        (q0, q1), (k0, k1) = span(place.queries), span(place.keys)
+        part = pattern[:, q0:q1, k0:k1]
+        shown.append(_quantise(part, where, heads))  # (h, q, k) uint16
+        if window is not None and (lo, hi) != (0, n_total["input_ids"]):  # each shown query's weight outside
             weight = (pattern[:, lo:hi].sum(-1) - part.sum(-1)).clamp(min=0.0)
-            outside.append(_quantise(weight, f"layer {layer}", heads))
-    weights = np.stack([m for block in shown for m in block])  # (heads, q, k) uint16
-    packed = not np.triu(weights, 1).any()
-    rows, cols = np.tril_indices(n)
-    flat = weights[:, rows, cols] if packed else weights.reshape(len(weights), -1)
-    return {
-        "tokens": run.tokens[lo:hi], "positions": list(range(lo, hi)), "length": n_total,
-        "window": None if (lo, hi) == (0, n_total) else [lo, hi],
-        "layers": list(chosen), "heads": list(chosen.values()), "packed": bool(packed), "scale": SCALE,
-        "weights": _b64(flat),
-        "outside": _b64(np.concatenate([o.reshape(-1) for o in outside])) if outside else None,
-    }
+            outside.append(_quantise(weight, where, heads))
+    if run.multi:  # a triangle per site where that site's pattern is square and nothing above is left
+        packed = [bool(w.shape[1] == w.shape[2] and not np.triu(w, 1).any()) for w in shown]
+    else:  # one flag for every head
+        packed = [not any(np.triu(w, 1).any() for w in shown)] * len(shown)
+    flat = [_lower(w) if p else w.reshape(-1) for w, p in zip(shown, packed)]
+    data = {"layers": list(chosen), "heads": list(chosen.values()), "scale": SCALE, "weights": _b64(np.concatenate(flat)),
+            "outside": _b64(np.concatenate([o.reshape(-1) for o in outside])) if outside else None}
+    if run.multi:
+        return {SIDES[e]: {"tokens": t, "positions": list(range(len(t)))} for e, t in run.tokens.items()} | {
+            "sites": [{"name": p.name, "stack": p.stack, "block": p.block, "kind": p.kind, "title": p.title,
+                       "label": p.label, "query": SIDES[p.queries], "key": SIDES[p.keys]} for p in run.places],
+            "window": None, "packed": packed, **data}
+    return {"tokens": run.tokens["input_ids"][lo:hi], "positions": list(range(lo, hi)), "length": n_total["input_ids"],
+            "window": None if (lo, hi) == (0, n_total["input_ids"]) else [lo, hi], "packed": packed[0], **data}
+
+
+def _lower(weights: np.ndarray) -> np.ndarray:
+    """The lower triangle (diagonal included) of each head's square ``(q, q)`` weights, head after head."""
+    rows, cols = np.tril_indices(weights.shape[1])
+    return weights[:, rows, cols].reshape(-1)
 
 
 def _score_table(df, sites=None) -> dict:

@@ -29,13 +29,13 @@ import torch
 from ..attribution import attribution_patching
 from ..heads import detect_heads
 from ..pruning import curve_summary
-from ..seq2seq import CROSS_KINDS, copy_patching_task, copy_task
+from ..seq2seq import CROSS_DEFINITIONS, CROSS_KINDS, copy_patching_task, copy_task
 from ..metrics import target_loss
 from .attention import attention_grid, head_view
 from .report_parts import _Figures, _formats
 from .report_studies import _ablation, _pruning
 from .report_page import _CSS, _table
-from .seq2seq import CROSS_DEFINITIONS
+
 from .study_plots import head_score_grid, patching_heatmap
 
 __all__ = ["write_seq2seq_report", "seq2seq_study_inputs"]
