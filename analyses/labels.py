@@ -5,6 +5,7 @@ scores is read with, whichever module computed the scores (``analyses.scores``, 
 from __future__ import annotations
 
 import pandas as pd
+from interp.sites import one_site_per_layer
 
 __all__ = ["DEFAULT_THRESHOLDS", "TAXONOMY_SCORES", "SCORE_DEFINITIONS", "LABEL_ORDER", "head_labels", "label_heads",
            "resolve_thresholds", "strongest_heads"]
@@ -102,18 +103,23 @@ def resolve_thresholds(thresholds: dict[str, float] | None) -> dict[str, float]:
     return {**DEFAULT_THRESHOLDS, **thresholds}
 
 
-def strongest_heads(df: pd.DataFrame, per_class: int = 3) -> pd.DataFrame:
-    """The ``per_class`` highest-scoring heads of each class that some head clears, classes most specific first:
-    columns ``class``, ``layer``, ``head``, ``score`` and its 95% interval ``lo``/``hi`` (where the frame has one),
-    ``labels``. A short table where a 30-layer model labels hundreds of heads (most of them sinks)."""
+def strongest_heads(df: pd.DataFrame, per_class: int = 3, order: tuple[str, ...] = LABEL_ORDER) -> pd.DataFrame:
+    """The ``per_class`` highest-scoring heads of each class that some head clears, classes in ``order`` (most
+    specific first; an encoder-decoder model's cross-attention classes ``alignment``, ``source_positional``,
+    ``source_sink`` where ``order`` names them): columns ``class``, ``layer``, ``head``, ``score`` and its 95%
+    interval ``lo``/``hi`` (where the frame has one), ``labels``, and ``site`` first where the table's sites are not
+    one per layer. A short table where a 30-layer model labels hundreds of heads (most of them sinks)."""
+    sites = not one_site_per_layer(df)
     rows = []
-    for kind in LABEL_ORDER:
-        column = "positional_fraction" if kind == "positional" else kind
+    for kind in order:
+        column = f"{kind}_fraction" if kind.endswith("positional") else kind
         if column not in df or "labels" not in df:
             continue
-        cleared = df[df["labels"].str.split("+").apply(lambda labels: kind in labels)]
+        cleared = df[df["labels"].fillna("").str.split("+").apply(lambda labels: kind in labels)]
         for r in cleared.sort_values(column, ascending=False).head(per_class).itertuples():
-            rows.append({"class": kind, "layer": int(r.layer), "head": int(r.head), "score": float(getattr(r, column)),
+            rows.append({"class": kind, **({"site": r.site} if sites else {}), "layer": int(r.layer),
+                         "head": int(r.head), "score": float(getattr(r, column)),
                          "lo": float(getattr(r, f"{column}_lo", float("nan"))),
                          "hi": float(getattr(r, f"{column}_hi", float("nan"))), "labels": r.labels})
-    return pd.DataFrame(rows, columns=["class", "layer", "head", "score", "lo", "hi", "labels"])
+    return pd.DataFrame(rows, columns=["class", *(["site"] if sites else []), "layer", "head", "score", "lo", "hi",
+                                       "labels"])

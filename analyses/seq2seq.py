@@ -31,8 +31,8 @@ import torch
 from .engine import Shard
 from .scores import pattern_scores
 
-__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task", "copy_task",
-           "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
+__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task", "copy_study_inputs",
+           "copy_task", "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
 
 
 CROSS_KINDS = ("alignment", "source_sink", "source_positional")
@@ -115,6 +115,32 @@ def copy_patching_task(model, n: int = 16, length: int = 10, seed: int = 0, frac
     where = torch.searchsorted(pool, source[:, :k].contiguous())
     source[:, :k] = pool[(where + shift) % len(pool)]
     return clean, {**clean, "input_ids": source}, target_loss(labels=clean["labels"])
+
+
+COPY_LENGTH = 10  # tokens of a copy-task source where a report or the CLI picks the task
+
+
+def copy_study_inputs(model, prompts: list | None = None, n: int = 16, seed: int = 0):
+    """``(batch, metric, description)`` for the studies of an encoder-decoder model: ``n`` copy-task pairs of random
+    tokens, or the given texts (or token-id lists) as both source and target (what a denoising model such as BART was
+    trained to do); the metric is the teacher-forced loss of the targets (``target_loss``)."""
+    from interp.inputs import pad_ids
+
+    from .metrics import target_loss
+
+    if prompts is None:
+        return (copy_task(model, n, COPY_LENGTH, seed), target_loss(),
+                f"{n} copy-task pairs of {COPY_LENGTH} random tokens (the target is the source), teacher-forced")
+    if all(isinstance(p, str) for p in prompts):
+        source = model.to_tokens(list(prompts[:n]))
+    else:
+        ids, mask = pad_ids([torch.as_tensor(p) for p in prompts[:n]], left=False, pad_id=model.pad_token_id)
+        source = {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
+    labels = source["input_ids"].masked_fill(source["attention_mask"] == 0, -100)
+    batch = {**source, "decoder_input_ids": model.decoder_inputs(labels), "labels": labels,
+             "decoder_attention_mask": torch.cat([torch.ones_like(source["attention_mask"][:, :1]),
+                                                  source["attention_mask"][:, :-1]], 1)}
+    return batch, target_loss(), f"{len(labels)} given prompts, each copied (source = target), teacher-forced"
 
 
 def copy_accuracy(model, batch: dict) -> float:

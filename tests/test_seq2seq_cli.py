@@ -150,6 +150,27 @@ def test_report_of_the_copy_toy_finds_its_copying_heads(copy_report):
     assert summary["head_view_site"] == "decoder.blocks.0.cross_attn"
 
 
+def test_the_copy_toys_report_is_the_one_report_with_its_copy_task(copy_report):
+    """The sections of every model's report, heads named site.head; what an encoder-decoder cannot have is skipped
+    with a line saying why; the circuit is the copy task's, and its cross-attention heads carry it."""
+    page = (copy_report / "index.html").read_text()
+    summary = json.loads((copy_report / "summary.json").read_text())
+    for anchor in ("findings", "classes", "classes-causal", "ablation", "circuits", "pruning", "model"):
+        assert f'id="{anchor}"' in page, anchor
+    assert "Skipped: the class test" in page and "Skipped: a static map labels one sequence" in page
+    assert list(summary["seconds"]) == ["heads", "attention maps", "ablation", "circuits", "classes", "pruning",
+                                        "total"]
+    first = summary["strongest_heads"][0]
+    assert (first["class"], first["site"]) == ("alignment", "decoder.blocks.0.cross_attn")
+    assert f"{first['site']}.{first['head']}" in page.split('id="classes"')[1].split("<details>")[0]
+    circuits = summary["circuits"]
+    assert circuits["name"] == "the copy task" and circuits["clean"] < circuits["corrupted"]
+    dla = pd.read_csv(copy_report / "dla.csv")
+    assert {"decoder.blocks.0.cross_attn", "decoder.blocks.0.attn"} <= set(dla["site"].dropna())
+    attribution = pd.read_csv(copy_report / "attribution.csv")
+    assert len(attribution) == 3 * 4 and "On the copy task, patching head" in " ".join(summary["findings"])
+
+
 def test_report_of_the_copy_toy_reads_offline(copy_report, tmp_path):
     with chromium() as browser:
         page = Page(browser, (copy_report / "index.html").read_text())

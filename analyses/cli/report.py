@@ -39,11 +39,11 @@ def cmd_report(args) -> int:
                                streaming=args.streaming)
     finally:
         progress.close()
-    if "attention_maps" in summary:
+    if summary.get("best_aligned"):  # a model with cross-attention heads: those that align target to source
+        found = "best-aligned cross-attention heads: " + ", ".join(
+            f"{b['site']}.{b['head']} {b['alignment']:.2f}" for b in summary["best_aligned"][:3])
+    else:
         labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
         found = f"strongest heads: {labelled}"
-    else:  # an encoder-decoder model's report
-        found = "best-aligned cross-attention heads: " + (", ".join(
-            f"{b['site']}.{b['head']} {b['alignment']:.2f}" for b in summary["best_aligned"][:3]) or "none")
     print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s ({found})")
     return 0

@@ -1,4 +1,9 @@
-"""``interp report``: one self-contained HTML page (and CSV/JSON/figure files) about a model's heads.
+"""``interp report``: one self-contained HTML page (and CSV/JSON/figure files) about a model's heads, the same page
+for every model: its sections (heads table and score grids, the grid and head views, ablation, circuits, pruning)
+read the model's attention sites, a head is ``(site, head)`` (``layer.head`` where each layer has one site), and a
+section a kind of model cannot have is skipped with a one-line note saying why. What differs is data: the inputs
+(an encoder-decoder model's studies run on the copy task, ``analyses.seq2seq``, or on its prompts copied), and the
+scores its heads have (cross-attention alignment, source sink and source positional).
 
 The page embeds its figures as 2x PNG data URIs (shown at 100 px per inch: no text under 10 px), the interactive
 attention grid and head views (``attention.py``) and its style inline, so it reads offline with no network
@@ -24,21 +29,21 @@ from interp.structure import describe  # noqa: E402
 
 from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
 from ..heads import detect_heads  # noqa: E402
-from ..labels import strongest_heads  # noqa: E402
+from ..labels import LABEL_ORDER, strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
+from ..seq2seq import CROSS_KINDS, CROSS_SCORES, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _DPI, _Figures, _formats, _png  # noqa: E402,F401
-from .report_story import class_ablation, findings, model_name, model_size  # noqa: E402
+from .report_story import class_ablation, findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
-from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, pruning_step  # noqa: E402
-from .seq2seq_report import seq2seq_study_inputs, write_seq2seq_report  # noqa: E402
+from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
 
-__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
+__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "write_seq2seq_report", "REPORT_FILES"]
 
 REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
 _SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
@@ -55,12 +60,10 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
     with padding, 62 real), where it has ``n`` such sentences. The metric: second-copy loss on repeated sequences,
     causal LM loss on text, and for encoders the embedding similarity to the unablated model. An encoder-decoder
     model: the copy task or the prompts copied, with the teacher-forced target loss
-    (``seq2seq_report.seq2seq_study_inputs``).
+    (``analyses.seq2seq.copy_study_inputs``).
     """
-    from ..seq2seq import is_seq2seq
-
     if is_seq2seq(model):
-        return seq2seq_study_inputs(model, prompts, n=n, seed=seed)
+        return copy_study_inputs(model, prompts, n=n, seed=seed)
     if prompts is None and model.tokenizer is None:
         generator = torch.Generator().manual_seed(seed)
         bos = model.hf.config.bos_token_id
@@ -103,8 +106,6 @@ def prompt_batch(model, prompts: list) -> dict:
 def example_prompt(model, prompts: list | None = None, seed: int = 0):
     """The prompt attention maps are drawn on: the first given prompt, a sentence, or a repeated sequence (for an
     encoder-decoder model a (source, target) pair that copies it, or a copy-task pair)."""
-    from ..seq2seq import copy_task, is_seq2seq
-
     if is_seq2seq(model):
         if prompts:
             first = prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
@@ -126,8 +127,8 @@ def example_prompt(model, prompts: list | None = None, seed: int = 0):
 def write_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int | None = None,
                  progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
                  fmt: str | Sequence[str] = "png", overwrite: bool = False, streaming: bool = False) -> dict:
-    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``. An encoder-decoder
-    model gets its own page (``seq2seq_report.write_seq2seq_report``: heads per attention site, on the copy task).
+    """Classify heads, scan ablations, draw pruning curves and write the report into ``out``: the same page for every
+    model (an encoder-decoder model's heads per attention site, its studies on the copy task or its prompts copied).
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
@@ -152,12 +153,12 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
         return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
 
 
-def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming=False) -> dict:
-    from ..seq2seq import is_seq2seq
+def write_seq2seq_report(model, out: str | Path, **options) -> dict:
+    """The report of an encoder-decoder model: ``write_report`` (one page for every model), under its former name."""
+    return write_report(model, out, **options)
 
-    if is_seq2seq(model):  # heads per attention site on the copy task: a page of its own
-        return write_seq2seq_report(model, out, prompts=prompts, seed=seed, n_prompts=n_prompts or 64,
-                                    progress=progress, study_prompts=study_prompts, fmt=fmt)
+
+def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming=False) -> dict:
     formats = _formats(fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,6 +166,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     step = progress or _print_stage
     stages: list[tuple[str, float]] = []  # (stage, start time)
     t_start = time.perf_counter()
+    sites = list(model.cfg.sites)
     n_heads = len(model.cfg.heads())
     many = n_heads > _MANY_HEADS
     if study_prompts is None:
@@ -177,12 +179,15 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         stages.append((stage, time.perf_counter()))
 
     timed("heads")
-    heads = detect_heads(model, prompts=prompts, n_prompts=n_prompts, seed=seed)
+    copied = is_seq2seq(model) and prompts is not None  # a source-target model's prompts are scored copied
+    heads = detect_heads(model, prompts=copy_study_inputs(model, prompts, n_prompts)[0] if copied else prompts,
+                         n_prompts=n_prompts, seed=seed)
     heads.to_csv(out / "heads.csv", index=False)
-    scores = [s for s in _SCORES if s in heads]
-    grid_size = (1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers)
+    scores = [s for s in (*CROSS_SCORES, *_SCORES) if s in heads and heads[s].notna().any()]
+    width = max(s.n_heads for s in sites)
+    grid_size = (1.2 + 0.55 * width, 1.0 + 0.32 * len(sites))
     # score grids carry each value's interval below it: wider, taller cells
-    score_size = (2.0 + 1.05 * max(model.cfg.heads_per_layer), 1.2 + 0.46 * model.cfg.n_layers)
+    score_size = (2.0 + 1.05 * width, 1.2 + 0.46 * len(sites))
     with_intervals = []
     for score in scores:
         fig, ax = plt.subplots(figsize=score_size)
@@ -190,21 +195,22 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         if any("–" in t.get_text() for t in ax.texts):
             with_intervals.append(score)
         figures.add(f"grid_{score}", fig)
-    strongest = strongest_heads(heads)
+    strongest = strongest_heads(heads, order=(*CROSS_KINDS, *LABEL_ORDER))
 
     timed("attention maps")
-    maps, shown = _attention_maps(model, strongest, prompts, seed, figures)
-    views = _views(heads, strongest, shown)
+    maps, shown, maps_note = _attention_maps(model, strongest, prompts, seed, figures)
+    views = _views(heads, strongest, shown, sites)
 
     timed("ablation")
     inputs, metric, inputs_what = study_inputs(model, prompts, n=min(n_prompts, study_prompts), seed=seed,
                                                same_length=many)
     scan = _ablation(model, inputs, metric, figures, out, grid_size)
 
+    task, circuits_note = circuit_task(model, seed)
     circuits = None
-    if model.tokenizer is not None and model.cfg.causal and model.structure.final_norm is not None:
+    if task is not None:
         timed("circuits")
-        circuits = _circuits(model, figures, out, seed)
+        circuits = _circuits(model, task, figures, out, grid_size)
 
     timed("classes")
     by_class = class_ablation(model, heads, seed=seed)
@@ -219,14 +225,22 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         stream = streaming_section(model, heads, figures, out, seed)
     ends = [start for _, start in stages[1:]] + [time.perf_counter()]
     timings = {stage: round(end - start, 2) for (stage, start), end in zip(stages, ends)}
+    aligned = heads[heads["alignment"].notna()].sort_values("alignment", ascending=False) if "alignment" in heads \
+        else heads.iloc[:0]
 
+    structure = getattr(model, "structure", None)
     summary = {
         "model": {**model.summary(), "name": model_name(model), "size": model_size(model)},
-        "structure": describe(model.structure),
+        "structure": describe(structure) if structure is not None else site_lines(sites),
+        "sites": [{"site": s.name, "stack": s.stack, "block": s.block, "kind": s.kind, "heads": s.n_heads}
+                  for s in sites],
         "label_counts": {k: int(v) for k, v in heads["label"].value_counts().items()},
         "strongest_heads": strongest.to_dict(orient="records"),
         "attention_maps": [{"class": c, "layer": l, "head": h, "prompt": what} for c, l, h, what, _ in maps],
         "views": {"grid": views["grid_prompt"], "head_views": views["head_views"]},
+        "head_view_site": views["first_site"],
+        **({"best_aligned": [{"site": r.site, "head": int(r.head), "alignment": round(float(r.alignment), 4)}
+                             for r in aligned.head(5).itertuples()]} if "alignment" in heads else {}),
         "grids_with_intervals": with_intervals,
         "figure_formats": list(formats),
         "thresholds": heads.attrs.get("thresholds"),
@@ -239,6 +253,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "pruning_step": pruning_step(n_heads),
         "circuits": circuits,
         "class_ablation": by_class,
+        "skipped": {k: v for k, v in (("attention_maps", maps_note), ("circuits", circuits_note),
+                                      ("class_ablation", None if by_class else _NOT_CAUSAL)) if v},
         "higher_is_better": metric.higher_is_better,
         **({"streaming": stream} if stream else {}),
         "seconds": {**timings, "total": round(time.perf_counter() - t_start, 2)},
@@ -253,18 +269,29 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     return summary
 
 
+_NOT_CAUSAL = ("the class test ablates each class against random heads on repeated random tokens [BOS, x, x] and "
+               "reads the in-context gain of a causal LM's next-token loss; this model is not a causal LM")
 _REPEATED = "repeated random tokens"
+_TEXT = "the example text"
+_TWO_SEQUENCES = ("a static map labels one sequence on both axes, and this model's sites read a source and a target "
+                  "(cross-attention is target x source): the head views above show every site")
 
 
 def _prompt_of(kind: str) -> str:
     """Induction and duplicate-token heads need an earlier occurrence: repeated random tokens; others the text."""
-    return _REPEATED if kind in ("induction", "duplicate_token") else "the example text"
+    return _REPEATED if kind in ("induction", "duplicate_token") else _TEXT
 
 
-def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict]:
-    """The strongest head of each class on a prompt that exercises it (``_prompt_of``). Returns the maps and
-    ``{prompt: (cache, tokens)}``, the repeated random tokens always among them (the interactive grid's)."""
+def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict, str | None]:
+    """The strongest head of each class on a prompt that exercises it (``_prompt_of``). Returns the maps,
+    ``{prompt: (cache or model, tokens or input)}`` for the views (the interactive grid's first: the repeated random
+    tokens), and why no map is drawn, if none is: a model whose sites read a source and a target has one example,
+    a (source, target) pair, that the views run whole."""
     text = example_prompt(model, prompts, seed)
+    if is_seq2seq(model):
+        what = "the first prompt, copied" if prompts else f"{_TEXT}, copied" if model.tokenizer is not None \
+            else "a copy-task pair"
+        return [], {what: (model, text)}, _TWO_SEQUENCES
     length = min(40, model.cfg.max_positions or 40)
     repeated = repeated_random_tokens(model, 1, length, torch.Generator().manual_seed(seed))[0]
     shown: dict[str, tuple] = {}
@@ -286,27 +313,33 @@ def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tupl
         attention_heatmap(cache, layer, head, tokens=tokens, ax=ax,
                           title=f"{kind}: head {layer}.{head} (score {top['score']:.2f}) on {what}")
         maps.append((kind, layer, head, what, figures.add(f"attention_{kind}_L{layer}H{head}", fig)))
-    return maps, shown
+    return maps, shown, None
 
 
-def _views(heads, strongest, shown) -> dict:
-    """The interactive attention grid (every head on the repeated random tokens, framed by its scores) and one
-    head view per prompt of the strongest heads of the classes that prompt exercises."""
-    cache, tokens = shown[_REPEATED]
-    grid = attention_grid(cache, tokens, scores=heads, title=f"every head on {_REPEATED}")
-    head_views, html_parts = [], []
-    order = list(dict.fromkeys(_prompt_of(kind) for kind in strongest["class"]))  # the most specific class's first
+def _views(heads, strongest, shown, sites) -> dict:
+    """The interactive attention grid (every head on the first prompt shown, framed by its scores) and one head view
+    per prompt of the strongest heads of the classes that prompt exercises; heads as ``(site, head)`` where the
+    table has sites that are not layers."""
+    grid_prompt = next(iter(shown))
+    grid = attention_grid(*shown[grid_prompt], scores=heads, title=f"every head on {grid_prompt}")
+    prompt_of = lambda kind: _prompt_of(kind) if _prompt_of(kind) in shown else grid_prompt  # noqa: E731
+    where = strongest["site"] if "site" in strongest else strongest["layer"]
+    head_views, html_parts, first_site = [], [], None
+    order = list(dict.fromkeys(prompt_of(kind) for kind in strongest["class"]))  # the most specific class's first
     for what in order + [w for w in shown if w not in order]:
-        cache, tokens = shown[what]
-        # strongest first (classes most specific first, then by score): the view opens on the first head's layer
-        rows = [(kind, int(l), int(h)) for kind, l, h in zip(strongest["class"], strongest["layer"], strongest["head"])
-                if _prompt_of(kind) == what]
-        pairs = list(dict.fromkeys((l, h) for _, l, h in rows))
+        source, tokens = shown[what]
+        # strongest first (classes most specific first, then by score): the view opens on the first head's site
+        rows = [(kind, w if isinstance(w, str) else int(w), int(h))
+                for kind, w, h in zip(strongest["class"], where, strongest["head"]) if prompt_of(kind) == what]
+        pairs = list(dict.fromkeys((w, h) for _, w, h in rows))
         if pairs:
-            named = ", ".join(dict.fromkeys(f"{l}.{h} {kind.replace('_', '-')}" for kind, l, h in rows))
-            html_parts.append(head_view(cache, tokens, heads=pairs, title=f"strongest heads on {what}: {named}").html)
-            head_views.append({"prompt": what, "heads": [f"{l}.{h}" for l, h in pairs]})
-    return {"grid": grid.html, "grid_prompt": _REPEATED, "head_views": head_views, "head_views_html": html_parts}
+            named = ", ".join(dict.fromkeys(f"{w}.{h} {kind.replace('_', '-')}" for kind, w, h in rows))
+            html_parts.append(head_view(source, tokens, heads=pairs, title=f"strongest heads on {what}: {named}").html)
+            head_views.append({"prompt": what, "heads": [f"{w}.{h}" for w, h in pairs]})
+            first = pairs[0][0]
+            first_site = first_site or (first if isinstance(first, str) else sites[first].name)
+    return {"grid": grid.html, "grid_prompt": grid_prompt, "head_views": head_views, "head_views_html": html_parts,
+            "first_site": first_site}
 
 
 def _print_stage(stage: str) -> None:
@@ -323,4 +356,4 @@ def _ids_of(model, text):
 
 def _top_ablation(scan: pd.DataFrame, higher_is_better: bool | None) -> list[dict]:
     worst = scan.sort_values("delta", ascending=bool(higher_is_better)).head(5)
-    return [{"layer": int(r.layer), "head": int(r.head), "delta": round(float(r.delta), 4)} for r in worst.itertuples()]
+    return [{**head_name(r, "dict"), "delta": round(float(r.delta), 4)} for r in worst.itertuples()]

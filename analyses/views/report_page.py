@@ -11,6 +11,8 @@ import time
 import pandas as pd
 
 from ..labels import SCORE_DEFINITIONS
+from ..seq2seq import CROSS_DEFINITIONS
+from .report_story import head_name
 from .report_streaming import streaming_html
 
 __all__ = ["page"]
@@ -54,8 +56,19 @@ def _inputs_text(inputs: dict | None) -> str:
     return "; ".join(f"{what} ({', '.join(kinds)})" for what, kinds in groups.items())
 
 
+_DEFINITIONS = {**SCORE_DEFINITIONS, **CROSS_DEFINITIONS}
+
+
 def _column(kind: str) -> str:
-    return "positional_fraction" if kind == "positional" else kind
+    """The score column of a class (of a label's primary class): a positional class reads its fraction."""
+    kind = kind.split("+")[0]
+    return f"{kind}_fraction" if kind.endswith("positional") else kind
+
+
+def _skipped(summary, section: str, title: str, anchor: str) -> str:
+    """A section this model cannot have: its heading and one line saying why."""
+    why = summary.get("skipped", {}).get(section)
+    return f'<h2 id="{anchor}">{title}</h2>\n<p class="muted">Skipped: {html.escape(why)}.</p>' if why else ""
 
 
 def _interval(lo, hi) -> str:
@@ -66,10 +79,10 @@ def _strongest_table(strongest: pd.DataFrame, thresholds: dict) -> str:
     """The strongest head of each class, its score with the 95% interval, and what the score measures."""
     top = strongest.groupby("class", sort=False).head(1)
     table = pd.DataFrame({
-        "class": top["class"], "head": [f"{l}.{h}" for l, h in zip(top["layer"], top["head"])],
+        "class": top["class"], "head": [head_name(r) for r in top.itertuples()],
         "score": top["score"].astype(float), "95% interval": [_interval(a, b) for a, b in zip(top["lo"], top["hi"])],
         "threshold": [f"{thresholds.get(k, 0):g}" for k in top["class"]], "labels": top["labels"],
-        "what the score measures": [SCORE_DEFINITIONS.get(k, "") for k in top["class"]]})
+        "what the score measures": [_DEFINITIONS.get(k, "") for k in top["class"]]})
     return _table(table, classes={"what the score measures": "definition"})
 
 
@@ -78,7 +91,7 @@ def _labelled_table(heads: pd.DataFrame) -> str:
     rows = []
     for r in heads[heads["label"] != "none"].to_dict(orient="records"):
         column = _column(r["label"])
-        rows.append({"label": r["label"], "head": f"{r['layer']}.{r['head']}", "score": float(r[column]),
+        rows.append({"label": r["label"], "head": head_name(r), "score": float(r[column]),
                      "95% interval": _interval(r.get(f"{column}_lo", float("nan")), r.get(f"{column}_hi", float("nan"))),
                      "labels": r["labels"]})
     if not rows:
@@ -91,23 +104,23 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
     """The report's index.html from what ``write_report`` computed; ``figures.img(name, alt)`` embeds a figure."""
     m = summary["model"]
     esc = html.escape
-    shown = ("class", "family", "n_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "block", "attn", "dtype",
+    shown = ("class", "family", "n_layers", "n_encoder_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "block", "attn", "dtype",
              "n_params", "tokenizer")
     model_rows = pd.DataFrame([(k, str(m[k])) for k in shown if k in m], columns=["property", "value"])
     found = "".join(f"<li>{esc(line)}</li>" for line in summary["structure"])
     thresholds = summary["thresholds"] or {}
     counts = ", ".join(f"{k} {v}" for k, v in summary["label_counts"].items())
     n_labelled = int((heads["label"] != "none").sum())
-    kind_of = {"positional_fraction": "positional"}
+    kind_of = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
     intervals = "each cell: the score and, below it, its 95% bootstrap interval over prompts"
     grids = "".join(
         f"<figure>{figures.img(f'grid_{s}', f'{s} score per head')}<figcaption><b>{esc(s)}</b>: "
-        f"{esc(SCORE_DEFINITIONS.get(kind_of.get(s, s), ''))}; threshold {thresholds.get(kind_of.get(s, s), 0):g}; "
+        f"{esc(_DEFINITIONS.get(kind_of.get(s, s), ''))}; threshold {thresholds.get(kind_of.get(s, s), 0):g}; "
         f"{intervals if s in summary['grids_with_intervals'] else 'each cell: the score'}.</figcaption></figure>"
         for s in scores)
     maps_html = "".join(
         f"<figure>{figures.img(name, f'attention map of {kind} head {l}.{h} on {what}')}<figcaption>{esc(kind)}: "
-        f"{esc(SCORE_DEFINITIONS.get(kind, ''))}.</figcaption></figure>" for kind, l, h, what, name in maps)
+        f"{esc(_DEFINITIONS.get(kind, ''))}.</figcaption></figure>" for kind, l, h, what, name in maps)
     files = ["heads.csv", "ablation.csv", "pruning.csv", "summary.json"] + \
         (["attribution.csv", "dla.csv"] if summary.get("circuits") else []) + \
         (["streaming.csv"] if summary.get("streaming") else [])
@@ -137,7 +150,8 @@ Label counts: {esc(counts)}. Inputs: {esc(_inputs_text(summary['head_inputs']))}
 <details><summary>All {n_labelled} labelled heads</summary>{_labelled_table(heads)}</details>
 <p class="muted">Every head with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
 
-{_class_ablation_html(summary.get("class_ablation"))}
+{_class_ablation_html(summary.get("class_ablation")) or _skipped(summary, "class_ablation",
+ "Does each class do what its name says?", "classes-causal")}
 
 <h2>Explore every head</h2>
 <p>Each head's pattern on {esc(views['grid_prompt'])} (queries down, keys across; colour: square root of the
@@ -157,7 +171,7 @@ vector files).</p>
 class)</summary>{grids}</details>
 <details><summary>Attention maps: the strongest head of each class on a prompt that exercises it (repeated random
 tokens for induction and duplicate-token heads, the example text for the others)</summary>
-{maps_html or '<p>No labelled heads to show.</p>'}</details>
+{maps_html or _why_no_maps(summary)}</details>
 
 <h2 id="ablation">Ablation scan</h2>
 <p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
@@ -167,7 +181,7 @@ baseline {summary['baseline']:.4f}. Cells show the change in the metric
 <p>Heads whose ablation hurts most:</p>
 {_table(top, '{:.4f}')}
 
-{_circuits_html(summary.get("circuits"), figures)}
+{_circuits_html(summary.get("circuits"), figures) or _skipped(summary, "circuits", "Circuits", "circuits")}
 
 <h2 id="pruning">Pruning curve</h2>
 <p>Heads pruned (zero-ablated) in order of Michel et al.'s importance, recomputed at each step, against
@@ -180,7 +194,9 @@ each step, on {esc(summary['study_inputs'])}, metric <code>{esc(summary['metric'
 
 <h2 id="model">Model internals</h2>
 <details><summary>What discovery found: {esc(m['class'])}, its layout and hook points</summary>
-<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div></details>
+<div class="side">{_table(model_rows)}<ul class="found">{found}</ul></div>
+<p>Its attention sites (a head is a site and a head number; where each layer has one site, layer.head):</p>
+{_table(pd.DataFrame(summary["sites"]))}</details>
 </body></html>
 """
 
@@ -189,19 +205,25 @@ def _circuits_html(c, figures) -> str:
     if not c:
         return ""
     esc = html.escape
-    table = pd.DataFrame(c["top_heads"]).assign(head=lambda d: [f"{l}.{h}" for l, h in zip(d["layer"], d["head"])])
-    return f"""<h2 id="circuits">Circuits: which heads carry the induction task</h2>
-<p>{esc(c['task'])}; metric <code>{esc(c['metric'])}</code> (the loss of the clean second copy), clean
+    table = pd.DataFrame(c["top_heads"])
+    table["head"] = [head_name(r) for r in c["top_heads"]]
+    return f"""<h2 id="circuits">Circuits: which heads carry {esc(c.get('name', 'the induction task'))}</h2>
+<p>{esc(c['task'])}; metric <code>{esc(c['metric'])}</code> ({esc(c.get('measures', ''))}), clean
 {c['clean']:.3f}, corrupted {c['corrupted']:.3f}. <b>Attribution patching</b> estimates, from one backward pass,
 how much of the way from corrupted to clean each head's clean output alone would take the model (effect 0:
 corrupted, 1: clean; <a href="attribution.csv"><code>attribution.csv</code></a>); the eight heads it ranks highest
 were then patched exactly (<b>activation patching</b>):</p>
 {figures.img('attribution', 'attribution patching heatmap')}
 {_table(table[['head', 'effect', 'estimate']], '{:.3f}')}
-<p><b>Direct logit attribution</b> of the last token of the clean second copy: each component's direct
+<p><b>Direct logit attribution</b> of {esc(c.get('answer', ''))}: each component's direct
 contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
 {c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
 {figures.img('dla', 'direct logit attribution bars')}"""
+
+
+def _why_no_maps(summary) -> str:
+    why = summary.get("skipped", {}).get("attention_maps")
+    return f"<p>Skipped: {html.escape(why)}.</p>" if why else "<p>No labelled heads to show.</p>"
 
 
 def _better(higher_is_better) -> str:

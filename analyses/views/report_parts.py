@@ -1,5 +1,5 @@
-"""What both reports (``report.py``, ``seq2seq_report.py``) share: the figures (written in every format asked for,
-embedded as 2x PNGs); their studies are in ``report_studies.py``. Below both, so neither imports the other back."""
+"""What the report (``report.py``) is drawn with: the figures (written in every format asked for,
+embedded as 2x PNGs); its studies are in ``report_studies.py``. Below the report and its page, which import it."""
 
 from __future__ import annotations
 

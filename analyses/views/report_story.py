@@ -13,15 +13,17 @@ import html
 from pathlib import Path
 
 import torch
+from interp.sites import one_site_per_layer
 
 from ..ablation import _ablation_hooks, _Replacement, _site_masks
 from ..engine import scan
 from ..metrics import first_copy_loss, second_copy_loss
 from ..labels import LABEL_ORDER
+from ..seq2seq import CROSS_KINDS
 from ..toy import repeated_sequences
 from .report_streaming import streaming_finding
 
-__all__ = ["class_ablation", "findings", "model_name", "model_size"]
+__all__ = ["class_ablation", "findings", "head_name", "model_name", "model_size", "site_lines"]
 
 _PROPERTY = "sink"  # most heads of a large model are sinks: a property shown beside the classes, not a class
 
@@ -36,13 +38,38 @@ def model_name(model) -> str:
 
 
 def model_size(model) -> str:
-    """'135M parameters, 30 layers x 9 heads (3 key/value heads), d_model 576' and the class."""
+    """'135M parameters, 30 layers x 9 heads (3 key/value heads), d_model 576' and the class; a model of several
+    stacks: its blocks per stack and its attention sites."""
     c = model.cfg
     n = sum(p.numel() for p in model.hf.parameters())
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+    stacks = list(dict.fromkeys(s.stack for s in c.sites))
+    if len(stacks) > 1:
+        blocks = " and ".join(f"{len({s.block for s in c.sites if s.stack == st})} {st}" for st in stacks)
+        counts = sorted({s.n_heads for s in c.sites})
+        return (f"{size} parameters, {blocks} blocks, {len(c.sites)} attention sites x "
+                f"{'/'.join(map(str, counts))} heads, d_model {c.d_model}; {type(model.hf).__name__}, "
+                f"{'-'.join(stacks)}")
     heads = f"{c.n_heads} heads" + (f" ({c.n_kv_heads} key/value heads)" if c.n_kv_heads != c.n_heads else "")
     return (f"{size} parameters, {c.n_layers} layers x {heads}, d_model {c.d_model}; {type(model.hf).__name__}, "
             f"{'causal' if c.causal else 'bidirectional'}")
+
+
+def site_lines(sites) -> list[str]:
+    """The attention sites in plain lines, for a model whose discovery gives no structure summary."""
+    return [f"{s.name}: {s.label}, {s.n_heads} heads of {s.d_head} dims, queries from {s.queries}, keys from "
+            f"{s.keys}{', causal' if s.causal else ''}" for s in sites]
+
+
+def head_name(r, form: str = "text"):
+    """A head as the page names it, from a table row or a summary dict: ``"L.H"`` where its site is a layer
+    (``blocks.L.attn``, or no site given), else ``"SITE.H"``; ``form="dict"``: ``{layer, head}`` or ``{site, head}``."""
+    get = r.get if isinstance(r, dict) else lambda k: getattr(r, k, None)
+    site, layer, head = get("site"), get("layer"), int(get("head"))
+    layered = site is None or layer is not None and site == f"blocks.{int(layer)}.attn"
+    if form == "dict":
+        return {"layer": int(layer), "head": head} if layered else {"site": site, "head": head}
+    return f"{int(layer)}.{head}" if layered else f"{site}.{head}"
 
 
 def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, draws: int = 5,
@@ -52,7 +79,8 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
     repeated random sequences ``[BOS, x, x]`` (``|x| = length``): the second copy's loss, and the share of the
     in-context gain (first-copy loss minus second-copy loss) that the ablation removes. None for a model that is not
     a causal LM (no copy task). One forward per set of heads, from the set's first layer on (``engine.scan``)."""
-    if not model.cfg.causal or getattr(model.hf, "get_output_embeddings", lambda: None)() is None:
+    if not getattr(model.cfg, "causal", False) or len({s.queries for s in model.cfg.sites}) > 1 or \
+            getattr(model.hf, "get_output_embeddings", lambda: None)() is None:
         return None
     generator = torch.Generator().manual_seed(seed)
     ids = repeated_sequences(n, length, model.cfg.vocab_size, generator, model.hf.config.bos_token_id)
@@ -127,18 +155,24 @@ def findings(summary: dict, heads) -> list[str]:
     strongest = {}
     for r in summary["strongest_heads"]:
         strongest.setdefault(r["class"], r)
-    for kind in LABEL_ORDER:
+    layered = one_site_per_layer(heads)
+    for kind in (*CROSS_KINDS, *LABEL_ORDER):
         if kind == _PROPERTY:
             continue
-        members = heads[heads["label"] == kind]
+        members = heads[heads["label"].astype(str).str.split("+").str[0] == kind]  # primary label
         if not len(members) or kind not in strongest:
             continue
         top = strongest[kind]
-        layers = sorted(set(int(l) for l in members["layer"]))
-        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        if layered:
+            layers = sorted(set(int(l) for l in members["layer"]))
+            where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+        else:
+            sites = list(dict.fromkeys(members["site"]))
+            where = esc(sites[0]) if len(sites) == 1 else f"{len(sites)} sites ({esc(', '.join(sites[:3]))}" + \
+                (", ...)" if len(sites) > 3 else ")")
         interval = f", 95% interval {top['lo']:.2f}-{top['hi']:.2f}" if top["lo"] == top["lo"] else ""
         line = (f"<b>{len(members)} {esc(kind.replace('_', '-'))} head{'s' if len(members) > 1 else ''}</b> in "
-                f"{where}; strongest {top['layer']}.{top['head']} ({top['score']:.2f}{interval})")
+                f"{where}; strongest {esc(head_name(top))} ({top['score']:.2f}{interval})")
         if kind in ablated and ablated[kind]["share"] == ablated[kind]["share"]:
             r = ablated[kind]
             line += (f"; ablating {'them' if len(r['heads']) > 1 else 'it'} ({len(r['heads'])}) removes "
@@ -149,7 +183,7 @@ def findings(summary: dict, heads) -> list[str]:
         lines.append(line)
     if not lines:
         lines.append('No head clears a class threshold (<a href="#classes">scores</a>).')
-    n_sinks = int(heads["labels"].str.split("+").apply(lambda labels: _PROPERTY in labels).sum())
+    n_sinks = int(heads["labels"].fillna("").astype(str).str.split("+").apply(lambda labels: _PROPERTY in labels).sum())
     if n_sinks:
         lines.append(f"{n_sinks} of {len(heads)} heads are attention sinks (they park most weight on the first "
                      "token): a property shown beside the classes, not a class of its own.")
@@ -157,12 +191,12 @@ def findings(summary: dict, heads) -> list[str]:
     if top:
         t = top[0]
         lines.append(f"Ablating a single head changes <code>{esc(summary['metric'])}</code> most for "
-                     f"{t['layer']}.{t['head']} ({t['delta']:+.3f} from {summary['baseline']:.3f}) "
+                     f"{esc(head_name(t))} ({t['delta']:+.3f} from {summary['baseline']:.3f}) "
                      '<a href="#ablation">evidence</a>')
     circuits = summary.get("circuits")
     if circuits and circuits["top_heads"]:
         best = max(circuits["top_heads"], key=lambda r: abs(r["effect"]))
-        lines.append(f"On the induction task, patching head {best['layer']}.{best['head']}'s clean output alone moves "
+        lines.append(f"On {circuits['name']}, patching head {esc(head_name(best))}'s clean output alone moves "
                      f"the model {best['effect'] * 100:.0f}% of the way from corrupted to clean "
                      '<a href="#circuits">evidence</a>')
     pruning = {r["order"]: r for r in summary.get("pruning", [])}

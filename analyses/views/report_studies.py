@@ -1,5 +1,6 @@
 """The studies ``interp report`` runs beside the head scores, sized for the time they take: the ablation scan, the
-pruning curves and the induction circuit, each writing its table and figure."""
+pruning curves and a circuit task (the induction task on a causal LM, the copy task on an encoder-decoder model),
+each writing its table and figure. They are the one study of every model: heads are ``(site, head)``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from interp.sites import is_layered, row_head
+
 from ..ablation import ablation_scan
 from ..attribution import attribution_patching
 from ..logit_attribution import direct_logit_attribution
@@ -15,10 +18,11 @@ from ..engine import copies_per_forward
 from ..metrics import batch_of
 from ..patching import activation_patching
 from ..pruning import pruning_curve
+from ..seq2seq import COPY_LENGTH, copy_patching_task, is_seq2seq
 from ..tasks import induction_task
 from .study_plots import ablation_heatmap, dla_bars, patching_heatmap, pruning_curve_plot
 
-__all__ = ["pruning_step"]
+__all__ = ["circuit_task", "pruning_step"]
 
 # Beyond this many heads, ablation and pruning studies run on a few short prompts: on a 30-layer model one scan
 # is 270 forwards (README: CLI gives the measured times).
@@ -59,25 +63,52 @@ def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold:
     return curves
 
 
-def _circuits(model, figures, out: Path, seed: int) -> dict:
-    """The induction task: attribution patching of every head (one backward), exact activation patching of the
-    eight heads it ranks highest, and the direct logit attribution of the second copy's last token."""
+def circuit_task(model, seed: int) -> tuple[dict | None, str | None]:
+    """``(task, None)``, or ``(None, why)`` where the model has no circuit task: the task's clean and corrupted inputs,
+    its metric, and the inputs and answer whose logit direct logit attribution splits. A model whose sites read a
+    source and a target: the copy task with the first half of each source corrupted (``copy_patching_task``); a causal
+    LM with a tokenizer and a final norm: the induction task, [BOS, x, x] against [BOS, y, x]."""
+    if is_seq2seq(model):
+        clean, corrupted, metric = copy_patching_task(model, 8, COPY_LENGTH, seed)
+        return {"name": "the copy task", "clean": clean, "corrupted": corrupted, "metric": metric,
+                "dla": (clean, clean["labels"][:, -1]), "answer": "the last target token",
+                "task": f"8 copy-task pairs of {COPY_LENGTH} random tokens (clean) against the same pairs with the "
+                        "first half of each source replaced by other tokens (corrupted)",
+                "measures": "the teacher-forced loss of the clean targets"}, None
+    structure = getattr(model, "structure", None)
+    if model.tokenizer is None or not model.cfg.causal or structure is None or structure.final_norm is None:
+        lacks = ("a tokenizer" if model.tokenizer is None else "causal attention" if not model.cfg.causal
+                 else "a final norm")
+        return None, (f"the induction-task circuit (patching and direct logit attribution of [BOS, x, x] against "
+                      f"[BOS, y, x]) needs a causal LM with a tokenizer and a final norm; this model has no {lacks}")
     clean, corrupted, metric = induction_task(model, n=8, length=12, seed=seed)
+    return {"name": "the induction task", "clean": clean, "corrupted": corrupted, "metric": metric,
+            "dla": (clean[:, :-1], clean[:, -1]), "answer": "the last token of the clean second copy",
+            "task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
+            "measures": "the loss of the clean second copy"}, None
+
+
+def _circuits(model, task: dict, figures, out: Path, size) -> dict:
+    """The circuit task: attribution patching of every head (one backward), exact activation patching of the eight
+    heads it ranks highest, and the direct logit attribution of the task's answer."""
+    clean, corrupted, metric = task["clean"], task["corrupted"], task["metric"]
     estimate = attribution_patching(model, clean, corrupted, metric)
     top = estimate.reindex(estimate["effect"].abs().sort_values(ascending=False).index).head(8)
-    exact = activation_patching(model, clean, corrupted, metric, heads=list(zip(top["layer"], top["head"])))
-    dla = direct_logit_attribution(model, clean[:, :-1], clean[:, -1])
+    exact = activation_patching(model, clean, corrupted, metric, heads=[row_head(model, r) for r in top.itertuples()])
+    dla = direct_logit_attribution(model, *task["dla"])
     estimate.to_csv(out / "attribution.csv", index=False)
     dla.to_csv(out / "dla.csv", index=False)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.55 * max(model.cfg.heads_per_layer), 1.0 + 0.32 * model.cfg.n_layers))
+    fig, ax = plt.subplots(figsize=size)
     patching_heatmap(estimate, ax=ax, title="attribution patching: estimated effect of each head's clean output")
     figures.add("attribution", fig)
     fig, ax = plt.subplots(figsize=(6.5, 6.0))
     dla_bars(dla, top=16, ax=ax)
     figures.add("dla", fig)
-    both = exact.merge(estimate[["layer", "head", "effect"]], on=["layer", "head"], suffixes=("", "_estimate"))
-    return {"task": "8 sequences [BOS, x, x] (clean) against [BOS, y, x] (corrupted), |x| = 12",
+    both = exact.merge(estimate[["site", "head", "effect"]], on=["site", "head"], suffixes=("", "_estimate"))
+    layered = is_layered(model)
+    return {"task": task["task"], "name": task["name"], "measures": task["measures"], "answer": task["answer"],
             "metric": metric.name, "clean": exact.attrs["clean"], "corrupted": exact.attrs["corrupted"],
-            "top_heads": [{"layer": int(r.layer), "head": int(r.head), "effect": round(float(r.effect), 4),
-                           "estimate": round(float(r.effect_estimate), 4)} for r in both.itertuples()],
+            "top_heads": [{**({} if layered else {"site": r.site}), "layer": int(r.layer), "head": int(r.head),
+                           "effect": round(float(r.effect), 4), "estimate": round(float(r.effect_estimate), 4)}
+                          for r in both.itertuples()],
             "dla_logit": dla.attrs["logit"], "dla_remainder": dla.attrs["remainder"]}
