@@ -31,8 +31,8 @@ import torch
 from .engine import Shard
 from .scores import pattern_scores
 
-__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task", "copy_study_inputs",
-           "copy_task", "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
+__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task",
+           "copy_study_inputs", "copy_task", "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
 
 
 CROSS_KINDS = ("alignment", "source_sink", "source_positional")

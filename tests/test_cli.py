@@ -64,6 +64,13 @@ def test_ablate_json(capsys):
     assert all(r["delta"] == pytest.approx(r["metric"] - r["baseline"]) for r in rows)
 
 
+def test_heads_are_sites_on_every_model(capsys):
+    """SITE.HEAD names a head on every model; on the toy (one site per layer) blocks.1.attn.3 is 1.3."""
+    code, by_site, _ = run(capsys, "ablate", "--format", "csv", "--n-prompts", "4", "--heads", "blocks.1.attn.3,0.1")
+    code_layers, by_layer, _ = run(capsys, "ablate", "--format", "csv", "--n-prompts", "4", "--heads", "1.3,0.1")
+    assert code == code_layers == 0 and by_site == by_layer and "blocks.1.attn" in by_site
+
+
 @pytest.mark.parametrize("method", ["mean", "resample"])
 def test_ablate_methods(capsys, method):
     code, out, _ = run(capsys, "ablate", "--method", method, "--n-prompts", "8", "--heads", "1.3")

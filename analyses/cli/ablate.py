@@ -11,7 +11,8 @@ def add_parser(sub) -> None:
     _model_options(p)
     _format_option(p)
     p.add_argument("--method", choices=["zero", "mean", "resample"], default="zero")
-    p.add_argument("--heads", default=None, help="LAYER.HEAD list, e.g. 1.0,1.3 (default: all heads)")
+    p.add_argument("--heads", default=None, help="SITE.HEAD or LAYER.HEAD list, e.g. 1.0,1.3 or "
+                   "decoder.blocks.0.cross_attn.1 (default: all heads)")
     p.add_argument("--n-prompts", type=_positive_int, default=32)
     p.set_defaults(func=cmd_ablate)
 

@@ -177,13 +177,14 @@ def _parse_heads(text: str | None, model) -> list[tuple[int, int]] | None:
     if text is None:
         return None
     heads = []
-    for item in text.split(","):  # LAYER.HEAD, or SITE.HEAD for an encoder-decoder model's attention sites
+    for item in text.split(","):  # SITE.HEAD on every model; LAYER.HEAD where each layer has one site
         try:
             where, head = item.strip().rsplit(".", 1)
             heads.append((int(where) if where.isdigit() else where, int(head)))
         except ValueError:
-            raise UserError(f"heads are given as LAYER.HEAD separated by commas, e.g. 1.0,1.3 (an encoder-decoder "
-                            f"model's as SITE.HEAD, e.g. decoder.blocks.0.cross_attn.1); got {item!r}") from None
+            raise UserError(f"heads are given as SITE.HEAD or LAYER.HEAD separated by commas, e.g. 1.0,blocks.1.attn.3 "
+                            f"(an encoder-decoder model's as SITE.HEAD, e.g. decoder.blocks.0.cross_attn.1); got "
+                            f"{item!r}") from None
     return heads
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import (UserError, _one_line, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
-                     _prompts, _rank_zero_path)
+from .common import (UserError, _check_out, _emit, _format_option, _load, _model_options, _one_line, _positive_int,
+                     _Progress, _prompts, _rank_zero_path)
 
 
 def add_parser(sub) -> None:

@@ -15,8 +15,10 @@ def add_parser(sub) -> None:
                    help="head (default): lines between query and key tokens; grid: every head as a thumbnail")
     _model_options(p)
     p.add_argument("--text", default=None, help="text (or token ids) to run; default an example prompt")
-    p.add_argument("--layers", default=None, help="head: layers to offer, e.g. 17,18 (default all)")
-    p.add_argument("--heads", default=None, help="head: LAYER.HEAD list, e.g. 17.4,18.6 (instead of --layers)")
+    p.add_argument("--layers", default=None, help="head: layers or sites to offer, e.g. 17,18 or blocks.17.attn "
+                   "(default all)")
+    p.add_argument("--heads", default=None, help="head: SITE.HEAD or LAYER.HEAD list, e.g. 17.4,18.6 (instead of "
+                   "--layers)")
     p.add_argument("--window", type=int, nargs=2, metavar=("START", "STOP"), default=None,
                    help="show positions START..STOP-1 of a longer text")
     p.add_argument("--score", default=None, help="grid: the score that frames the thumbnails first")

@@ -195,7 +195,8 @@ def _embed(run: _Run, chosen: dict[int, list[int]], window, what: str) -> dict:
     else:  # one flag for every head
         packed = [not any(np.triu(w, 1).any() for w in shown)] * len(shown)
     flat = [_lower(w) if p else w.reshape(-1) for w, p in zip(shown, packed)]
-    data = {"layers": list(chosen), "heads": list(chosen.values()), "scale": SCALE, "weights": _b64(np.concatenate(flat)),
+    data = {"layers": list(chosen), "heads": list(chosen.values()), "scale": SCALE,
+            "weights": _b64(np.concatenate(flat)),
             "outside": _b64(np.concatenate([o.reshape(-1) for o in outside])) if outside else None}
     if run.multi:
         return {SIDES[e]: {"tokens": t, "positions": list(range(len(t)))} for e, t in run.tokens.items()} | {

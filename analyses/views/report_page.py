@@ -104,8 +104,8 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
     """The report's index.html from what ``write_report`` computed; ``figures.img(name, alt)`` embeds a figure."""
     m = summary["model"]
     esc = html.escape
-    shown = ("class", "family", "n_layers", "n_encoder_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "d_head", "d_model", "block", "attn", "dtype",
-             "n_params", "tokenizer")
+    shown = ("class", "family", "n_layers", "n_encoder_layers", "n_decoder_layers", "n_heads", "n_kv_heads", "d_head",
+             "d_model", "block", "attn", "dtype", "n_params", "tokenizer")
     model_rows = pd.DataFrame([(k, str(m[k])) for k in shown if k in m], columns=["property", "value"])
     found = "".join(f"<li>{esc(line)}</li>" for line in summary["structure"])
     thresholds = summary["thresholds"] or {}

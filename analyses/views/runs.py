@@ -159,8 +159,9 @@ class _Run:
         available = [i for i, p in enumerate(places) if p.n_heads and (f"{p.name}.hook_pattern" in cache or rebuilds
                      and f"{p.name}.hook_q" in cache and f"{p.name}.hook_k" in cache)]
         if not available:
-            raise KeyError(f"This cache holds neither q and k nor patterns of any {'site' if len(entries) > 1 else 'layer'}"
-                           "; run_with_cache captures q and k by default.")
+            unit = "site" if len(entries) > 1 else "layer"
+            raise KeyError(f"This cache holds neither q and k nor patterns of any {unit}; run_with_cache captures q "
+                           "and k by default.")
         n_batch, lengths = None, {}
         for i in available:  # each entry's padded length, from the sites captured
             p = places[i]
