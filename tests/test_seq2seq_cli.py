@@ -18,6 +18,9 @@ from analyses.cli import main
 from analyses.seq2seq import train_copy_model
 from interp.testing import model_class, tiny_model
 
+# seaborn 0.13 calls a matplotlib method that matplotlib 3.11 marks for deprecation; not ours to fix
+pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
+
 
 @pytest.fixture(scope="module")
 def t5_folder(tmp_path_factory):
@@ -157,11 +160,14 @@ def test_the_copy_toys_report_is_the_one_report_with_its_copy_task(copy_report):
     summary = json.loads((copy_report / "summary.json").read_text())
     for anchor in ("findings", "classes", "classes-causal", "ablation", "circuits", "pruning", "model"):
         assert f'id="{anchor}"' in page, anchor
-    assert "Skipped: the class test" in page and "Skipped: a static map labels one sequence" in page
-    assert list(summary["seconds"]) == ["heads", "attention maps", "ablation", "circuits", "classes", "pruning",
-                                        "total"]
     first = summary["strongest_heads"][0]
     assert (first["class"], first["site"]) == ("alignment", "decoder.blocks.0.cross_attn")
+    assert "Skipped: the class test" in page and page.count("Skipped:") == 1
+    assert summary["attention_maps"][0] == {"class": "alignment", "site": "decoder.blocks.0.cross_attn",
+                                            "head": first["head"], "prompt": "a copy-task pair"}
+    assert (copy_report / "figures" / f"attention_alignment_decoder_blocks_0_cross_attn_H{first['head']}.png").exists()
+    assert list(summary["seconds"]) == ["heads", "attention maps", "ablation", "circuits", "classes", "pruning",
+                                        "total"]
     assert f"{first['site']}.{first['head']}" in page.split('id="classes"')[1].split("<details>")[0]
     circuits = summary["circuits"]
     assert circuits["name"] == "the copy task" and circuits["clean"] < circuits["corrupted"]

@@ -283,6 +283,21 @@ def test_head_score_grid_has_a_row_per_site_and_leaves_scores_a_head_has_not_bla
     plt.close("all")
 
 
+def test_attention_heatmap_of_a_cross_site_labels_target_queries_and_source_keys(model, cache, batch):
+    from analyses.views.plots import attention_heatmap
+
+    pattern = torch.as_tensor(reference(model, cache, batch, CROSS)[1])  # (4 target, 6 source)
+    target, source = real(batch["decoder_input_ids"][B], batch["decoder_attention_mask"][B]), \
+        real(batch["input_ids"][B], batch["attention_mask"][B])
+    ax = attention_heatmap(pattern, tokens=target, key_tokens=source)
+    assert [t.get_text() for t in ax.get_yticklabels()] == target
+    assert [t.get_text() for t in ax.get_xticklabels()] == source
+    np.testing.assert_allclose(_heatmap(ax), pattern.numpy(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="key_tokens="):
+        attention_heatmap(pattern, tokens=target)
+    plt.close("all")
+
+
 def test_ablation_heatmap_of_a_table_with_sites():
     df = pd.DataFrame([{"site": site, "head": h, "delta": i - 0.3 * h} for i, site in enumerate(
         ["encoder.blocks.0.attn", "decoder.blocks.0.attn", "decoder.blocks.0.cross_attn"]) for h in range(2)])

@@ -43,7 +43,8 @@ def cmd_report(args) -> int:
         found = "best-aligned cross-attention heads: " + ", ".join(
             f"{b['site']}.{b['head']} {b['alignment']:.2f}" for b in summary["best_aligned"][:3])
     else:
-        labelled = ", ".join(f"{m['class']} {m['layer']}.{m['head']}" for m in summary["attention_maps"]) or "none"
+        labelled = ", ".join(f"{m['class']} {m.get('site', m.get('layer'))}.{m['head']}"
+                             for m in summary["attention_maps"]) or "none"
         found = f"strongest heads: {labelled}"
     print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s ({found})")
     return 0

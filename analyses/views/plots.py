@@ -48,7 +48,7 @@ def _is_index(value) -> bool:
 
 def attention_heatmap(source, layer: int | None = None, head: int | None = None, text=None, *,
                       tokens: Sequence[str] | None = None, batch: int = 0, window: tuple[int, int] | None = None,
-                      ax=None, cmap: str = "viridis", title: str | None = None):
+                      ax=None, cmap: str = "viridis", title: str | None = None, key_tokens: Sequence[str] | None = None):
     """One head's attention pattern as a heatmap, queries down, keys across, labelled with their tokens.
 
     source: what to read the pattern from:
@@ -60,6 +60,8 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     tokens: tick labels (default: the model's token strings; position numbers for a cache or tensor).
     window: ``(start, stop)``: show only queries and keys in positions ``start .. stop - 1`` (Python slice
       rules, negatives allowed) of a longer sequence. Token labels stay readable up to about 64 tokens.
+    key_tokens: with a ``(q, k)`` tensor whose keys are another sequence than its queries (an encoder-decoder
+      model's cross-attention: target queries, source keys), the keys' labels; ``tokens`` label the queries.
     Returns the Axes. Attention from a query row to keys outside the window is not shown, so rows of a
     window need not sum to 1.
     """
@@ -75,12 +77,19 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
         raise ValueError(f"The attention pattern of {name} holds NaN or inf: the model computed non-finite values "
                          "(check its weights and inputs, or the dtype's range). A heatmap would draw them as "
                          "weights or leave them blank.")
+    if key_tokens is not None or pattern.shape[0] != pattern.shape[1]:  # queries and keys of two sequences
+        if key_tokens is None or window is not None:
+            raise ValueError(f"A ({pattern.shape[0]}, {pattern.shape[1]}) pattern has queries and keys of two "
+                             "sequences: label its keys with key_tokens= (window= is for one sequence).")
+        keys = _labels(key_tokens, pattern.shape[1])
     n = pattern.shape[0]
     lo, hi = _window(window, n)
-    pattern, tokens = pattern[lo:hi, lo:hi], tokens[lo:hi]
+    pattern, tokens = (pattern[lo:hi, lo:hi], tokens[lo:hi]) if key_tokens is None else (pattern, tokens)
     positions = range(lo, hi)
     labels, families = token_labels(clean_token(t) for t in tokens)  # fonts that draw them; \uXXXX where none does
-    m = len(labels)
+    key_labels, key_families = (labels, families) if key_tokens is None else \
+        token_labels(clean_token(t) for t in keys)
+    m = max(len(labels), len(key_labels))
     if ax is None:
         side = min(max(4.0, 0.17 * m + 1.8), 16.0)
         _, ax = plt.subplots(figsize=(side + 1.0, side), layout="constrained")
@@ -88,8 +97,9 @@ def attention_heatmap(source, layer: int | None = None, head: int | None = None,
     sns.heatmap(pattern.numpy(), ax=ax, cmap=cmap, vmin=0.0, vmax=float(max(pattern.max(), 1e-6)), square=True,
                 cbar_kws={"label": "attention weight", "shrink": 0.6})
     every = _label_step(ax, m, size)  # label every k-th token where rows are too thin for their labels
-    ticks = np.arange(0, m, every)
-    ax.set_xticks(ticks + 0.5, [labels[i] for i in ticks], rotation=90, fontsize=size, fontfamily=families)
+    ticks, key_ticks = np.arange(0, len(labels), every), np.arange(0, len(key_labels), every)
+    ax.set_xticks(key_ticks + 0.5, [key_labels[i] for i in key_ticks], rotation=90, fontsize=size,
+                  fontfamily=key_families)
     ax.set_yticks(ticks + 0.5, [f"{labels[i]} {positions[i]}" if window is not None else labels[i] for i in ticks],
                   rotation=0, fontsize=size, fontfamily=families)
     ax.set_xlabel("key")

@@ -32,7 +32,7 @@ from ..heads import detect_heads  # noqa: E402
 from ..labels import LABEL_ORDER, strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
-from ..seq2seq import CROSS_KINDS, CROSS_SCORES, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
+from ..seq2seq import COPY_LENGTH, CROSS_KINDS, CROSS_SCORES, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
@@ -41,6 +41,7 @@ from .report_parts import _DPI, _Figures, _formats, _png  # noqa: E402,F401
 from .report_story import class_ablation, findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
+from .runs import _Run  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
 
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "write_seq2seq_report", "REPORT_FILES"]
@@ -113,7 +114,7 @@ def example_prompt(model, prompts: list | None = None, seed: int = 0):
         if model.tokenizer is not None:
             sentence = "The quick brown fox jumps over the lazy dog."
             return sentence, sentence
-        return copy_task(model, 1, 12, seed)
+        return copy_task(model, 1, COPY_LENGTH, seed)  # the copy toy trains on this length
     if prompts:
         return prompts[0] if isinstance(prompts[0], str) else torch.as_tensor(prompts[0])
     if model.tokenizer is not None:
@@ -198,7 +199,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     strongest = strongest_heads(heads, order=(*CROSS_KINDS, *LABEL_ORDER))
 
     timed("attention maps")
-    maps, shown, maps_note = _attention_maps(model, strongest, prompts, seed, figures)
+    maps, shown = _attention_maps(model, strongest, prompts, seed, figures)
     views = _views(heads, strongest, shown, sites)
 
     timed("ablation")
@@ -236,7 +237,8 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
                   for s in sites],
         "label_counts": {k: int(v) for k, v in heads["label"].value_counts().items()},
         "strongest_heads": strongest.to_dict(orient="records"),
-        "attention_maps": [{"class": c, "layer": l, "head": h, "prompt": what} for c, l, h, what, _ in maps],
+        "attention_maps": [{"class": c, "site" if isinstance(l, str) else "layer": l, "head": h, "prompt": what}
+                           for c, l, h, what, _ in maps],
         "views": {"grid": views["grid_prompt"], "head_views": views["head_views"]},
         "head_view_site": views["first_site"],
         **({"best_aligned": [{"site": r.site, "head": int(r.head), "alignment": round(float(r.alignment), 4)}
@@ -253,7 +255,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "pruning_step": pruning_step(n_heads),
         "circuits": circuits,
         "class_ablation": by_class,
-        "skipped": {k: v for k, v in (("attention_maps", maps_note), ("circuits", circuits_note),
+        "skipped": {k: v for k, v in (("circuits", circuits_note),
                                       ("class_ablation", None if by_class else _NOT_CAUSAL)) if v},
         "higher_is_better": metric.higher_is_better,
         **({"streaming": stream} if stream else {}),
@@ -273,8 +275,6 @@ _NOT_CAUSAL = ("the class test ablates each class against random heads on repeat
                "reads the in-context gain of a causal LM's next-token loss; this model is not a causal LM")
 _REPEATED = "repeated random tokens"
 _TEXT = "the example text"
-_TWO_SEQUENCES = ("a static map labels one sequence on both axes, and this model's sites read a source and a target "
-                  "(cross-attention is target x source): the head views above show every site")
 
 
 def _prompt_of(kind: str) -> str:
@@ -282,16 +282,16 @@ def _prompt_of(kind: str) -> str:
     return _REPEATED if kind in ("induction", "duplicate_token") else _TEXT
 
 
-def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict, str | None]:
+def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict]:
     """The strongest head of each class on a prompt that exercises it (``_prompt_of``). Returns the maps,
     ``{prompt: (cache or model, tokens or input)}`` for the views (the interactive grid's first: the repeated random
-    tokens), and why no map is drawn, if none is: a model whose sites read a source and a target has one example,
-    a (source, target) pair, that the views run whole."""
+    tokens). A model whose sites read a source and a target has one example, a (source, target) pair, for every
+    class."""
     text = example_prompt(model, prompts, seed)
     if is_seq2seq(model):
         what = "the first prompt, copied" if prompts else f"{_TEXT}, copied" if model.tokenizer is not None \
             else "a copy-task pair"
-        return [], {what: (model, text)}, _TWO_SEQUENCES
+        return _pair_maps(model, strongest, text, what, figures), {what: (model, text)}
     length = min(40, model.cfg.max_positions or 40)
     repeated = repeated_random_tokens(model, 1, length, torch.Generator().manual_seed(seed))[0]
     shown: dict[str, tuple] = {}
@@ -313,7 +313,25 @@ def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tupl
         attention_heatmap(cache, layer, head, tokens=tokens, ax=ax,
                           title=f"{kind}: head {layer}.{head} (score {top['score']:.2f}) on {what}")
         maps.append((kind, layer, head, what, figures.add(f"attention_{kind}_L{layer}H{head}", fig)))
-    return maps, shown, None
+    return maps, shown
+
+
+def _pair_maps(model, strongest, pair, what: str, figures) -> list[tuple]:
+    """The strongest head of each class on a (source, target) pair: each site's queries and keys labelled with the
+    tokens of the sequence they come from (cross-attention: target down, source across)."""
+    run = _Run.of(model, pair, 0, None)
+    index = {p.name: i for i, p in enumerate(run.places)}
+    maps = []
+    for kind, group in strongest.groupby("class", sort=False):
+        top = group.iloc[0]
+        site, head = top["site"], int(top["head"])
+        place = run.places[index[site]]
+        fig, ax = plt.subplots(figsize=(8.6, 7.6))
+        attention_heatmap(run.pattern(index[site], [head])[0], tokens=run.tokens[place.queries],
+                          key_tokens=run.tokens[place.keys], ax=ax,
+                          title=f"{kind}: head {site}.{head} (score {top['score']:.2f}) on {what}")
+        maps.append((kind, site, head, what, figures.add(f"attention_{kind}_{site.replace('.', '_')}_H{head}", fig)))
+    return maps
 
 
 def _views(heads, strongest, shown, sites) -> dict:

@@ -171,7 +171,7 @@ vector files).</p>
 class)</summary>{grids}</details>
 <details><summary>Attention maps: the strongest head of each class on a prompt that exercises it (repeated random
 tokens for induction and duplicate-token heads, the example text for the others)</summary>
-{maps_html or _why_no_maps(summary)}</details>
+{maps_html or '<p>No labelled heads to show.</p>'}</details>
 
 <h2 id="ablation">Ablation scan</h2>
 <p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
@@ -219,11 +219,6 @@ were then patched exactly (<b>activation patching</b>):</p>
 contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
 {c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
 {figures.img('dla', 'direct logit attribution bars')}"""
-
-
-def _why_no_maps(summary) -> str:
-    why = summary.get("skipped", {}).get("attention_maps")
-    return f"<p>Skipped: {html.escape(why)}.</p>" if why else "<p>No labelled heads to show.</p>"
 
 
 def _better(higher_is_better) -> str:
