@@ -48,7 +48,8 @@ def _is_index(value) -> bool:
 
 def attention_heatmap(source, layer: int | None = None, head: int | None = None, text=None, *,
                       tokens: Sequence[str] | None = None, batch: int = 0, window: tuple[int, int] | None = None,
-                      ax=None, cmap: str = "viridis", title: str | None = None, key_tokens: Sequence[str] | None = None):
+                      ax=None, cmap: str = "viridis", title: str | None = None,
+                      key_tokens: Sequence[str] | None = None):
     """One head's attention pattern as a heatmap, queries down, keys across, labelled with their tokens.
 
     source: what to read the pattern from:
