@@ -50,9 +50,11 @@ CROSS_DEFINITIONS = {
 
 
 def is_seq2seq(model) -> bool:
-    """Whether the model's sites read a batch of two sequences (a source and a target fed to a decoder stack of its
-    own): a fact of its sites (``site.queries``), not of its class."""
-    return any(s.queries == "decoder_input_ids" for s in model.cfg.sites)
+    """Whether a model (or the cache of its run) has an encoder and a decoder stack: data on its sites, not its
+    class (every model is an ``interp.HookedModel``)."""
+    cfg = getattr(model, "cfg", None)
+    sites = cfg.sites if cfg is not None else getattr(model, "sites", ())
+    return {"encoder", "decoder"} <= {getattr(s, "stack", None) for s in sites}
 
 
 def pair_batch(model, inputs) -> dict:
