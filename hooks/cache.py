@@ -72,7 +72,8 @@ class AttentionMeta:
 
 
 class ActivationCache:
-    """Captured activations. ``cache[name]``, or the shorthand ``cache["pattern", 3]``.
+    """Captured activations. ``cache[name]``, or the shorthand ``cache["pattern", 3]``. The one cache class of
+    every model: ``cache.pattern(site or layer, heads)`` rebuilds any attention site's pattern from q and k.
 
     >>> cache = ActivationCache({"blocks.0.attn.hook_z": torch.zeros(1, 2, 3, 4)})
     >>> cache["z", 0].shape
