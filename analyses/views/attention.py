@@ -5,7 +5,7 @@ The JavaScript and CSS (``assets/view.js``, ``assets/view.css``: vanilla, no lib
 are inline, so the page makes no request of any kind. The interactive elements carry stable ``data-role``,
 ``data-layer``, ``data-head`` and ``data-token`` attributes for tests and scripts.
 
-Encoder-decoder models (``Seq2SeqHookedModel``) have three kinds of attention, each a *site*
+Encoder-decoder models (a ``HookedModel`` of T5, BART, ...) have three kinds of attention, each a *site*
 (``model.cfg.sites``): what a decoder-only view calls a layer is a site there, named in the page by stack, block
 and kind ("encoder 0 self", "decoder 0 self", "decoder 0 cross"); ``data-layer`` is the site's index in
 ``model.cfg.sites`` and ``data-site`` its name. Encoder self-attention shows source tokens on both sides,
@@ -60,7 +60,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
       heatmap per head); default lines up to 128 tokens.
 
-    Encoder-decoder models (T5, BART, ...: a ``Seq2SeqHookedModel``) show one attention *site* at a time:
+    Encoder-decoder models (T5, BART, ...) show one attention *site* at a time:
       source: the model with ``text_or_tokens`` one of
         - a ``(source, target)`` pair, each a text, a list of texts, token ids ``(p,)`` or ``(b, p)``: the target
           is what the decoder should produce, fed shifted right as in training (``model.decoder_inputs``), so
@@ -68,7 +68,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
         - a batch dict with ``input_ids`` and ``decoder_input_ids`` (``attention_mask``,
           ``decoder_attention_mask`` optional; ``labels`` instead of ``decoder_input_ids`` are shifted), e.g.
           ``analyses.seq2seq.copy_task(model)``: the decoder's tokens are ``decoder_input_ids`` as given;
-      or a ``Seq2SeqCache`` with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
+      or their ``ActivationCache`` with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
       ``(p,)`` or ``(b, p)``), or the batch dict it was run on, or None (positions).
       layers: sites, as names (``"decoder.blocks.0.cross_attn"``) or indices into ``model.cfg.sites``; heads:
       head indices, or ``(site, head)`` pairs. window is not offered (the source and target are shown whole).
@@ -144,18 +144,19 @@ class _Run:
     @classmethod
     def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None) -> _Run:
         from hooks import ActivationCache
-        from interp import HookedModel, Seq2SeqHookedModel
-        from interp.seq2seq import Seq2SeqCache
+        from interp import HookedModel
 
-        if isinstance(source, Seq2SeqHookedModel):
+        from ..seq2seq import is_seq2seq
+
+        if isinstance(source, HookedModel) and is_seq2seq(source):
             return _Seq2SeqRun.from_model(source, text_or_tokens, batch, layers)
-        if isinstance(source, Seq2SeqCache):
+        if isinstance(source, ActivationCache) and is_seq2seq(source):
             return _Seq2SeqRun.from_cache(source, text_or_tokens, batch)
         if isinstance(source, HookedModel):
             return cls._from_model(source, text_or_tokens, batch, layers)
         if isinstance(source, ActivationCache):
             return cls._from_cache(source, text_or_tokens, batch)
-        raise TypeError(f"A view reads a HookedModel (or Seq2SeqHookedModel) with text or tokens, or an "
+        raise TypeError(f"A view reads a HookedModel with text or tokens, or an "
                         f"ActivationCache from run_with_cache; got {type(source).__name__}.")
 
     @classmethod

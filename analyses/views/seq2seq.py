@@ -1,4 +1,4 @@
-"""Views of encoder-decoder models (``Seq2SeqHookedModel``): what ``head_view`` and ``attention_grid`` read there.
+"""Views of encoder-decoder models (a ``HookedModel`` of T5, BART, ...): what ``head_view`` and ``attention_grid`` read there.
 
 Such a model has three kinds of attention, each a *site* (``model.cfg.sites``): what a decoder-only view calls a
 layer is a site here. Encoder self-attention shows source tokens on both sides, decoder self-attention target
@@ -168,15 +168,11 @@ def _labels_of(tokens, batch: int, n_pos: int, keep: torch.Tensor | None, side: 
 def _site_indices(source, layers, heads):
     """For an encoder-decoder model or cache, ``layers`` and ``(site, head)`` pairs with site names turned into
     indices into its sites; anything else unchanged."""
-    from interp import Seq2SeqHookedModel
-    from interp.seq2seq import Seq2SeqCache
+    from ..seq2seq import is_seq2seq
 
-    if isinstance(source, Seq2SeqHookedModel):
-        sites = [s.name for s in source.cfg.sites]
-    elif isinstance(source, Seq2SeqCache):
-        sites = [s.name for s in source.sites]
-    else:
+    if not is_seq2seq(source):
         return layers, heads
+    sites = [s.name for s in (source.cfg.sites if hasattr(source, "cfg") else source.sites)]
 
     def index(site):
         if isinstance(site, str):

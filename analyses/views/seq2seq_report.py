@@ -67,7 +67,7 @@ def seq2seq_study_inputs(model, prompts: list | None = None, n: int = 16, seed: 
 def write_seq2seq_report(model, out: str | Path, prompts: list | None = None, seed: int = 0, n_prompts: int = 64,
                          progress: Callable[[str], None] | None = None, study_prompts: int | None = None,
                          fmt: str | Sequence[str] = "png") -> dict:
-    """``write_report`` for an ``interp.seq2seq.Seq2SeqHookedModel`` (see the module docstring)."""
+    """``write_report`` for an encoder-decoder ``HookedModel`` (see the module docstring)."""
     formats = _formats(fmt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
