@@ -278,7 +278,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
            "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "
            "ablate_heads to remove these heads instead.").format(
-        type(model._attn_modules[0] if is_layered(model) else model._modules[model.cfg.sites[0].name]).__name__)
+        type(model._attn_modules[0]).__name__)
     try:
         pruned = HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)
     except RuntimeError as err:

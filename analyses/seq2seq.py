@@ -1,4 +1,4 @@
-"""Head analyses of encoder-decoder models (``interp.seq2seq.Seq2SeqHookedModel``).
+"""Head analyses of encoder-decoder models (a ``HookedModel`` with encoder and decoder sites, ``is_seq2seq``).
 
 - Self-attention heads of each stack get the scores of ``analyses.scores`` (the encoder's as a bidirectional
   model's, with next-token; the decoder's as a causal model's).
@@ -285,7 +285,7 @@ def _patterns(model, batch: dict) -> dict[str, torch.Tensor]:
 def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: int = 24, d_model: int = 64,
                      n_heads: int = 4, batch_size: int = 64, lr: float = 3e-3, attn: str = "flash"):
     """A 1 + 1-layer BART-style encoder-decoder trained here to copy random sequences (learned positions, no
-    shortcuts): returns the Seq2SeqHookedModel. About 10-30 s on a 2-core CPU with the defaults."""
+    shortcuts): returns the HookedModel. About 10-30 s on a 2-core CPU with the defaults."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     import interp

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from interp.sites import FRONT, head_columns
-from interp.streaming import stream_heads
+from interp.streaming import stream_heads, streamable_heads
 
-from .ablation import all_heads
 from .metrics import batch_of
 
 __all__ = ["streaming_gates", "passkey_inputs"]
@@ -87,9 +86,12 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
         whole = name in ("steps", "rows_per_pass")
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value >= least:
             raise ValueError(f"{name} must be {'an integer' if whole else 'a number'} >= {least}; got {value!r}.")
-    heads = all_heads(model)
-    with stream_heads(model, heads, sink=sink, window=window):  # clear errors: sink, window, model, sliding layers
+    with stream_heads(model, [], sink=sink, window=window):  # clear errors: the model, sink, window
         pass
+    heads = streamable_heads(model)  # Gemma 3: its global layers (the sliding-window layers keep a window already)
+    if not heads:
+        raise ValueError(f"streaming_gates found no layer with full attention in {model!r}: every layer already "
+                         "keeps a sliding window, so no head can stream.")
     cfg = model.cfg
     if inputs is None:
         if tokens is None:

@@ -26,6 +26,12 @@ class AttentionMeta:
     windows: per layer, (keys before, keys after) the query that it may see, None for unbounded (a causal layer
     has after 0; a sliding window of W keys is (W - 1, 0)).
     softcaps: per layer, the logit soft-cap or None. sinks: layer -> (h,) sink logits, for layers with sinks.
+    sites: per index, the model's attention site (``name``, ``stack``, ``key_mask``, ...; index = layer where
+    each layer has one site); None when unknown. masks: each batch entry's padding mask by name
+    (``"attention_mask"``, ``"decoder_attention_mask"``; None: no padding): a site's keys are masked by its
+    ``key_mask`` entry. biases: index -> position bias added to the scores (T5's relative bias).
+    views: rebuild scores from views of q and k laid out as the projections' (an encoder-decoder's eager path
+    multiplies those) instead of contiguous copies (a decoder's, after rotary), so the same kernel gives the same bits.
     """
 
     scaling: list[float]
@@ -39,6 +45,10 @@ class AttentionMeta:
     windows: list[tuple[int | None, int | None]] | None = None
     softcaps: list[float | None] | None = None
     sinks: dict[int, torch.Tensor] = field(default_factory=dict)
+    sites: list | None = None
+    masks: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    biases: dict[int, torch.Tensor] = field(default_factory=dict)
+    views: bool = False
 
     def heads(self, layer: int) -> tuple[int, int]:
         """(query heads, key/value heads) of ``layer``."""
@@ -54,9 +64,16 @@ class AttentionMeta:
     def softcap(self, layer: int) -> float | None:
         return None if self.softcaps is None else self.softcaps[layer]
 
+    def key_mask(self, layer: int | None) -> torch.Tensor | None:
+        """The padding mask ``(b, k)`` of ``layer``'s keys (its site's batch entry), or None for no padding."""
+        if layer is None or self.sites is None or not self.masks:
+            return self.attention_mask
+        return self.masks.get(self.sites[layer].key_mask)
+
 
 class ActivationCache:
-    """Captured activations. ``cache[name]``, or the shorthand ``cache["pattern", 3]``.
+    """Captured activations. ``cache[name]``, or the shorthand ``cache["pattern", 3]``. The one cache class of
+    every model: ``cache.pattern(site or layer, heads)`` rebuilds any attention site's pattern from q and k.
 
     >>> cache = ActivationCache({"blocks.0.attn.hook_z": torch.zeros(1, 2, 3, 4)})
     >>> cache["z", 0].shape
@@ -85,7 +102,8 @@ class ActivationCache:
 
     def _missing(self, name: str) -> KeyError:
         if name.endswith(("hook_pattern", "hook_attn_scores")) and any(k.endswith("hook_q") for k in self._store):
-            layer = name.split(".")[1]
+            site = name.rsplit(".", 1)[0]  # blocks.3.attn -> 3; an encoder-decoder's site by its name
+            layer = site.split(".")[1] if site.startswith("blocks.") else repr(site)
             return KeyError(
                 f"{name} was not captured: flash-path runs do not build n x n patterns. Use "
                 f"cache.pattern({layer}) to rebuild it from the cached q and k, or model.set_attn('eager')."
@@ -120,6 +138,21 @@ class ActivationCache:
     def __repr__(self) -> str:
         return f"ActivationCache({len(self)} tensors: {', '.join(list(self._store)[:4])}{', ...' if len(self) > 4 else ''})"
 
+    @property
+    def sites(self) -> list:
+        """The model's attention sites in index order (``cache.pattern(i)`` is site i's); [] when not recorded."""
+        return [] if self.meta is None or self.meta.sites is None else list(self.meta.sites)
+
+    @property
+    def source_mask(self) -> torch.Tensor | None:
+        """The padding mask ``(b, p)`` of the run's ``input_ids`` (None: no padding, or not recorded)."""
+        return None if self.meta is None else self.meta.masks.get("attention_mask", self.meta.attention_mask)
+
+    @property
+    def target_mask(self) -> torch.Tensor | None:
+        """The padding mask ``(b, t)`` of an encoder-decoder run's ``decoder_input_ids`` (None: none)."""
+        return None if self.meta is None else self.meta.masks.get("decoder_attention_mask")
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ActivationCache:
         """A copy of the cache with every tensor moved (and, if given, floating tensors cast)."""
 
@@ -130,7 +163,9 @@ class ActivationCache:
         if meta is not None:
             mask = None if meta.attention_mask is None else meta.attention_mask.to(device)
             meta = AttentionMeta(**{**meta.__dict__, "attention_mask": mask,
-                                    "sinks": {l: t.to(device) for l, t in meta.sinks.items()}})
+                                    "sinks": {l: t.to(device) for l, t in meta.sinks.items()},
+                                    "masks": {n: None if m is None else m.to(device) for n, m in meta.masks.items()},
+                                    "biases": {l: t.to(device) for l, t in meta.biases.items()}})
         return ActivationCache({k: move(v) for k, v in self._store.items()}, meta)
 
     # -- stacking ------------------------------------------------------------------------------------
@@ -166,49 +201,71 @@ class ActivationCache:
         return torch.cat(parts), labels
 
     # -- patterns from q and k -------------------------------------------------------------------------
-    def pattern(self, layer: int, heads: int | Sequence[int] | None = None) -> torch.Tensor:
-        """The attention pattern ``(b, h, q, k)`` of ``heads`` (all if None) in ``layer``.
+    def _site(self, key) -> tuple[int, str]:
+        """``(index, hook prefix)`` of a layer number or site index, or of a site's name."""
+        meta = self.meta
+        sites = None if meta is None or meta.sites is None else [s.name for s in meta.sites]
+        layered = sites is None or len({s.stack for s in meta.sites}) == 1
+        if isinstance(key, str):
+            if sites is not None and key in sites:
+                return sites.index(key), key
+            example = f"a site such as {sites[0]!r} or {sites[-1]!r}, or " if sites else ""
+            raise KeyError(f"{key!r} is not an attention site of this model; give {example}"
+                           f"{'a layer' if layered else 'an index'}{f' 0..{len(sites) - 1}' if sites else ''}.")
+        n = len(meta.scaling) if meta is not None else None
+        if not isinstance(key, int) or isinstance(key, bool) or n is not None and not 0 <= key < n:
+            if not layered:
+                raise IndexError(f"Site {key!r} is out of range: sites run 0..{n - 1} ({sites[0]}, ...).")
+            span = f"this model's layers run 0..{n - 1}" if n else "layers are integers"
+            raise IndexError(f"Layer {key!r} is out of range: {span}.")
+        return key, f"blocks.{key}.attn" if sites is None else sites[key]
+
+    def pattern(self, layer: int | str, heads: int | Sequence[int] | None = None) -> torch.Tensor:
+        """The attention pattern ``(b, h, q, k)`` of ``heads`` (all if None) of one attention site: a layer
+        number where each layer has one site, or any model's site index or name (``"blocks.3.attn"``,
+        ``"decoder.blocks.1.cross_attn"``).
 
         Returns the cached pattern if the run was eager; otherwise rebuilds it from the cached q and k
-        exactly as the eager path computes it (scores in the model's dtype, fp32 softmax, masked entries at
-        the dtype's minimum), so only the selected heads' n x n matrices are built.
+        exactly as the eager path computes it (scores in the model's dtype, soft-cap, position bias, masked
+        entries at the dtype's minimum, fp32 softmax), so only the selected heads' n x n matrices are built.
         """
+        index, site = self._site(layer)
+        meta = self.meta
         if isinstance(heads, int):
             heads = [heads]
-        n_layers = len(self.meta.scaling) if self.meta is not None else None
-        if not isinstance(layer, int) or isinstance(layer, bool) or n_layers is not None and not 0 <= layer < n_layers:
-            span = f"this model's layers run 0..{n_layers - 1}" if n_layers else "layers are integers"
-            raise IndexError(f"Layer {layer!r} is out of range: {span}.")
-        name = f"blocks.{layer}.attn.hook_pattern"
+        if meta is not None:
+            n_heads, n_kv_heads = meta.heads(index)
+            bad = [h for h in (() if heads is None else heads) if not 0 <= h < n_heads]
+            if bad:
+                what = f"layer {index}" if site == f"blocks.{index}.attn" else site
+                raise IndexError(f"Heads of {what} run 0..{n_heads - 1}; got {bad}.")
+        name = f"{site}.hook_pattern"
         if name in self._store:
             pattern = self._store[name]
             return pattern if heads is None else pattern[:, list(heads)]
-        if self.meta is None or f"blocks.{layer}.attn.hook_q" not in self._store or f"blocks.{layer}.attn.hook_k" not in self._store:
-            raise KeyError(
-                f"cache.pattern({layer}) needs blocks.{layer}.attn.hook_q and hook_k in the cache; "
-                "run_with_cache captures them by default."
-            )
-        meta = self.meta
-        q = self._store[f"blocks.{layer}.attn.hook_q"]  # (b, p, h, d)
-        k = self._store[f"blocks.{layer}.attn.hook_k"]  # (b, p, g, d)
-        n_heads, n_kv_heads = meta.heads(layer)
+        q_name, k_name = f"{site}.hook_q", f"{site}.hook_k"
+        if meta is None or q_name not in self._store or k_name not in self._store:
+            raise KeyError(f"cache.pattern({layer!r}) needs {q_name} and hook_k in the cache; "
+                           "run_with_cache captures them by default.")
+        q, k = self._store[q_name], self._store[k_name]  # (b, q, h, d), (b, k, g, d)
         heads = list(range(n_heads)) if heads is None else list(heads)
-        bad = [h for h in heads if not 0 <= h < n_heads]
-        if bad:
-            raise IndexError(f"Heads of layer {layer} run 0..{n_heads - 1}; got {bad}.")
         group = n_heads // n_kv_heads
-        # laid out as the eager path's tensors are, so that the same matmul kernel gives the same bits
-        q_sel = q[:, :, heads].transpose(1, 2).contiguous()  # (b, h, q, d)
-        k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2).contiguous()  # (b, h, k, d)
-        scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[layer]
-        softcap = meta.softcap(layer)
+        q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
+        k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
+        if not meta.views:  # laid out as the eager path's tensors are, so that the same kernel gives the same bits
+            q_sel, k_sel = q_sel.contiguous(), k_sel.contiguous()
+        scores = torch.matmul(q_sel, k_sel.transpose(2, 3)) * meta.scaling[index]
+        softcap = meta.softcap(index)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device, layer)
+        bias = meta.biases.get(index)
+        if bias is not None:
+            scores = scores + bias[:, heads] if bias.shape[1] > 1 else scores + bias
+        mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device, index)
         if mask is not None:
             scores = scores + mask
-        if layer in meta.sinks:  # the sink column joins each row and is dropped after the softmax
-            sinks = meta.sinks[layer].to(scores.dtype)[heads].reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        if index in meta.sinks:  # the sink column joins each row and is dropped after the softmax
+            sinks = meta.sinks[index].to(scores.dtype)[heads].reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
             combined = torch.cat([scores, sinks], dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
@@ -231,8 +288,9 @@ def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device, layer: int | N
         if after is not None:
             allowed &= offset <= after
         allowed = allowed[None, None]
-    if meta.attention_mask is not None:
-        pad = meta.attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    keys = meta.key_mask(layer)
+    if keys is not None:
+        pad = keys.to(device=device, dtype=torch.bool)[:, None, None, :]
         allowed = pad if allowed is None else allowed & pad
     return allowed
 

@@ -11,8 +11,7 @@ nothing else.
 from . import attention as _attention  # noqa: F401  (registers our attention and mask functions)
 from .attention import EAGER_KEY, FLASH_KEY
 from .loading import BUNDLED, load_model
-from .model import HookedModel, ModelConfig
-from .seq2seq import Seq2SeqHookedModel
+from .model import HookedModel, ModelConfig, Seq2SeqHookedModel  # Seq2SeqHookedModel: HookedModel's name before
 from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
 from .streamed import stream_model
 from .progress import set_progress

@@ -113,9 +113,7 @@ def _quiet_loading():
 
 def _wrap(hf, tokenizer, attn: str):
     """A HookedModel (for an encoder-decoder model, T5, BART, ..., one with encoder, decoder and cross-attention
-    sites: ``interp.seq2seq``)."""
-    from . import seq2seq  # noqa: F401  (registers the encoder-decoder feeding with HookedModel)
-
+    sites: ``interp.seq2seq``); the same class for every model."""
     return HookedModel(hf, tokenizer=tokenizer, attn=attn)
 
 

@@ -293,11 +293,10 @@ def _unsliceable(site, attn: torch.nn.Module, proj: Projections | str) -> str | 
     return f"per-head parameters outside its projections ({', '.join(p for p, _, _ in extra)})" if extra else None
 
 
-def check_head_counts(model) -> None:
+def check_head_counts(blocks, s: Structure) -> None:
     """Raise if a layer's output projection does not take ``heads * d_head_v`` features (config and weights
     disagree, e.g. a pruned folder loaded without its ``interp_pruned_heads`` record)."""
-    s = model.structure
-    for layer, (block, path) in enumerate(zip(model._blocks, s.o_proj)):
+    for layer, (block, path) in enumerate(zip(blocks, s.o_proj)):
         if path is None:
             continue
         o_proj = block.get_submodule(path)

@@ -1,10 +1,13 @@
-"""What every model wrapper shares: ``studying`` (the state an analysis runs in, restored after), the hook context,
-the checks that our attention is the one that runs, and ``_take_over`` (one wrapper per HF model at a time)."""
+"""What the one model wrapper (``HookedModel``) shares with every kind of model: ``studying`` (the state an analysis
+runs in, restored after), the hook context, the checks that our attention is the one that runs, ``_take_over`` (one
+wrapper per HF model at a time), and the two records a kind of model fills in: ``Layout`` (what its discovery found)
+and ``Kind`` (how a batch feeds it)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +16,49 @@ from hooks import HookPoint, NameFilter, spec_for
 from .attention import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
 from .distributed import input_device
 from .probe import attention_keys, set_attention_key
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What discovery found in one HF model, in the form the wrapper keeps for every kind of model.
+
+    cfg: the model's config (its ``sites``). structure: ``interp.structure.Structure`` of a model with one site per
+    layer, None for an encoder-decoder. blocks: the block list (``ModuleList``), or ``{stack: ModuleList}`` where
+    there are several stacks. modules: site name -> the attention module that calls our attention function.
+    weights: site name -> ``(module, Projections or why there are none, in-norm or None)``, where ``module`` is
+    what the site's ``o_proj`` and projection paths are relative to. points: every HookPoint in hook-name order.
+    attach: name of a point served by a torch hook on a module -> ``fn(point) -> handle``.
+    """
+
+    cfg: object
+    structure: object
+    blocks: object
+    modules: dict
+    weights: dict
+    points: list
+    attach: dict
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between kinds of model (decoder-/encoder-only: ``interp.layered``; encoder-decoder:
+    ``interp.seq2seq``), chosen once when the wrapper is built.
+
+    build: ``(hf, structure or None) -> Layout``. feed: ``(model, inputs, attention_mask, kwargs) -> (the HF
+    model's keyword arguments, {mask name: mask})``. probe_batch: ``model -> kwargs`` of a two-token run.
+    meta: ``(model, masks, biases) -> AttentionMeta`` for ``cache.pattern``. shape: ``cfg -> "2 layers x 4 heads"``.
+    seq2seq: what ``check_supported`` checks. position_bias: capture each site's position bias for the cache
+    (T5). pad_attrs: the tokenizer/config attributes a padding id is taken from, in order.
+    """
+
+    build: Callable
+    feed: Callable
+    probe_batch: Callable
+    meta: Callable
+    shape: Callable
+    seq2seq: bool = False
+    position_bias: bool = False
+    pad_attrs: tuple[str, ...] = ("pad_token_id", "eos_token_id")
 
 
 def _replace_first(output, fn):
@@ -44,8 +90,7 @@ def _take_over(hf: torch.nn.Module) -> None:
 
 @contextmanager
 def studying(model):
-    """``model.studying()`` of a HookedModel or Seq2SeqHookedModel (both keep ``hf``, ``_registry`` and
-    ``_sync_module_hooks``): eval mode and the global RNG untouched inside; every module's mode, every parameter's
+    """``model.studying()`` of a HookedModel (it keeps ``hf``, ``_registry`` and ``_sync_module_hooks``): eval mode and the global RNG untouched inside; every module's mode, every parameter's
     ``requires_grad`` and the hooks on every point restored on exit, also after an exception."""
     hf, registry = model.hf, model._registry
     modes = [(m, m.training) for m in hf.modules()]
@@ -69,8 +114,8 @@ def studying(model):
 
 
 class _Wrapper:
-    """What both model wrappers (``HookedModel``, ``interp.seq2seq.Seq2SeqHookedModel``) do the same way with their
-    hook registry (``_registry``) and torch hook handles (``_torch_handles``, made by ``_attach``)."""
+    """What ``HookedModel`` does with its hook registry (``_registry``) and torch hook handles (``_torch_handles``,
+    made by ``_attach``), whatever the kind of model."""
 
     def studying(self):
         """The state every analysis runs in, and restores (a context manager).

@@ -3,6 +3,8 @@ class and one version of each study with the same leading columns on every model
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_hf
@@ -11,7 +13,8 @@ from test_seq2seq import _tiny
 import interp
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, head_importance, lm_loss,
                       path_patching)
-from analyses.seq2seq import copy_task, target_loss
+from analyses.seq2seq import copy_task, is_seq2seq, target_loss
+from hooks import ActivationCache
 from interp.sites import FRONT, check_heads, head_columns
 
 
@@ -26,8 +29,10 @@ def t5():
 
 
 def test_every_model_is_one_public_class_with_sites(llama, t5):
-    assert type(llama) is interp.HookedModel and isinstance(t5, interp.HookedModel)
-    assert isinstance(interp.HookedModel(_tiny("bart")), interp.HookedModel)  # the class itself takes seq2seq models
+    assert type(llama) is type(t5) is interp.HookedModel  # no subclass per architecture: what differs is data
+    assert type(interp.HookedModel(_tiny("bart"))) is interp.HookedModel  # the class itself takes seq2seq models
+    assert type(copy.deepcopy(t5)) is interp.HookedModel and interp.Seq2SeqHookedModel is interp.HookedModel
+    assert (llama.cfg.stacks, t5.cfg.stacks) == (("decoder",), ("encoder", "decoder"))
     assert [s.name for s in llama.cfg.sites] == [f"blocks.{l}.attn" for l in range(llama.cfg.n_layers)]
     assert {s.stack for s in llama.cfg.sites} == {"decoder"} and all(s.causal for s in llama.cfg.sites)
     assert llama.sites["blocks.1.attn"].n_heads == llama.cfg.heads_per_layer[1]
@@ -37,6 +42,28 @@ def test_every_model_is_one_public_class_with_sites(llama, t5):
     assert (cross.queries, cross.keys, cross.query_mask) == ("decoder_input_ids", "input_ids", "decoder_attention_mask")
     bert = interp.HookedModel(tiny_hf("bert"))
     assert {s.stack for s in bert.cfg.sites} == {"encoder"} and not any(s.causal for s in bert.cfg.sites)
+
+
+def test_one_cache_class_rebuilds_any_sites_pattern_the_same_way_on_every_model(llama, t5):
+    """``cache.pattern(site name or layer, heads)`` from a run's q and k equals that run's own pattern bit for bit,
+    on a decoder-only model (left padding) and an encoder-decoder one (T5's position bias, cross-attention)."""
+    ids = torch.randint(1, 99, (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for model, batch in ((llama, {"input_ids": ids, "attention_mask": mask}), (t5, copy_task(t5, 3, 6))):
+        _, eager = model.run_with_cache(batch)
+        _, qk = model.run_with_cache(batch, names=lambda n: n.endswith(("hook_q", "hook_k")))
+        assert type(eager) is type(qk) is ActivationCache and is_seq2seq(qk) == is_seq2seq(model)
+        assert [s.name for s in qk.sites] == [s.name for s in model.cfg.sites]
+        for site in model.cfg.sites:
+            heads = [0, site.n_heads - 1]
+            assert f"{site.name}.hook_pattern" not in qk
+            assert torch.equal(qk.pattern(site.name, heads), eager[f"{site.name}.hook_pattern"][:, heads]), site.name
+    assert torch.equal(qk.pattern(0, 1), qk.pattern(t5.cfg.sites[0].name, 1))  # t5: an index into its sites
+    _, cache = llama.run_with_cache(ids, names=lambda n: n.endswith(("hook_q", "hook_k")))
+    assert torch.equal(cache.pattern("blocks.1.attn", 2), cache.pattern(1, 2))  # a layered model: layer or site
+    with pytest.raises(KeyError, match="not an attention site of this model; give a site such as"):
+        cache.pattern("decoder.blocks.1.attn")
 
 
 def test_a_layered_model_takes_site_names_wherever_it_takes_layers(llama):

@@ -83,3 +83,24 @@ def test_a_closed_gate_is_exactly_the_streaming_head():
             streamed = model(ids)
     assert closed > 0.5  # streaming every head breaks the copy
     assert closed == pytest.approx(float(_distance(streamed, full, every).mean()), rel=1e-6, abs=0)  # fp32, row by row
+
+
+def test_gemma3_gates_only_its_full_attention_layers():
+    """Gemma 3's sliding-window layers keep a window already and stream_heads refuses them: the gates cover the
+    heads of the full-attention layer only (they raised NotImplementedError before), and the model is as it was."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           sliding_window=9, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    model = interp.load_model(Gemma3ForCausalLM(cfg).eval(), attn="flash")
+    ids = torch.randint(1, 99, (2, 24), generator=torch.Generator().manual_seed(0))
+    df = streaming_gates(model, ids, sink=1, window=4, steps=3)
+    assert sorted(zip(df["layer"], df["head"])) == [(1, h) for h in range(4)]
+    assert df.kv_head.eq(0).all() and df.gate.between(0, 1).all()
+    assert model.attn == "flash" and not model._registry.active()
+    everything_sliding = Gemma3TextConfig(**{**cfg.to_dict(), "layer_types": ["sliding_attention"] * 3})
+    with pytest.raises(ValueError, match="no layer with full attention"):
+        streaming_gates(interp.load_model(Gemma3ForCausalLM(everything_sliding).eval()), ids, steps=1)

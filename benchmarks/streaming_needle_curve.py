@@ -1,0 +1,90 @@
+"""A needle streaming curve on a real model: needle-in-a-haystack accuracy as 10% more heads stream at a time, in the
+order of the retrieval score (least retrieval first, Wu et al. 2024) and in random orders, with the KV memory of each
+step (``analyses.streaming_curve``).
+
+The needle is read teacher-forced: each prompt (``analyses.retrieval.needle_prompts``: a random 8-token needle at a
+depth of a haystack of the project's sentences, then the question) is followed by its answer, and the metric is the
+share of the answer's tokens the model predicts (greedy) from the tokens before them. The streaming mask is exact
+against the streaming cache (``tests/test_streaming.py``), so this is what decoding with a streaming cache would give
+token by token when every earlier token was right. Retrieval scores are detected first at ``--detect-length``
+(seed 0; the curve's prompts use seed 1).
+
+    python benchmarks/streaming_needle_curve.py --model smollm2 --length 2048 --plot curve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import pandas as pd
+import torch
+
+import interp
+from analyses import streaming_curve, streaming_curve_plot
+from analyses.retrieval import needle_prompts, retrieval_heads
+
+NEEDLE = 8
+
+
+def needle_accuracy(output, batch) -> torch.Tensor:
+    """The share of the last ``NEEDLE`` tokens of each row (the answer) that the previous position's argmax
+    predicts, averaged over rows."""
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    guess = logits[:, -NEEDLE - 1:-1].argmax(-1)
+    return (guess == batch["input_ids"][:, -NEEDLE:]).float().mean()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--detect-length", type=int, default=2048)
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7])
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--step", type=float, default=0.1)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    p.add_argument("--csv", default=None, help="write the curve's rows here")
+    a = p.parse_args()
+    interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}", flush=True)
+    model = interp.load_model(a.model, attn="flash")
+    t = time.perf_counter()
+    scores = retrieval_heads(model, lengths=[a.detect_length], context=a.detect_length, depths=(0.1, 0.5, 0.9),
+                             n_bootstrap=200)
+    scores["retrieval"] = scores["retrieval"].fillna(0.0)
+    top = scores.nlargest(5, "retrieval")
+    print(f"retrieval detection {time.perf_counter() - t:.0f} s; top: "
+          + ", ".join(f"{r.layer}.{r.head} {r.retrieval:.2f}" for r in top.itertuples()), flush=True)
+    prompts = needle_prompts(model, [a.length], a.depths, needle_len=NEEDLE, seed=1)
+    rows = [torch.cat([q.ids, q.answer]) for q in prompts]
+    if len({len(r) for r in rows}) != 1:
+        raise SystemExit(f"needle prompts of different lengths {sorted({len(r) for r in rows})}; this script needs "
+                         "one length (no padding).")
+    ids = torch.stack(rows)
+    t = time.perf_counter()
+    curves = [streaming_curve(model, ids, needle_accuracy, order=order, seeds=a.seeds, sink=a.sink, window=a.window,
+                              step=a.step, higher_is_better=True)
+              for order in (scores, "random")]
+    df = pd.concat(curves)
+    df.attrs.update(curves[0].attrs, metric="needle accuracy (teacher-forced)")
+    df.loc[df.order != "random", "order"] = "retrieval (least first)"
+    print(f"{a.model}, {a.length} + {NEEDLE} tokens, depths {a.depths}, sink {a.sink}, window {a.window}; "
+          f"curve {time.perf_counter() - t:.0f} s, load {os.getloadavg()[0]:.1f}")
+    table = df.groupby(["order", "fraction_streaming"], sort=False).agg(
+        accuracy=("metric", "mean"), lo=("metric", "min"), hi=("metric", "max"), heads=("heads_streaming", "first"),
+        kv=("kv_fraction", "mean"))
+    print(table.round(3).to_string())
+    if a.csv:
+        df.to_csv(a.csv, index=False)
+    if a.plot:
+        ax = streaming_curve_plot(df)
+        ax.set_title(f"{a.model}: needle at {a.length} tokens as heads stream")
+        ax.figure.savefig(a.plot, dpi=150)
+
+
+if __name__ == "__main__":
+    main()
