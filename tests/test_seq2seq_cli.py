@@ -187,3 +187,13 @@ def test_report_of_the_copy_toy_reads_offline(copy_report, tmp_path):
         page.check_clean()
         page.screenshot(tmp_path / "report.png")
         page.close()
+
+
+def test_info_lists_the_sites_and_hook_names(bart_folder):
+    """`interp info` on an encoder-decoder printed the decoder-only probe description and crashed on it."""
+    code, out, _ = run("info", bart_folder)
+    assert code == 0
+    assert "decoder.blocks.0.cross_attn" in out and "cross" in out and "bidirectional" in out
+    assert "decoder.blocks.{l}.cross_attn.hook_pattern" in out and "encoder.blocks.{l}.hook_resid_post" in out
+    code, out, _ = run("info", bart_folder, "--format", "json")
+    assert code == 0 and "encoder.blocks.0.attn.hook_q" in json.loads(out)["hook_names"]

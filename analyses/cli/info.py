@@ -32,16 +32,29 @@ def cmd_info(args) -> int:
     width = max(map(len, summary))
     for key, value in summary.items():
         print(f"{key:<{width}}  {value}")
+    names = model.hook_names()
+    if model.structure is None:  # an encoder-decoder: its sites, and its hook names with the block as {l}
+        import re
+
+        print("\nattention sites found by the load probe:")
+        for site in model.cfg.sites:
+            print(f"  {site.name:<30} {site.kind:<5} {'causal' if site.causal else 'bidirectional':<13} "
+                  f"{site.n_heads} heads")
+        templates = dict.fromkeys(re.sub(r"blocks\.\d+\.", "blocks.{l}.", n) for n in names)
+        print(f"\nhook names ({len(names)}):")
+        for template in templates:
+            print(f"  {template}")
+        return 0
     from interp.structure import describe
 
     print("\nfound by the load probe:")
     for line in describe(model.structure):
         print(f"  {line}")
-    print(f"\nhook names ({len(model.hook_names())}):")
+    print(f"\nhook names ({len(names)}):")
     from hooks import HOOK_TABLE
 
     for spec in HOOK_TABLE:
-        if spec.per_layer and spec.name(0) not in model.hook_names():
+        if spec.per_layer and spec.name(0) not in names:
             continue
         print(f"  {spec.template:<34} {spec.shape:<14} {spec.meaning}")
     return 0
