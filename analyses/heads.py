@@ -260,7 +260,10 @@ def _score_batch(model, ids, mask, index, targets: Targets, tally: Tally,
             q, k = held.pop("q"), held.pop("k")
             layer = model.structure.layer_attn[hook.layer]  # the scale, cap and window the model computes with
             group = q.shape[2] // k.shape[2]
-            if nonfinite is not None:  # per head, at real tokens: q, its key head's k, the logsumexp
+            # per head, at real tokens: q, its key head's k, the logsumexp. A finite sum of everything (one read, no
+            # copy) proves every element finite; only otherwise (inf, NaN or an overflowing sum) look per head.
+            total = q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32) + lse.sum()
+            if nonfinite is not None and not bool(torch.isfinite(total)):
                 finite = torch.isfinite(q).all(-1) & torch.isfinite(k).all(-1).repeat_interleave(group, 2)
                 bad = ~(finite & torch.isfinite(lse).transpose(1, 2))[real].all(0)  # (h,), no copy of q or k
                 nonfinite[hook.layer, : bad.shape[0]] += bad.cpu().long()

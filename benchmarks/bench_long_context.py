@@ -19,6 +19,10 @@ model and the total peak, both as a ratio to sdpa's. Eager attention's projected
 layer (the pattern alone). The slope is the growth per 1k tokens between the shortest and longest lengths; linear
 memory doubles when n doubles (ratio 2, quadratic 4).
 
+Time: wall-clock and the child's CPU time (``time.process_time``) over the task. With one thread the CPU time is
+close to what an idle machine would show; on a machine shared with other work the wall-clock ratio moves with the
+load from one child to the next, the CPU-time ratio much less.
+
     python benchmarks/bench_long_context.py                 # SmolLM2 at 4k, 8k (Gemma 3 with --gemma)
     python benchmarks/bench_long_context.py --gemma --lengths   # Gemma 3 alone
     python benchmarks/bench_long_context.py --quick         # toy model, 32 and 64 tokens: checks the script runs
@@ -103,9 +107,9 @@ def child(model_name: str, n: int, task: str) -> dict:
             detect_heads(model, prompts=warm[None], kinds=SCORE_KINDS, n_bootstrap=10)
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = run()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = _status("VmHWM")
     extra = {}
     if task == "retrieval":
@@ -115,7 +119,8 @@ def child(model_name: str, n: int, task: str) -> dict:
         extra = {"top_induction": out.nlargest(3, "induction")[["layer", "head", "induction"]].values.tolist()}
     cfg = model.cfg
     return {"model": model_name, "n": n, "task": task, "before_mib": before / 1024, "peak_mib": peak / 1024,
-            "grew_mib": (peak - before) / 1024, "seconds": seconds, "heads": cfg.n_heads, "layers": cfg.n_layers,
+            "grew_mib": (peak - before) / 1024, "seconds": seconds, "cpu_seconds": cpu, "heads": cfg.n_heads,
+            "layers": cfg.n_layers,
             **extra}
 
 
@@ -136,20 +141,22 @@ def measure(model_name: str, lengths: list[int], tasks: list[str]) -> list[dict]
             row = _spawn(model_name, n, task)
             rows.append(row)
             print(f"  {model_name} {n:>6} {task:<9} grew {row['grew_mib']:8.1f} MiB  peak {row['peak_mib']:8.1f} MiB"
-                  f"  {row['seconds']:7.1f} s", flush=True)
+                  f"  {row['seconds']:7.1f} s  cpu {row['cpu_seconds']:7.1f} s", flush=True)
     return rows
 
 
 def report(rows: list[dict]) -> list[str]:
     lines = ["x ref: against sdpa (one forward) for sdpa and scores, sdpa_decode (prefill + 8 tokens) for retrieval",
-             "model     n      task       grew MiB   x ref  peak MiB   x ref   time s   x ref  eager pattern/layer"]
+             "model     n      task       grew MiB   x ref  peak MiB   x ref   time s   x ref    cpu s   x ref  "
+             "eager pattern/layer"]
     by = {(r["model"], r["n"], r["task"]): r for r in rows}
     for r in rows:
         ref = by.get((r["model"], r["n"], _REFERENCE[r["task"]]))
         eager_gib = r["heads"] * r["n"] ** 2 * 4 / 1024 ** 3
         ratio = (lambda key: r[key] / ref[key] if ref and ref[key] > 0 else float("nan"))
         lines.append(f"{r['model']:<9} {r['n']:<6} {r['task']:<9} {r['grew_mib']:9.1f} {ratio('grew_mib'):7.2f} "
-                     f"{r['peak_mib']:9.1f} {ratio('peak_mib'):7.2f} {r['seconds']:8.1f} {ratio('seconds'):7.2f}  "
+                     f"{r['peak_mib']:9.1f} {ratio('peak_mib'):7.2f} {r['seconds']:8.1f} {ratio('seconds'):7.2f} "
+                     f"{r['cpu_seconds']:8.1f} {ratio('cpu_seconds'):7.2f}  "
                      f"{eager_gib:8.3f} GiB")
     for model in dict.fromkeys(r["model"] for r in rows):
         for task in TASKS:

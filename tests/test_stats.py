@@ -162,3 +162,34 @@ def test_shape_errors_say_what_was_expected():
         attention_stats(torch.zeros(1, 3, 4, 8), torch.zeros(1, 2, 4, 8), 1.0)
     with pytest.raises(ValueError, match="last q of the k"):
         attention_stats(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 4, 8), 1.0)
+
+
+@pytest.mark.parametrize("budget", [3, 40, 1 << 22])
+@pytest.mark.parametrize("window", [(None, None), (3, None)])
+def test_top_index_alone_is_the_eager_argmax(budget, window):
+    """``fields=("top_index",)`` (the positional score's pass) picks its own tiles and reads indices only for rows that
+    improve; its top-1 key is still the eager pattern's argmax, with padding, windows and any tile size."""
+    torch.manual_seed(0)
+    b, h, g, n, d = 2, 4, 2, 37, 8
+    q, k = torch.randn(b, h, n, d) * 2, torch.randn(b, g, n, d) * 2
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, :9] = False
+    pattern, allowed = _reference(q, k, d ** -0.5, True, window, valid, None, None, None)
+    top = attention_stats(q, k, 1.0, causal=True, window=window, key_valid=valid, fields=("top_index",),
+                          budget=budget).top_index
+    live = allowed.any(-1)
+    assert torch.equal(top[live], torch.where(allowed, pattern, -1.0).argmax(-1)[live])
+    assert (top[~live] == -1).all()
+
+
+@pytest.mark.parametrize("fields", [("top_index",), ("top_index", "top_weight", "total")])
+def test_a_non_finite_key_no_row_may_see_changes_nothing(fields):
+    """Blocks are masked by adding 0 / -inf, which turns an inf score into NaN; such a block is masked exactly again,
+    so an inf key after the diagonal leaves every earlier row as it was."""
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 2, 24, 8), torch.randn(1, 1, 24, 8)
+    bad = k.clone()
+    bad[0, 0, 20, 0] = float("inf")
+    clean, dirty = (attention_stats(q, keys, 0.5, causal=True, fields=fields, budget=1 << 22) for keys in (k, bad))
+    for name in fields:
+        assert torch.equal(getattr(dirty, name)[..., :20], getattr(clean, name)[..., :20]), name
