@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from hooks import HookPoint
 
-from .kernels import fused_attention, repeat_kv
+from .kernels import fused_attention, repeat_kv, windowed_attention
 
 __all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "attached_layer_hooks",
            "detach_layer_hooks", "eager_attention", "flash_attention", "fused_attention", "repeat_kv",
@@ -60,7 +60,7 @@ class LayerHooks:
     (``copy.deepcopy``, pickling) carries no hooks: they belong to the wrapper, not to the weights.
     """
 
-    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias", "causal")
+    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias", "causal", "window")
 
     def __init__(self, points: dict[str, HookPoint], owner=None):
         for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"):
@@ -69,6 +69,7 @@ class LayerHooks:
         self.owner = weakref.ref(owner) if owner is not None else (lambda: None)
         self.bias = None  # the position bias of the last hooked call (T5), for rebuilding patterns from q and k
         self.causal = None  # whether the layer is causal, as discovered (None: unknown, the module's is_causal says)
+        self.window = None  # a causal layer's sliding window, keys before the query (as discovered), or None
 
     def refresh(self) -> None:
         self.any = any(bool(getattr(self, kind)) for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"))
@@ -297,7 +298,11 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     query, key, value, attention_mask = _same_batch(query, key, value, attention_mask)
     need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
-    if stream is not None:
+    window = getattr(attached, "window", None) if attached is not None else (
+        kwargs["sliding_window"] - 1 if kwargs.get("sliding_window") else None)  # a module without our hooks
+    if causal and window is not None and query.shape[2] == key.shape[2] > window + 1 and stream is None and not dropout:
+        out, lse = windowed_attention(query, key, value, window, scaling, need_lse, softcap)  # _fused_mask skipped it
+    elif stream is not None:
         out, lse = stream.attend(query, key, value, attention_mask, scaling, causal, need_lse, softcap, dropout=dropout)
     else:
         out, lse = fused_attention(query, key, value, attention_mask, scaling, dropout, causal, need_lse, softcap)
@@ -353,17 +358,33 @@ def _recorded(mask_fn):
 
 def _fused_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
                 dtype=torch.float32, **kwargs):
-    """HF's sdpa mask (None when the kernel's causal flag or no mask suffices), made additive.
+    """HF's sdpa mask (None when the kernel's causal flag or no mask suffices), made additive. A causal sliding
+    window over a prompt without padding or cache is not built (n x n): ``flash_attention`` applies the window.
 
     The CPU flash kernel rejects boolean masks; -inf on disallowed keys gives fully padded rows output 0
     and logsumexp 0, as HF sdpa does.
     """
+    size = kwargs.get("local_size")
+    if (size is not None and Recording.active is None and q_length == kv_length > size and not q_offset
+            and not kv_offset and (attention_mask is None or bool(attention_mask.all()))
+            and _is_sliding_window(kwargs.get("mask_function"), size)):
+        return None  # a causal sliding window, no padding, no cache: flash_attention applies it in O(n) memory
     mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
     if mask is None:
         return None
     zero = torch.zeros((), dtype=dtype, device=mask.device)
     return torch.where(mask, zero, float("-inf")).to(dtype)
+
+
+def _is_sliding_window(mask_function, size: int) -> bool:
+    """Whether HF's mask function lets query q see exactly keys q - size + 1 .. q (not chunked or block attention)."""
+    index, kv = torch.zeros((), dtype=torch.long), torch.arange(8 * size)
+    try:
+        allowed = torch.broadcast_to(torch.as_tensor(mask_function(index, index, torch.tensor(4 * size), kv)), kv.shape)
+    except Exception:  # noqa: BLE001  a mask function that needs real positions or vmap: build the mask
+        return False
+    return bool(torch.equal(allowed.bool(), (kv <= 4 * size) & (kv > 3 * size)))
 
 
 def _register() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["repeat_kv", "fused_attention", "tiled_attention", "cuda_backend"]
+__all__ = ["repeat_kv", "fused_attention", "tiled_attention", "windowed_attention", "cuda_backend"]
 
 _TILE_ELEMENTS = 1 << 23  # elements of one (b, h, tile, k) score block in tiled_attention (32 MiB in fp32)
 
@@ -72,6 +72,28 @@ def fused_attention(query, key, value, mask, scale: float, dropout: float = 0.0,
     if need_lse and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         lse = _LogSumExp.apply(query, key, lse, mask, scale, causal)
     return out, lse
+
+
+def windowed_attention(query, key, value, window: int, scale: float, need_lse: bool = True,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal sliding-window attention (query ``i`` sees keys ``i - window .. i``; HF's ``sliding_window`` is
+    ``window + 1``) for a prompt without padding or cache (``q == k``), by query chunks: each chunk runs the fused
+    kernel on its own keys with a small mask, so memory is O(n (chunk + window)), not the n x n mask HF's sdpa
+    builds, and the time falls with the window. Same returns as ``fused_attention``."""
+    n = query.shape[2]
+    chunk = max(256, window + 1)
+    outs, lses = [], []
+    for start in range(0, n, chunk):
+        stop, first = min(n, start + chunk), max(0, start - window)
+        q_pos = torch.arange(start, stop, device=query.device)[:, None]
+        k_pos = torch.arange(first, stop, device=query.device)[None]
+        allowed = (k_pos <= q_pos) & (q_pos - k_pos <= window)
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+        out, lse = fused_attention(query[:, :, start:stop], key[:, :, first:stop], value[:, :, first:stop], mask,
+                                   scale, 0.0, False, need_lse, softcap)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), (torch.cat(lses, 2) if need_lse else None)
 
 
 def tiled_attention(query, key, value, mask, scale: float, causal: bool = False, softcap: float | None = None,

@@ -76,6 +76,7 @@ class HookedModel(_Wrapper):
         for site in self.cfg.sites:
             lh = LayerHooks({k: self._registry[f"{site.name}.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
             lh.causal = site.causal  # what the probe found, not the module's is_causal flag
+            lh.window = site.window[0] if site.causal and site.window is not None else None
             attach_layer_hooks(self._site_modules[site.name], lh)
             self._layer_hooks[site.name] = lh
         self.attn: str | None = None

@@ -2,7 +2,7 @@
 
 The default run uses whatever pip installed (5.24 when this was written). This test makes a virtualenv that sees
 the installed packages (`--system-site-packages`) but has transformers 5.17.0 of its own, installed from the
-package index, and runs the parity, family and encoder-decoder tests in it. Found with it: transformers 5.17's T5
+package index, and runs the parity, family, encoder-decoder and sliding-window tests in it. Found with it: transformers 5.17's T5
 copies its config into each stack, so `set_attn_implementation` on the model left both stacks on HF's attention
 (`interp.structure.set_attention_key` sets every copy).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 OLDEST = "5.17.0"
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_parity.py", "tests/test_families.py", "tests/test_seq2seq.py"]
+TESTS = ["tests/test_parity.py", "tests/test_families.py", "tests/test_seq2seq.py", "tests/test_window_memory.py"]
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
