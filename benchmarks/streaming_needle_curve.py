@@ -9,7 +9,8 @@ against the streaming cache (``tests/test_streaming.py``), so this is what decod
 token by token when every earlier token was right. Retrieval scores are detected first at ``--detect-length``
 (seed 0; the curve's prompts use seed 1).
 
-    python benchmarks/streaming_needle_curve.py --model smollm2 --length 2048 --plot curve.png
+    python benchmarks/streaming_needle_curve.py --model smollm2 --length 2048 --plot curve.png --csv smollm2.csv
+    python benchmarks/streaming_needle_curve.py --panels smollm2.csv gemma3.csv --plot curves.png  # one figure
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--plot", default=None, help="write the figure here (PNG)")
     p.add_argument("--csv", default=None, help="write the curve's rows here")
+    p.add_argument("--panels", nargs="+", default=None, help="draw these saved --csv curves side by side (--plot)")
     a = p.parse_args()
+    if a.panels:
+        return panels(a.panels, a.plot)
     interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}", flush=True)
     model = interp.load_model(a.model, attn="flash")
@@ -79,11 +83,28 @@ def main() -> None:
         kv=("kv_fraction", "mean"))
     print(table.round(3).to_string())
     if a.csv:
-        df.to_csv(a.csv, index=False)
+        df.assign(sink=a.sink, window=a.window, kv_tokens=df.attrs["kv_tokens"]).to_csv(a.csv, index=False)
     if a.plot:
         ax = streaming_curve_plot(df)
         ax.set_title(f"{a.model}: needle at {a.length} tokens as heads stream")
         ax.figure.savefig(a.plot, dpi=150)
+
+
+def panels(paths: list[str], out: str) -> None:
+    """One figure, a panel per saved curve (its file name, minus .csv, is the panel's title)."""
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    fig, axes = plt.subplots(1, len(paths), figsize=(6.6 * len(paths), 4.4), layout="constrained", squeeze=False)
+    for ax, path in zip(axes[0], paths):
+        df = pd.read_csv(path)
+        first = df.iloc[0]  # files written before these columns were added ran with the defaults, 2,048 + 8 tokens
+        df.attrs.update(metric="needle accuracy (teacher-forced)", sink=int(first.get("sink", 4)),
+                        window=int(first.get("window", 256)), kv_tokens=int(first.get("kv_tokens", 2048 + NEEDLE)))
+        streaming_curve_plot(df, ax=ax)
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_title(f"{Path(path).stem}: {int(df.heads_streaming.max())} heads can stream")
+    fig.savefig(out, dpi=110)
 
 
 if __name__ == "__main__":
