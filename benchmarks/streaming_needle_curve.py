@@ -2,7 +2,7 @@
 order of the retrieval score (least retrieval first, Wu et al. 2024) and in random orders, with the KV memory of each
 step (``analyses.streaming_curve``).
 
-The needle is read teacher-forced: each prompt (``analyses.retrieval.needle_prompts``: a random 8-token needle at a
+The needle is read teacher-forced: each prompt (``analyses.retrieval.needle_prompts``: a needle of 8 random digits (16 tokens: a space before each) at a
 depth of a haystack of the project's sentences, then the question) is followed by its answer, and the metric is the
 share of the answer's digits (not the spaces between them, which need no needle) that the model predicts (greedy)
 from the tokens before them. The streaming mask is exact
@@ -112,7 +112,7 @@ def panels(paths: list[str], out: str) -> None:
     fig, axes = plt.subplots(1, len(paths), figsize=(6.6 * len(paths), 4.4), layout="constrained", squeeze=False)
     for ax, path in zip(axes[0], paths):
         df = pd.read_csv(path)
-        first = df.iloc[0]  # files written before these columns were added ran with the defaults, 2,048 + 8 tokens
+        first = df.iloc[0]  # files written before these columns were added ran with the defaults, 2,048 + 16 tokens
         df.attrs.update(metric="needle accuracy (teacher-forced)", sink=int(first.get("sink", 4)),
                         window=int(first.get("window", 256)), kv_tokens=int(first.get("kv_tokens", 2048 + 16)))
         streaming_curve_plot(df, ax=ax)
