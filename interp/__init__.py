@@ -8,7 +8,7 @@ Importing registers the attention keys ``interp_exact`` and ``interp_fused`` wit
 nothing else.
 """
 
-from . import attention as _attention  # noqa: F401  (registers our attention and mask functions)
+from . import masks as _masks  # noqa: F401  (registers our attention and mask functions)
 from .attention import EAGER_KEY, FLASH_KEY
 from .loading import BUNDLED, load_model
 from .model import HookedModel, ModelConfig, Seq2SeqHookedModel  # Seq2SeqHookedModel: HookedModel's name before

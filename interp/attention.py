@@ -23,8 +23,6 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from hooks import HookPoint
 
@@ -337,61 +335,3 @@ def _with_bias(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, n_q:
         offset = torch.arange(n_k, device=bias.device)[None] - torch.arange(n_q, device=bias.device)[:, None]
         bias = bias.masked_fill(offset > n_k - n_q, float("-inf"))
     return bias if mask is None else bias + mask
-
-
-# -- masks -----------------------------------------------------------------------------------------------
-def _recorded(mask_fn):
-    """Wrap a mask function: while a Recording is active, never skip building the mask, and remember which of
-    HF's mask functions (causal, sliding window, bidirectional, ...) made each mask."""
-
-    def build(*args, **kwargs):
-        recording = Recording.active
-        if recording is not None:
-            kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-        mask = mask_fn(*args, **kwargs)
-        if recording is not None and mask is not None:
-            recording.masks[id(mask)] = kwargs.get("mask_function")
-        return mask
-
-    return build
-
-
-def _fused_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
-                dtype=torch.float32, **kwargs):
-    """HF's sdpa mask (None when the kernel's causal flag or no mask suffices), made additive. A causal sliding
-    window over a prompt without padding or cache is not built (n x n): ``flash_attention`` applies the window.
-
-    The CPU flash kernel rejects boolean masks; -inf on disallowed keys gives fully padded rows output 0
-    and logsumexp 0, as HF sdpa does.
-    """
-    size = kwargs.get("local_size")
-    if (size is not None and Recording.active is None and q_length == kv_length > size and not q_offset
-            and not kv_offset and (attention_mask is None or bool(attention_mask.all()))
-            and _is_sliding_window(kwargs.get("mask_function"), size)):
-        return None  # a causal sliding window, no padding, no cache: flash_attention applies it in O(n) memory
-    mask = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
-    if mask is None:
-        return None
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, float("-inf")).to(dtype)
-
-
-def _is_sliding_window(mask_function, size: int) -> bool:
-    """Whether HF's mask function lets query q see exactly keys q - size + 1 .. q (not chunked or block attention)."""
-    index, kv = torch.zeros((), dtype=torch.long), torch.arange(8 * size)
-    try:
-        allowed = torch.broadcast_to(torch.as_tensor(mask_function(index, index, torch.tensor(4 * size), kv)), kv.shape)
-    except Exception:  # noqa: BLE001  a mask function that needs real positions or vmap: build the mask
-        return False
-    return bool(torch.equal(allowed.bool(), (kv <= 4 * size) & (kv > 3 * size)))
-
-
-def _register() -> None:
-    AttentionInterface.register(EAGER_KEY, eager_attention)
-    AttentionInterface.register(FLASH_KEY, flash_attention)
-    AttentionMaskInterface.register(EAGER_KEY, _recorded(eager_mask))
-    AttentionMaskInterface.register(FLASH_KEY, _recorded(_fused_mask))
-
-
-_register()

@@ -21,6 +21,7 @@ import torch
 from hooks import ActivationCache, AttentionMeta, HookRegistry, NameFilter, spec_for
 
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
+from .masks import window_aware
 from .config import ModelConfig, _config_of, _site  # noqa: F401  (their home before)
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions, pad_ids, texts_of, tokenize
@@ -79,6 +80,8 @@ class HookedModel(_Wrapper):
             lh.window = site.window[0] if site.causal and site.window is not None else None
             attach_layer_hooks(self._site_modules[site.name], lh)
             self._layer_hooks[site.name] = lh
+        if self.structure is not None:  # a layered model: each module's hooks know its window
+            window_aware(hf)
         self.attn: str | None = None
         self.set_attn(attn)
         for build in _ON_BUILD:

@@ -16,7 +16,8 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, Mis
 
 import interp
 import interp.attention as attention
-from interp.attention import _is_sliding_window
+import interp.masks as masks
+from interp.masks import _is_sliding_window
 
 WINDOW = {"gemma3": 9, "mistral": 7}
 
@@ -90,7 +91,26 @@ def test_only_a_sliding_window_mask_function_is_skipped():
     assert not _is_sliding_window(sliding_window_causal_mask_function(9), 10)
     assert not _is_sliding_window(chunked_causal_mask_function(9, torch.zeros(1, dtype=torch.long)), 9)
     assert not _is_sliding_window(causal_mask_function, 9)
-    assert attention._fused_mask(1, 40, 40, mask_function=sliding_window_causal_mask_function(9), local_size=9) is None
-    built = attention._fused_mask(1, 40, 40, mask_function=sliding_window_causal_mask_function(9), local_size=9,
-                                  attention_mask=torch.tensor([[0] * 3 + [1] * 37]).bool())
+    model = interp.load_model(_tiny("gemma3"), attn="flash")
+    window = dict(mask_function=sliding_window_causal_mask_function(9), local_size=9)
+    assert masks._fused_mask(1, 40, 40, config=model.hf.config, **window) is None
+    built = masks._fused_mask(1, 40, 40, config=model.hf.config, attention_mask=torch.tensor([[0] * 3 + [1] * 37]).bool(),
+                              **window)
     assert built is not None and built.shape[-2:] == (40, 40)  # padding: HF's mask, as before
+    # a config no wrapper vouches for (its attention modules may not know their window): the mask is built
+    bare = copy.deepcopy(model.hf.config)
+    assert masks._fused_mask(1, 40, 40, config=bare, **window).shape[-2:] == (40, 40)
+    assert masks._fused_mask(1, 40, 40, **window).shape[-2:] == (40, 40)
+
+
+def test_a_bare_copy_of_the_hf_model_keeps_its_window():
+    """A copy of ``model.hf`` carries no hooks (so its modules do not know their window) but keeps our attention
+    key: its sliding-window masks are built, and it equals HF."""
+    hf = _tiny("mistral")
+    model = interp.load_model(copy.deepcopy(hf), attn="flash")
+    bare = copy.deepcopy(model.hf)
+    ids = torch.randint(1, 99, (1, 120), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), mock.patch.object(attention, "windowed_attention", side_effect=AssertionError("no hooks")):
+        got = bare(input_ids=ids).logits
+    want = _hf_logits(hf, "eager", ids)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
