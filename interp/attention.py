@@ -296,8 +296,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     query, key, value, attention_mask = _same_batch(query, key, value, attention_mask)
     need_lse = (hooks is not None and bool(hooks.lse)) or s_aux is not None
-    window = getattr(attached, "window", None) if attached is not None else (
-        kwargs["sliding_window"] - 1 if kwargs.get("sliding_window") else None)  # a module without our hooks
+    window = getattr(attached, "window", None)  # only our hooks' modules get no mask for their window (interp.masks)
     if causal and window is not None and query.shape[2] == key.shape[2] > window + 1 and stream is None and not dropout:
         out, lse = windowed_attention(query, key, value, window, scaling, need_lse, softcap)  # _fused_mask skipped it
     elif stream is not None:

@@ -82,13 +82,15 @@ def windowed_attention(query, key, value, window: int, scale: float, need_lse: b
     builds, and the time falls with the window. Same returns as ``fused_attention``."""
     n = query.shape[2]
     chunk = max(256, window + 1)
+    # one band for every chunk: query r of a chunk starting at s sees key k = s - window + c iff r <= c <= r + window
+    r = torch.arange(chunk, device=query.device)[:, None]
+    c = torch.arange(chunk + window, device=query.device)[None]
+    band = torch.zeros(chunk, chunk + window, dtype=query.dtype, device=query.device)
+    band.masked_fill_((c < r) | (c > r + window), float("-inf"))
     outs, lses = [], []
     for start in range(0, n, chunk):
         stop, first = min(n, start + chunk), max(0, start - window)
-        q_pos = torch.arange(start, stop, device=query.device)[:, None]
-        k_pos = torch.arange(first, stop, device=query.device)[None]
-        allowed = (k_pos <= q_pos) & (q_pos - k_pos <= window)
-        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+        mask = band[: stop - start, first - start + window: stop - start + window]
         out, lse = fused_attention(query[:, :, start:stop], key[:, :, first:stop], value[:, :, first:stop], mask,
                                    scale, 0.0, False, need_lse, softcap)
         outs.append(out)
