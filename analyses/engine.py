@@ -211,6 +211,15 @@ def _fingerprint(batch: Batch) -> list[int]:
     return [*ids.shape, int((ids * weights).sum()), -1 if mask is None else int(mask.long().sum())]
 
 
+def take_rows(batch: Batch, index: torch.Tensor) -> Batch:
+    """Rows ``index`` of a batch: every per-row tensor (input ids and mask; an encoder-decoder batch's decoder ids,
+    mask and labels too) indexed, anything else as it is."""
+    n = batch["input_ids"].shape[0]
+    index = index.to(batch["input_ids"].device)
+    return {key: value[index] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == n else value
+            for key, value in batch.items()}
+
+
 class _Local(Metric):
     """A metric on one rank's rows: calling it gives their per-example values (b_rank,), which ``Shard.means``
     combines with the other ranks' into the mean one process computes."""
@@ -270,10 +279,7 @@ class Shard:
         """This rank's rows of a batch of the study's size (inputs, their corrupted or reference twins)."""
         if self.index is None or batch is None:
             return batch
-        index = self.index.to(batch["input_ids"].device)
-        # every per-row tensor (input ids and mask; an encoder-decoder batch's decoder ids, mask and labels too)
-        return {key: value[index] if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == self.n
-                else value for key, value in batch.items()}
+        return take_rows(batch, self.index)
 
     def metric(self, metric: Metric) -> Metric:
         """The metric on this rank's rows (``Metric.rows``), giving per-example values when sharded."""

@@ -29,7 +29,7 @@ from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .batches import _main_output, batch_of
-from .engine import Shard, _arguments, _run
+from .engine import Shard, _arguments, _mean_of_examples, _run, take_rows
 from .metrics import as_metric
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -45,7 +45,7 @@ def _loss_fn(loss, metric=None) -> Callable:
     return source.loss
 
 
-def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
+def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None = None) -> pd.DataFrame:
     """Michel et al.'s head importance: one row per head with the head's columns (``stack``, ``kind``, ``site``,
     ``layer``, ``head``), ``importance`` (L2-normalised within each site: each layer of each attention kind, as
     Michel et al. normalise encoder, decoder and encoder-decoder attention) and ``importance_raw``
@@ -55,6 +55,10 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     ``embedding_similarity(...)``, ``target_loss()``) or ``fn(output, inputs) -> tensor``: per-example losses
     ``(b,)``, or a scalar taken as their mean. Each sequence has its own gates, so one backward gives every
     example's gradient. ablated: heads zero-ablated throughout (their gate is 0); they get no row.
+    batch_size: rows per forward and backward pass (default: all at once). Each row has its own gates, so the
+    result is the same (up to float rounding) in less memory: the logits and their gradient are held for
+    ``batch_size`` rows only (Gemma 3's 262k-token vocabulary: 0.8 GB per 768-token row, each). It needs a loss
+    that is a mean of per-example values (a metric from ``analyses.metrics`` or a ``Metric`` subclass).
     Runs in eval mode (no dropout); parameters get no gradient; modes and requires_grad are restored.
     Under torch.distributed (``torchrun``) each rank takes its share of the prompts and every example's gradients
     are gathered, so every rank returns the one-process result; a loss that is not per-example (a plain callable)
@@ -63,17 +67,27 @@ def head_importance(model, inputs, loss=None, ablated=()) -> pd.DataFrame:
     _loss_fn(loss)  # a clear error without one
     source = as_metric(loss)
     batch = batch_of(model, inputs)
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size is the number of rows per backward pass, a positive int; got {batch_size!r}.")
+        if not _mean_of_examples(source):
+            raise ValueError(f"batch_size splits the rows, which needs a loss that is a mean of per-example values "
+                             f"(a metric from analyses.metrics, or a Metric subclass); got {source.name!r}, a plain "
+                             "callable of the whole batch. Drop batch_size, or pass such a metric.")
     ablated = set(check_heads(model, ablated, allow_empty=True))
     real = set(model.cfg.heads())  # not the placeholder of a layer pruned empty
     sites = model.cfg.sites
+    units = [(f"{s.name}.hook_z", [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
     with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
-        batch, loss_fn = shard.rows(batch), shard.metric(source).loss
-        units = [(f"{s.name}.hook_z", [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
-        grads = _gate_gradients(model, batch, loss_fn, units)
-        b = batch["input_ids"].shape[0]
-        per_example = torch.cat([torch.zeros(b, s.n_heads) if g is None else g.detach().abs().float().cpu()
-                                 for g, s in zip(grads, sites)], dim=1)  # (b, heads of all sites): |dL(x)/dxi_h|
-        per_example = shard.gather(per_example)  # every rank's examples, in order
+        mine = torch.arange(shard.n) if shard.index is None else shard.index
+        parts = []
+        for rows in [mine] if batch_size is None else mine.split(batch_size):
+            whole = shard.index is None and len(rows) == shard.n
+            part, loss_fn = (batch, source.loss) if whole else (take_rows(batch, rows), source.rows(rows).loss)
+            grads = _gate_gradients(model, part, loss_fn, units)
+            parts.append(torch.cat([torch.zeros(len(rows), s.n_heads) if g is None else g.detach().abs().float().cpu()
+                                    for g, s in zip(grads, sites)], dim=1))  # (rows, heads of all sites): |dL/dxi_h|
+        per_example = shard.gather(torch.cat(parts))  # every rank's examples, in order
     rows = []
     for s, g in zip(sites, per_example.split([s.n_heads for s in sites], dim=1)):
         raw = g.mean(0)  # (h,)

@@ -21,7 +21,7 @@ from analyses.views.long import long_view  # noqa: E402
 from bench_long_context import _prompt  # noqa: E402
 
 
-def first_paint(path: Path, png: Path | None) -> float:
+def first_paint(path: Path, png: Path | None, head: int = 6) -> float:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -29,9 +29,12 @@ def first_paint(path: Path, png: Path | None) -> float:
         page = browser.new_page(viewport={"width": 1500, "height": 620})
         page.goto(path.resolve().as_uri())
         page.wait_for_load_state("load")
-        paint = page.evaluate("performance.getEntriesByName('first-contentful-paint')[0]?.startTime ?? -1")
+        entry = "performance.getEntriesByName('first-contentful-paint')[0]"
+        page.wait_for_function(f"{entry} !== undefined", timeout=60_000)  # a big page paints after its load event
+        paint = page.evaluate(f"{entry}.startTime")
         if png is not None:
-            page.click('[data-role="head"][data-head="6"]') if page.locator('[data-head="6"]').count() else None
+            chosen = f'[data-role="head"][data-head="{head}"]'
+            page.click(chosen) if page.locator(chosen).count() else None
             page.screenshot(path=str(png))
         browser.close()
     return paint
@@ -44,15 +47,16 @@ def main() -> None:
     parser.add_argument("--layer", type=int, default=18)
     parser.add_argument("--out", type=Path, default=Path("long.html"))
     parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--head", type=int, default=6, help="the head selected in the screenshot")
     args = parser.parse_args()
     model = interp.load_model(args.model, attn="flash")
     ids = _prompt(model, args.n)
     start = time.perf_counter()
     view = long_view(model, ids, layer=args.layer)
     built = time.perf_counter() - start
-    view.save(args.out)
+    view.save(args.out, overwrite=True)  # the benchmark rewrites its own page
     size = args.out.stat().st_size
-    paint = first_paint(args.out, args.png)
+    paint = first_paint(args.out, args.png, args.head)
     print(f"{args.model} layer {args.layer}, {args.n} tokens, threads {os.environ.get('OMP_NUM_THREADS')}: built in "
           f"{built:.1f} s (forward to the layer included), page {size / 1e6:.2f} MB, first paint {paint:.0f} ms; "
           f"load average {os.getloadavg()[0]:.1f}")

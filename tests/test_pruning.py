@@ -20,7 +20,7 @@ from analyses import (ablate_heads, ablation_scan, curve_summary, embedding_simi
                       prune_model, pruning_curve, second_copy_loss)
 from analyses import pruning as pruning_mod
 from analyses.ablation import all_heads
-from analyses.metrics import first_copy_loss
+from analyses.metrics import first_copy_loss, next_token_loss
 from analyses.toy import repeated_sequences
 from interp.pruning import plan_layer
 
@@ -196,6 +196,24 @@ def test_importance_is_the_mean_absolute_gate_gradient(attn):
         assert got[key] == pytest.approx(value, rel=2e-2, abs=1e-6), key
     norms = df.groupby("layer")["importance"].apply(lambda s: (s**2).sum() ** 0.5)
     assert norms.to_numpy() == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_importance_in_row_chunks_equals_all_rows_at_once(attn):
+    """batch_size splits the rows (each has its own gates): the same importances; a metric holding per-row targets
+    gets each chunk's rows."""
+    model = _model("llama", attn)
+    inputs = _inputs(model)  # 3 rows, padded
+    targets = torch.roll(inputs["input_ids"], 1, dims=0)  # per-row state: row i scores row i-1's tokens
+    for loss in (lm_loss, next_token_loss(targets, start=1)):
+        whole = head_importance(model, inputs, loss)
+        for size in (1, 2, 3, 5):
+            chunked = head_importance(model, inputs, loss, batch_size=size)
+            pd.testing.assert_frame_equal(chunked, whole, check_exact=False, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="batch_size is the number of rows per backward pass"):
+        head_importance(model, inputs, lm_loss, batch_size=0)
+    with pytest.raises(ValueError, match="mean of per-example values"):
+        head_importance(model, inputs, lambda out, batch: out.logits.logsumexp(-1).mean(), batch_size=1)
 
 
 def test_importance_leaves_no_gradient_and_restores_modes():

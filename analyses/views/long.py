@@ -173,7 +173,11 @@ _JS = r"""
       g.fillStyle = `rgba(200,60,20,${Math.min(1, v)})`; g.fillRect(b * bw, r * bh, bw, bh);
     }));
     g.fillStyle = "#000"; g.font = "9px sans-serif";
-    data.buckets.forEach((label, b) => g.fillText(label, b * bw + 1, c.height - 6));
+    // crowded (long prompts: 16+ buckets): each bucket's lower bound, 1024 and up in k ("2-3" -> "2", 2048-4095 -> "2k")
+    const low = (label) => { const v = +label.match(/\d+/)[0]; return (label.startsWith(">") ? "\u2265" : "") +
+      (v >= 1024 ? v / 1024 + "k" : String(v)); };
+    const crowded = Math.max(...data.buckets.map((l) => l.length)) * 5 > bw;
+    data.buckets.forEach((label, b) => g.fillText(crowded ? low(label) : label, b * bw + 1, c.height - 6));
   }
   function zoom(h) {  // the exact weights of the zoom window's rows against the keys before them
     const c = canvas("zoom"), g = c.getContext("2d"), z = data.zoom, w = bytes(z.weights[h]);
