@@ -2,6 +2,10 @@
 Michel importance order and in random orders, with the KV memory of each step (``analyses.streaming_curve``).
 
     python benchmarks/streaming_curve_real.py --model smollm2 --tokens 768 --rows 4 --window 64
+    python benchmarks/streaming_curve_real.py --model gemma3 --tokens 2048 --rows 2 --window 256 --batch-size 1
+
+``--batch-size``: rows per backward pass of the importance order (``head_importance(batch_size=...)``); Gemma 3's
+262k-token vocabulary makes the logits and their gradient 2 GiB per 2,048-token row.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import torch
 
 import interp
-from analyses import lm_loss, streaming_curve, streaming_curve_plot
+from analyses import head_importance, lm_loss, streaming_curve, streaming_curve_plot
 from analyses.retrieval import _haystack
 
 
@@ -25,13 +29,15 @@ def main() -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    p.add_argument("--batch-size", type=int, default=None, help="rows per backward pass of the importance order")
     a = p.parse_args()
     interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = interp.load_model(a.model, attn="flash")
     g = torch.Generator().manual_seed(0)  # each row: the corpus sentences in a fresh order (no repeats in a row)
     rows = torch.tensor([_haystack(model.tokenizer, a.tokens, g) for _ in range(a.rows)])
-    curves = [streaming_curve(model, rows, lm_loss, order=o, seeds=a.seeds, sink=a.sink, window=a.window)
-              for o in ("importance", "random")]
+    importance = head_importance(model, rows, lm_loss, batch_size=a.batch_size)  # ranks heads, least important first
+    curves = [streaming_curve(model, rows, lm_loss, order=o, column=c, seeds=a.seeds, sink=a.sink, window=a.window)
+              for o, c in ((importance, "importance"), ("random", None))]
     import pandas as pd
 
     df = pd.concat(curves)
