@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from scipy.stats import spearmanr
@@ -180,6 +181,7 @@ def test_patching_by_head_and_position_and_other_activations(tiny):
     corrupted = _corrupted(batch)
     metric = target_loss()
     by_head = activation_patching(model, batch, corrupted, metric)
+    assert list(by_head.columns) == FRONT + ["metric", "effect"] and len(by_head) == 24  # every head of every site
     by_pos = activation_patching(model, batch, corrupted, metric, by="head_pos", heads=[("encoder.blocks.1.attn", 0),
                                                                                        ("decoder.blocks.1.cross_attn", 3)])
     assert list(by_pos.columns) == FRONT + ["pos", "metric", "effect"]
@@ -245,6 +247,10 @@ def test_importance_and_pruning_keep_the_cross_heads(copy_model):
     batch = copy_task(model, 64, 10, seed=5)
     importance = head_importance(model, batch, target_loss())
     assert list(importance.columns) == FRONT + ["importance", "importance_raw"]
+    labels = target_loss(batch["labels"])  # per-row state: each chunk of rows gets its own labels
+    for loss in (target_loss(), labels):  # rows in chunks (decoder ids, masks and labels split with them): the same
+        pd.testing.assert_frame_equal(head_importance(model, batch, loss, batch_size=24), importance,
+                                      check_exact=False, rtol=1e-5, atol=1e-7)
     top = importance.nlargest(2, "importance_raw")
     assert (top["kind"] == "cross").all()
     for _, site in importance.groupby("site"):  # L2-normalised within each site
