@@ -237,14 +237,16 @@ class _LayerStream:
 def streaming_kv_bytes(model, heads, tokens: int, sink: int = 4, window: int = 256, batch: int = 1) -> int:
     """The bytes a ``StreamingCache`` holds after ``tokens`` tokens of ``batch`` rows (``kv_cache_bytes`` of it;
     ``heads=[]``: a plain DynamicCache): every key/value head all of whose query heads stream keeps
-    ``min(tokens, sink + window)`` entries, every other one ``tokens``."""
+    ``min(tokens, sink + window)`` entries; of the others, a sliding-window layer's keep its window (the ``w``
+    keys before the query, as HF's ``DynamicSlidingWindowLayer`` holds ``sliding_window - 1``), the rest ``tokens``."""
     pairs, cfg = _check(model, heads, sink, window), model.cfg
     size = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
     total = 0
-    for l in range(cfg.n_layers):
+    for l, left in enumerate(layer_windows(model)):
         n_q, n_kv = cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l]
         kv_stream = len(_LayerStream(tuple(h for ll, h in pairs if ll == l), n_q, n_kv, sink, window).kv_stream)
-        entries = (n_kv - kv_stream) * tokens + kv_stream * min(tokens, sink + window)
+        held = tokens if left is None else min(tokens, left)
+        entries = (n_kv - kv_stream) * held + kv_stream * min(tokens, sink + window)
         total += entries * (cfg.d_head + cfg.d_head_v) * size * batch
     return total
 

@@ -180,16 +180,21 @@ def test_the_kernel_equals_a_dense_mask_with_padding_and_sparse_ranks(sink, wind
 
 
 # -- real memory in generate -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("attn", ["eager", "flash"])
-def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
-    """Gemma 3's layout: sliding-window layers around a full-attention one. The global layer's heads stream (the
-    explicit-mask reference, both paths, with padding and GQA); a sliding layer's heads are refused by name."""
+def _gemma3_mixed():
+    """Gemma 3's layout: sliding-window layers (9 keys) around a full-attention one."""
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=3,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                            sliding_window=9, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    hf = Gemma3ForCausalLM(cfg).eval()
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
+    """Gemma 3's layout: sliding-window layers around a full-attention one. The global layer's heads stream (the
+    explicit-mask reference, both paths, with padding and GQA); a sliding layer's heads are refused by name."""
+    hf = _gemma3_mixed()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if any(k in name for k in ("q_proj", "k_proj")) and p.ndim == 2:
@@ -224,7 +229,7 @@ def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
     assert torch.equal(streamed, masked)
     assert isinstance(cache.layers[1], StreamingLayer) and cache.layers[1].stream_keys.shape[2] == SINK + WINDOW
     for l in (0, 2):  # the sliding layers hold their window only, as HF's own cache for this config does
-        assert cache.layers[l].keys.shape[2] == DynamicCache(config=cfg).layers[l].sliding_window - 1 == 8
+        assert cache.layers[l].keys.shape[2] == DynamicCache(config=hf.config).layers[l].sliding_window - 1 == 8
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
@@ -273,6 +278,25 @@ def test_kv_bytes_formula_is_what_a_streaming_cache_holds():
     assert s.kv_heads == [(0, 0)]
     assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, 50, sink=3, window=7, batch=2)
     assert interp.streaming_kv_bytes(model, [], 50, batch=2) == 2 * 2 * 2 * 2 * 50 * 8 * 4
+
+
+@pytest.mark.parametrize("tokens", [6, 40])  # shorter and longer than the sliding layers' window
+def test_kv_bytes_formula_counts_what_sliding_layers_keep(tokens):
+    """A sliding-window layer's cache keeps its window (HF's and ours alike), so the formula counts that, not every
+    token: with the global heads streaming only the sliding layers' windows and the sinks + window remain."""
+    model = interp.load_model(_gemma3_mixed(), attn="flash")
+    ids = torch.randint(1, 99, (2, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids, use_cache=True).cache  # HF's own DynamicCache for this config
+    assert interp.kv_cache_bytes(plain) == interp.streaming_kv_bytes(model, [], tokens, sink=2, window=5, batch=2)
+    heads = [(1, h) for h in range(4)]
+    with interp.stream_heads(model, heads, sink=2, window=5) as s, torch.no_grad():
+        cache = s.new_cache()
+        model(ids, cache=cache, use_cache=True)
+    per_entry = 2 * 8 * 4 * 2  # keys and values, d_head 8, fp32, 2 rows
+    held = 2 * min(tokens, 8) + min(tokens, 2 + 5)  # two sliding layers (8 keys before the query) + the streamed one
+    assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, tokens, 2, 5, batch=2)
+    assert interp.kv_cache_bytes(cache) == held * per_entry
 
 
 # -- streaming curves ------------------------------------------------------------------------------------------
