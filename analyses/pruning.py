@@ -143,12 +143,14 @@ def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers
     return chosen
 
 
-def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize) -> list[Head]:
+def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize,
+             batch_size=None) -> list[Head]:
     """``candidates`` from least to most important."""
     if order == "random":
         return [candidates[i] for i in rng.permutation(len(candidates))]
     if order == "importance":
-        df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned)
+        df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned,
+                             batch_size=batch_size)
         column = "importance" if normalize else "importance_raw"
         score = {row_head(model, r): getattr(r, column) for r in df.itertuples()}
     else:
@@ -160,7 +162,8 @@ def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher
 
 def pruning_curve(model, inputs, metric, order: str = "importance", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
                   loss=None, allow_empty_layers: bool = False, max_fraction: float = 1.0,
-                  higher_is_better: bool | None = None, normalize: bool = True) -> pd.DataFrame:
+                  higher_is_better: bool | None = None, normalize: bool = True,
+                  batch_size: int | None = None) -> pd.DataFrame:
     """Prune the least important ``step`` of the remaining heads at a time, recording ``metric``.
 
     Returns one row per step: ``fraction_pruned``, ``heads_pruned``, ``metric``, ``order``, ``seed``.
@@ -169,7 +172,8 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     step) or ``"random"`` (one curve per seed in ``seeds``; average them with ``curve_summary``).
     normalize: rank by Michel's per-layer L2-normalised importance (default) or, when False, by the raw
     E|dL/dxi|. Normalising assumes layers matter alike; where they do not (MiniLM's embeddings depend most on
-    its last layer) the raw ranking prunes better.
+    its last layer) the raw ranking prunes better. batch_size: rows per backward pass of the importance order
+    (``head_importance``'s; for large vocabularies).
     Heads are zero-ablated, as ``prune_model`` removes them. The last head of a layer is never pruned unless
     ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
     Under torch.distributed (``torchrun``) every evaluation, importance and ablation scan is split across ranks
@@ -197,13 +201,13 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     batch = batch_of(model, inputs)
     with model.studying():
         df = _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction,
-                     higher_is_better, normalize)
+                     higher_is_better, normalize, batch_size)
     df.attrs["metric"] = metric.name  # for plot titles
     return df
 
 
 def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction, higher_is_better,
-            normalize) -> pd.DataFrame:
+            normalize, batch_size=None) -> pd.DataFrame:
     heads = all_heads(model)
     rows = []
     bar = progress(desc=f"pruning curve ({order})", unit="step")
@@ -225,7 +229,7 @@ def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, 
             if n <= 0 or not candidates:
                 break
             ranked = _ranking(model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better,
-                              normalize)
+                              normalize, batch_size)
             chosen = _pick(ranked, n, remaining, allow_empty_layers)
             if not chosen:
                 break

@@ -210,6 +210,9 @@ def test_importance_in_row_chunks_equals_all_rows_at_once(attn):
         for size in (1, 2, 3, 5):
             chunked = head_importance(model, inputs, loss, batch_size=size)
             pd.testing.assert_frame_equal(chunked, whole, check_exact=False, rtol=1e-5, atol=1e-7)
+    curve = pruning_curve(model, inputs, lm_loss, step=0.25)
+    pd.testing.assert_frame_equal(pruning_curve(model, inputs, lm_loss, step=0.25, batch_size=1), curve,
+                                  check_exact=False, rtol=1e-5, atol=1e-7)  # the same heads pruned in the same order
     with pytest.raises(ValueError, match="batch_size is the number of rows per backward pass"):
         head_importance(model, inputs, lm_loss, batch_size=0)
     with pytest.raises(ValueError, match="mean of per-example values"):
