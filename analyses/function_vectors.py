@@ -19,7 +19,6 @@ answers are judged by their first token).
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import re
 from functools import cache
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+
+from interp.streaming_cache import cache_kwarg, output_cache
 
 from .batches import _main_output, batch_of
 from .composition import head_weights
@@ -155,10 +156,10 @@ def _cie_cached(model, shuffled, answers, means, heads):
     mask = torch.ones_like(ids) if mask is None else mask
     b = ids.shape[0]
     last = (mask.long().sum(1) - 1)[:, None].to(model.device)  # left padding: the final token's position id
-    name = "cache" if "cache" in inspect.signature(model.hf.forward).parameters else "past_key_values"
+    name = cache_kwarg(model.hf)
     with model.studying(), torch.no_grad():
         out = model(ids[:, :-1], mask[:, :-1], use_cache=True)
-        prefix = out.cache if hasattr(out, "cache") else out.past_key_values
+        prefix = output_cache(out)
 
         def final(hooks, copies):
             cache = copy.deepcopy(prefix)

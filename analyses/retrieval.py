@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from interp.stats import attention_stats
+from interp.streaming_cache import cache_kwarg, output_cache
 
 from .corpus import _ordinary_ids, _special_frame, corpus_sentences
 
@@ -128,11 +129,11 @@ def run_needle(model, prompt: NeedlePrompt, n_steps: int | None = None) -> tuple
     generated = []
     with torch.no_grad(), model.hooks([([n for n in names if n.endswith("_q")], hold_q),
                                        ([n for n in names if n.endswith("_k")], on_k)]):
-        cache, ids = None, prompt.ids[None].to(model.device)
+        cache, ids, name = None, prompt.ids[None].to(model.device), cache_kwarg(model.hf)
         for t in range(n_steps):
             step[0], step[1] = t, len(prompt.ids) + t
-            out = model(ids, use_cache=True, cache=cache, logits_to_keep=1)
-            cache = out.cache
+            out = model(ids, use_cache=True, logits_to_keep=1, **{name: cache})
+            cache = output_cache(out)
             token = out.logits[0, -1].argmax()
             generated.append(int(token))
             ids = token.view(1, 1)

@@ -93,7 +93,8 @@ def child(model_name: str, n: int, task: str) -> dict:
                 out = model.hf(input_ids=needle[None], use_cache=True, logits_to_keep=1)
                 for _ in range(len(prompt.answer)):
                     token = out.logits[:, -1].argmax(-1, keepdim=True)
-                    out = model.hf(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+                    out = model.hf(input_ids=token, use_cache=True, logits_to_keep=1,
+                                   **{interp.cache_kwarg(model.hf): interp.output_cache(out)})
     elif task == "scores":
         def run():
             return detect_heads(model, prompts=ids[None], kinds=SCORE_KINDS, n_bootstrap=100)

@@ -73,16 +73,17 @@ def run_one(model, ids, heads, new: int, sink: int, window: int) -> dict:
     with interp.stream_heads(model, heads, sink=sink, window=window) as s, torch.no_grad():
         cache = s.new_cache() if heads else None
         start, cpu = time.perf_counter(), time.process_time()
-        out = model.hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        name = interp.cache_kwarg(model.hf)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
+        out = model.hf(input_ids=ids, use_cache=True, logits_to_keep=1, **{name: cache})
         prefill, prefill_cpu = time.perf_counter() - start, time.process_time() - cpu
         token, tokens = out.logits[:, -1].argmax(-1, keepdim=True), []
         start, cpu = time.perf_counter(), time.process_time()
         for _ in range(new):
-            out = model.hf(input_ids=token, cache=out.cache, use_cache=True, logits_to_keep=1)
+            out = model.hf(input_ids=token, use_cache=True, logits_to_keep=1, **{name: interp.output_cache(out)})
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
         decode, decode_cpu = (time.perf_counter() - start) / new, (time.process_time() - cpu) / new
-        kv = interp.kv_cache_bytes(out.cache)
+        kv = interp.kv_cache_bytes(interp.output_cache(out))
         peak = _status("VmHWM") - before
         held = _reset_peak() - before  # freed memory returned first: what the live cache and model state hold
         del out

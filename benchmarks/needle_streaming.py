@@ -31,13 +31,14 @@ def accuracy(model, prompts, heads, sink: int, window: int) -> tuple[list[float]
     for p in prompts:
         with interp.stream_heads(model, heads, sink=sink, window=window) as s, torch.no_grad():
             cache = s.new_cache() if heads else None
-            res = model.hf(input_ids=p.ids[None], cache=cache, use_cache=True, logits_to_keep=1)
+            name = interp.cache_kwarg(model.hf)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
+            res = model.hf(input_ids=p.ids[None], use_cache=True, logits_to_keep=1, **{name: cache})
             generated = []
             for _ in range(len(p.answer)):
                 token = res.logits[:, -1].argmax(-1, keepdim=True)
                 generated.append(int(token))
-                res = model.hf(input_ids=token, cache=res.cache, use_cache=True, logits_to_keep=1)
-            kv = interp.kv_cache_bytes(res.cache)
+                res = model.hf(input_ids=token, use_cache=True, logits_to_keep=1, **{name: interp.output_cache(res)})
+            kv = interp.kv_cache_bytes(interp.output_cache(res))
         out.append(float((torch.tensor(generated) == p.answer).float().mean()))
     return out, kv
 

@@ -14,10 +14,11 @@ from .loading import BUNDLED, load_model
 from .model import HookedModel, ModelConfig, Seq2SeqHookedModel  # Seq2SeqHookedModel: HookedModel's name before
 from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
 from .streamed import stream_model
+from .streaming_cache import cache_kwarg, output_cache
 from .progress import set_progress
 from .threads import set_threads
 
 __all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "ModelConfig", "Seq2SeqHookedModel", "load_model",
-           "kv_cache_bytes", "set_progress", "set_threads", "stream_heads", "stream_model",
-           "streaming_kv_bytes"]
+           "cache_kwarg", "kv_cache_bytes", "output_cache", "set_progress", "set_threads", "stream_heads",
+           "stream_model", "streaming_kv_bytes"]
 __version__ = "0.1.0"

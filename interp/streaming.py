@@ -294,7 +294,8 @@ class Streaming:
         self.kv_heads = [(l, g) for l, s in sorted(layers.items()) for g in s.kv_stream]
 
     def new_cache(self) -> StreamingCache:
-        """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate``, inside this block only."""
+        """An empty cache for ``model.hf(..., cache=c, use_cache=True)`` or ``generate`` (transformers 5.17 names it
+        ``past_key_values=``: ``interp.cache_kwarg(model.hf)``), inside this block only."""
         kv = [(s.kv_full, s.kv_stream) if s is not None and s.kv_stream else None
               for s in map(self._layers.get, range(self.model.cfg.n_layers))]
         return streaming_cache(layer_windows(self.model), kv, self.sink, self.window)

@@ -8,12 +8,13 @@ tensor: only our attention, with the layer's streaming spec attached by ``stream
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "kv_cache_bytes"]
+__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "kv_cache_bytes", "cache_kwarg", "output_cache"]
 
 
 @dataclass
@@ -118,3 +119,16 @@ def kv_cache_bytes(cache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
+
+
+def cache_kwarg(hf) -> str:
+    """The name a HF model's forward and ``generate`` take its KV cache by: ``cache`` (transformers 5.24) or
+    ``past_key_values`` (5.17), read from its forward's signature: ``hf(ids, **{cache_kwarg(hf): cache})``."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    """The KV cache a model's output carries, under either name (``out.cache`` in 5.24, ``out.past_key_values``
+    in 5.17); None when it has none."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)

@@ -68,7 +68,7 @@ def test_generate_uses_a_streaming_cache_and_equals_the_masked_model(attn):
     heads = [(0, 0), (0, 1), (1, 2), (1, 3), (1, 0)]  # kv head 0 of layer 0 and kv head 1 of layer 1 stream
     new = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, return_dict_in_generate=True)
     with interp.stream_heads(model, heads, sink=SINK, window=WINDOW):
-        masked = model.hf.generate(ids, cache=DynamicCache(), **new).sequences
+        masked = model.hf.generate(ids, **{interp.cache_kwarg(model.hf): DynamicCache()}, **new).sequences
     streamed = interp.stream_model(model, heads, sink=SINK, window=WINDOW)
     out = streamed.hf.generate(ids, **new)
     assert torch.equal(out.sequences, masked)

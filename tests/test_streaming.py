@@ -40,6 +40,11 @@ def _sharp(family: str):
     return hf
 
 
+def _kv(model, cache) -> dict:
+    """The cache argument under this transformers' name (``cache`` in 5.24, ``past_key_values`` in 5.17)."""
+    return {interp.cache_kwarg(model.hf): cache}
+
+
 HEADS = [(0, 0), (0, 1), (1, 2)]  # on the GQA models (2 kv heads of 2 query heads) layer 0's kv head 0 streams
 FAMILIES = ["llama", "qwen2", "gemma3", "gpt2"]
 
@@ -223,9 +228,9 @@ def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
     new = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
     with interp.stream_heads(ours, [(1, h) for h in range(4)], sink=SINK, window=WINDOW) as s:
         assert s.kv_heads == [(1, 0)]
-        masked = ours.hf.generate(ids, cache=DynamicCache(), **new)
+        masked = ours.hf.generate(ids, **_kv(ours, DynamicCache()), **new)
         cache = s.new_cache()
-        streamed = ours.hf.generate(ids, cache=cache, **new)
+        streamed = ours.hf.generate(ids, **_kv(ours, cache), **new)
     assert torch.equal(streamed, masked)
     assert isinstance(cache.layers[1], StreamingLayer) and cache.layers[1].stream_keys.shape[2] == SINK + WINDOW
     for l in (0, 2):  # the sliding layers hold their window only, as HF's own cache for this config does
@@ -241,9 +246,9 @@ def test_generate_with_a_streaming_cache_equals_the_masked_model(attn):
     with interp.stream_heads(model, heads, sink=SINK, window=WINDOW) as s:
         assert s.kv_heads == [(0, 0), (1, 1)]
         masked_cache = DynamicCache()
-        masked = model.hf.generate(ids, cache=masked_cache, **new)
+        masked = model.hf.generate(ids, **_kv(model, masked_cache), **new)
         cache = s.new_cache()
-        streamed = model.hf.generate(ids, cache=cache, **new)
+        streamed = model.hf.generate(ids, **_kv(model, cache), **new)
     plain = model.hf.generate(ids, **new)
     assert torch.equal(streamed, masked)
     assert not torch.equal(masked, plain)  # streaming changed what the model says
@@ -262,10 +267,10 @@ def test_a_streaming_cache_refuses_padding_and_hooks():
     ids, mask = padded_batch(True, lengths=(8, 5))
     with interp.stream_heads(model, [(0, 0), (0, 1)]) as s, torch.no_grad():
         with pytest.raises(ValueError, match="without padding"):
-            model(ids, mask, cache=s.new_cache(), use_cache=True)
+            model(ids, mask, **_kv(model, s.new_cache()), use_cache=True)
         with pytest.raises(ValueError, match="without attention hooks"):
             model.run_with_hooks(ids[:1], None, fwd_hooks=[("blocks.0.attn.hook_z", lambda z, hook: z)],
-                                 cache=s.new_cache(), use_cache=True)
+                                 **_kv(model, s.new_cache()), use_cache=True)
 
 
 def test_kv_bytes_formula_is_what_a_streaming_cache_holds():
@@ -274,7 +279,7 @@ def test_kv_bytes_formula_is_what_a_streaming_cache_holds():
     heads = [(0, 0), (0, 1), (0, 2), (1, 1)]  # layer 0: kv head 0 streams (kv head 1 keeps a full query head)
     with interp.stream_heads(model, heads, sink=3, window=7) as s, torch.no_grad():
         cache = s.new_cache()
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **_kv(model, cache), use_cache=True)
     assert s.kv_heads == [(0, 0)]
     assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, 50, sink=3, window=7, batch=2)
     assert interp.streaming_kv_bytes(model, [], 50, batch=2) == 2 * 2 * 2 * 2 * 50 * 8 * 4
@@ -287,12 +292,12 @@ def test_kv_bytes_formula_counts_what_sliding_layers_keep(tokens):
     model = interp.load_model(_gemma3_mixed(), attn="flash")
     ids = torch.randint(1, 99, (2, tokens), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        plain = model(ids, use_cache=True).cache  # HF's own DynamicCache for this config
+        plain = interp.output_cache(model(ids, use_cache=True))  # HF's own DynamicCache for this config
     assert interp.kv_cache_bytes(plain) == interp.streaming_kv_bytes(model, [], tokens, sink=2, window=5, batch=2)
     heads = [(1, h) for h in range(4)]
     with interp.stream_heads(model, heads, sink=2, window=5) as s, torch.no_grad():
         cache = s.new_cache()
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **_kv(model, cache), use_cache=True)
     per_entry = 2 * 8 * 4 * 2  # keys and values, d_head 8, fp32, 2 rows
     held = 2 * min(tokens, 8) + min(tokens, 2 + 5)  # two sliding layers (8 keys before the query) + the streamed one
     assert interp.kv_cache_bytes(cache) == interp.streaming_kv_bytes(model, heads, tokens, 2, 5, batch=2)
