@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 import interp
@@ -25,6 +26,21 @@ def test_byte_level_bpe_is_decoded_with_visible_spaces(smollm2_tokenizer):
     shown = display_tokens(smollm2_tokenizer, ids)
     assert shown == ["He", "␣said", "␣“", "hi", "”", "␣", "there", "\\n", "\\t", "ok"]
     assert "".join(shown).replace("␣", " ").replace("\\n", "\n").replace("\\t", "\t") == TEXT.replace("\u00a0", " ")
+
+
+def test_a_byte_level_decoder_inside_a_sequence_is_byte_level_too(smollm2_tokenizer):
+    """transformers 5.17 converts SmolLM2's GGUF tokenizer with a Sequence(ByteFallback, Fuse, Replace, ByteLevel)
+    decoder, 5.24 with a bare ByteLevel: both must decode the byte-level token strings."""
+    from tokenizers import decoders
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                                             decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert display_tokens(tokenizer, ids) == display_tokens(smollm2_tokenizer, ids)
+    assert display_tokens(tokenizer, ids)[2] == "␣“"
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    assert display_tokens(tokenizer, ids)[2] == "␣âĢľ"  # no ByteLevel anywhere: the token strings as they are
 
 
 def test_sentencepiece_and_byte_fallback_tokens():
