@@ -7,10 +7,12 @@ interleaved (sdpa, scores, retrieval at one length, then the next length):
   row only, as generation does; the n x vocabulary logits would otherwise dominate the peak);
 - ``scores``: ``detect_heads(model, prompts=...)`` on our flash path: previous-token, self, sink, duplicate-token,
   induction and positional on one prompt BOS + x + x (x random ordinary tokens), stopping after the last attention;
-- ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens as the needle has (the
+- ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens
+  as the needle has (the
   same loop as ``run_needle``, without hooks): generation's own memory (the KV cache, growing each step);
 - ``retrieval``: one needle-in-a-haystack trial (``analyses.retrieval``) on the same prompt: the prefill on our flash
-  path and greedy decoding of the needle (8 digits, 16 tokens with the space before each), each head's top-1 key read at every step; compared with
+  path and greedy decoding of the needle (8 digits, 16 tokens with the space before each), each head's top-1 key
+  read at every step; compared with
   ``sdpa_decode``.
 
 Memory: each child loads the model, runs a short warm-up, resets its peak RSS (``/proc/self/clear_refs``, 5), runs
@@ -86,7 +88,7 @@ def child(model_name: str, n: int, task: str) -> dict:
         from analyses.retrieval import needle_prompts
 
         prompt = needle_prompts(model, [n], [0.5])[0]
-        needle = prompt.ids
+        needle, name = prompt.ids, interp.cache_kwarg(model.hf)  # read once, outside the timed loop
 
         def run():  # as many greedy tokens as the retrieval trial decodes: the needle's (16 with a tokenizer)
             with torch.no_grad():
@@ -94,7 +96,7 @@ def child(model_name: str, n: int, task: str) -> dict:
                 for _ in range(len(prompt.answer)):
                     token = out.logits[:, -1].argmax(-1, keepdim=True)
                     out = model.hf(input_ids=token, use_cache=True, logits_to_keep=1,
-                                   **{interp.cache_kwarg(model.hf): interp.output_cache(out)})
+                                   **{name: interp.output_cache(out)})
     elif task == "scores":
         def run():
             return detect_heads(model, prompts=ids[None], kinds=SCORE_KINDS, n_bootstrap=100)
@@ -148,7 +150,8 @@ def measure(model_name: str, lengths: list[int], tasks: list[str]) -> list[dict]
 
 
 def report(rows: list[dict]) -> list[str]:
-    lines = ["x ref: against sdpa (one forward) for sdpa and scores, sdpa_decode (prefill + the needle's tokens) for retrieval",
+    lines = ["x ref: against sdpa (one forward) for sdpa and scores, sdpa_decode (prefill + the needle's tokens) for "
+             "retrieval",
              "model     n      task       grew MiB   x ref  peak MiB   x ref   time s   x ref    cpu s   x ref  "
              "eager pattern/layer"]
     by = {(r["model"], r["n"], r["task"]): r for r in rows}

@@ -28,10 +28,10 @@ from analyses.retrieval import needle_prompts, retrieval_heads
 def accuracy(model, prompts, heads, sink: int, window: int) -> tuple[list[float], int]:
     """Per prompt, the share of the needle reproduced in place; and the KV bytes of the last prompt's cache."""
     out, kv = [], 0
+    name = interp.cache_kwarg(model.hf)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
     for p in prompts:
         with interp.stream_heads(model, heads, sink=sink, window=window) as s, torch.no_grad():
             cache = s.new_cache() if heads else None
-            name = interp.cache_kwarg(model.hf)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
             res = model.hf(input_ids=p.ids[None], use_cache=True, logits_to_keep=1, **{name: cache})
             generated = []
             for _ in range(len(p.answer)):

@@ -36,17 +36,14 @@ def _byte_decoder() -> dict[str, int]:
 
 def _byte_level(tokenizer) -> bool:
     """Whether the tokenizer's decoder is byte-level BPE's, alone or inside a ``Sequence`` (transformers 5.17 builds
-    ``Sequence([ByteFallback, Fuse, Replace, ByteLevel])`` for a GGUF Llama-style BPE, where 5.24 builds ``ByteLevel``)."""
+    ``Sequence([ByteFallback, Fuse, Replace, ByteLevel])`` for a GGUF Llama-style BPE, where 5.24 builds
+    ``ByteLevel``)."""
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if decoder is None:
-        return False
-    if type(decoder).__name__ == "ByteLevel":
-        return True
     try:  # a tokenizers component's pickled state is its JSON
         spec = json.loads(decoder.__getstate__())
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # no backend tokenizer or no decoder
         return False
-    return any(part.get("type") == "ByteLevel" for part in spec.get("decoders", ()) if isinstance(part, dict))
+    return any(part.get("type") == "ByteLevel" for part in [spec, *spec.get("decoders", ())] if isinstance(part, dict))
 
 
 def _from_bytes(token: str) -> str:
