@@ -4,6 +4,8 @@ Every name below is loaded on first use (``analyses.detect_heads`` imports ``ana
 ``import analyses`` and ``interp --help`` import neither torch nor matplotlib.
 """
 
+from .views import _LAZY as _VIEWS
+
 _LAZY = {
     # Ablation and pruning (issue 4)
     **dict.fromkeys(["ablate_heads", "ablation_scan"], "ablation"),
@@ -27,15 +29,11 @@ _LAZY = {
     **dict.fromkeys(["name_mover_scores", "s_inhibition_scores"], "taxonomy_ioi"),
     # Long context (issue 25): retrieval heads from needle-in-a-haystack decoding, in O(n) memory
     **dict.fromkeys(["needle_prompts", "retrieval_heads"], "retrieval"),
-    "long_view": "views.long",
     # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
     **dict.fromkeys(["streaming_curve", "streaming_curve_plot", "streaming_inputs", "streaming_order"], "streaming"),
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
-    # Views (issues 5 and 14: analyses/views/): plots, interactive views and the HTML report
-    **dict.fromkeys(["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot",
-                     "patching_heatmap", "dla_bars"], "views.plots"),
-    "write_report": "views.report",
-    **dict.fromkeys(["head_view", "attention_grid"], "views.attention"),
+    # Views (issues 5 and 14): every name of analyses/views/, read from its own table (save_figure, long_view, ...)
+    **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
 __all__ = sorted(_LAZY)
 
