@@ -1,7 +1,8 @@
 """What the literature's head classes share (``analyses.taxonomy``, ``taxonomy_ioi``, ``function_vectors``, and
-``detect_heads``'s dispatch): the refusals for models they cannot read (several stacks; no next-token logits) and
-the bootstrap over items with the check of its resample count (retrieval and the attention scores check theirs
-here too). It sits below those modules, so none of them imports another back."""
+``detect_heads``'s dispatch): the refusals for models they cannot read (several stacks; no next-token logits), the
+checks of their arguments (copy suppression's k; the bootstrap's resample count, which retrieval and the attention
+scores check here too) and the bootstrap over items. It sits below those modules, so none of them imports another
+back."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def refuse_non_lm(model, what: str) -> None:
     has_head, has_norm = model.hf.get_output_embeddings() is not None, model.structure.final_norm is not None
     if model.cfg.causal and has_head and has_norm:
         return
-    why = ("an encoder (bidirectional attention, as BERT and MiniLM): it predicts no next token"
-           if not model.cfg.causal else "no output layer (unembedding)" if not has_head
-           else "no final norm before its output layer")
-    raise TypeError(f"{what} reads next-token logits through the unembedding, and this model has {why}. Compute it "
+    why = ("is an encoder (bidirectional attention, as BERT and MiniLM): it predicts no next token"
+           if not model.cfg.causal else "has no output layer (unembedding)" if not has_head
+           else "has no final norm before its output layer")
+    raise TypeError(f"{what} reads next-token logits through the unembedding, and this model {why}. Compute it "
                     "on a causal language model (decoder-only, with its LM head), or use the attention-pattern "
                     "scores (detect_heads's defaults), which every model has.")
 
