@@ -15,7 +15,7 @@ import torch
 
 from interp.inputs import encode, tokenize
 
-__all__ = ["prompt_ids", "repeated_random_tokens", "corpus_prompts", "corpus_sentences"]
+__all__ = ["prompt_ids", "repeated_random_tokens", "corpus_prompts", "corpus_sentences", "refuse_unreadable"]
 
 CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt"
 
@@ -110,6 +110,22 @@ def corpus_prompts(model, n_prompts: int, seq_len: int, generator: torch.Generat
 def corpus_sentences() -> tuple[str, ...]:
     """The bundled corpus: plain English sentences written for this project, one per line."""
     return tuple(line.strip() for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def refuse_unreadable(model, ids, what: str, fix: str, limit: float = 0.1) -> None:
+    """Refuse text the tokenizer cannot read: more than ``limit`` of ``ids`` (a tensor of any shape, or a list) are
+    its unknown token. A score on such prompts (every word the same ``[UNK]``) would mean nothing. ``what`` names
+    the text in the message, ``fix`` says what to do instead."""
+    tok = model.tokenizer
+    unknown = getattr(tok, "unk_token_id", None) if tok is not None else None
+    ids = torch.as_tensor(ids)
+    if unknown is None or ids.numel() == 0:
+        return
+    share = float((ids == unknown).double().mean())
+    if share > limit:
+        raise ValueError(f"{what}: {share:.0%} of its tokens are the tokenizer's unknown token {tok.unk_token!r} (id "
+                         f"{unknown}); the tokenizer cannot read this text, so a score on it would mean nothing. "
+                         f"{fix}")
 
 
 def _special_frame(model) -> tuple[list[int], list[int]]:

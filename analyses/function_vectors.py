@@ -32,7 +32,7 @@ from interp.streaming_cache import cache_kwarg, output_cache
 from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
-from .taxonomy_base import bootstrap, refuse_stacks
+from .taxonomy_base import bootstrap, check_n_bootstrap, refuse_non_lm
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
 
@@ -54,7 +54,10 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
                 shuffled: bool = False) -> tuple[dict, torch.Tensor]:
     """``(batch, answers)``: ``n_prompts`` prompts of ``n_shots`` demonstrations then a query (``n_shots=0``:
     zero-shot), and the first token of each query's answer. ``shuffled``: the demonstrations' answers permuted
-    among them (the same draw as unshuffled with the same seed)."""
+    among them (the same draw as unshuffled with the same seed). Pairs the tokenizer cannot read (more than a tenth
+    of the prompts' or the answers' tokens its unknown token) are refused."""
+    from .corpus import refuse_unreadable
+
     if model.tokenizer is None:
         raise ValueError("Function-vector prompts are text: this model has no tokenizer.")
     pairs = list(pairs)
@@ -73,7 +76,14 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
             labels = [labels[i] for i in order]
         texts.append("".join(f"Q: {a}\nA: {b}\n\n" for (a, _), b in zip(demos, labels)) + f"Q: {x}\nA:")
         answers.append(model.tokenizer(" " + y, add_special_tokens=False)["input_ids"][0])
-    return model.to_tokens(texts), torch.tensor(answers)
+    batch, answers = model.to_tokens(texts), torch.tensor(answers)
+    mask = batch.get("attention_mask")
+    fix = ("Give tasks={name: [(input, answer), ...]} in words this tokenizer knows, or use a model whose tokenizer "
+           "reads English text.")
+    for what, ids in (("prompts", batch["input_ids"] if mask is None else batch["input_ids"][mask.bool()]),
+                      ("answers", answers)):
+        refuse_unreadable(model, ids, f"The ICL {what} of pairs such as {pairs[0]!r}", fix)
+    return batch, answers
 
 
 def _probabilities(output, answers: torch.Tensor) -> torch.Tensor:
@@ -102,7 +112,8 @@ def function_vector_scores(model, tasks=None, n_prompts: int = 16, n_shots: int 
     batch per head). ``"full"`` runs the whole prompt once per head (the earlier implementation; the same numbers
     up to float rounding, tested). The patch is at the final position only, so no earlier position changes.
     """
-    refuse_stacks(model, "The function-vector score")
+    refuse_non_lm(model, "The function-vector score")
+    check_n_bootstrap(n_bootstrap)
     if method not in ("cached", "full"):
         raise ValueError(f"method must be 'cached' or 'full'; got {method!r}.")
     tasks = _resolve(tasks)

@@ -69,24 +69,29 @@ LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "co
 def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
     """Every class a head's scores clear, most specific first, joined by ``+`` (``"induction+sink"``), or ``""``.
     A score clears its threshold when it is at least the threshold; ``positional`` uses ``positional_fraction``.
-    Only scores present as columns take part."""
+    Only scores present as columns take part. A head none of whose scores was measured (all NaN) gets ``"nan"``:
+    not measured, which ``""`` (measured, and no class cleared) would misstate."""
     limits = resolve_thresholds(thresholds)
-    cleared = {}
+    cleared, measured = {}, pd.Series(False, index=df.index)
     for kind in LABEL_ORDER:
         column = "positional_fraction" if kind == "positional" else kind
         if column in df:
             cleared[kind] = df[column].astype(float) >= limits[kind]
+            measured |= df[column].notna()
             if kind == "name_mover" and "io_attention" in df:
                 cleared[kind] &= df["io_attention"].astype(float) > 0
     table = pd.DataFrame(cleared, index=df.index)
-    return table.apply(lambda row: "+".join(k for k, hit in row.items() if hit), axis=1).rename("labels") \
-        if len(table.columns) else pd.Series("", index=df.index, name="labels")
+    if not len(table.columns) or not len(table):
+        return pd.Series("", index=df.index, name="labels", dtype=object)
+    labels = table.apply(lambda row: "+".join(k for k, hit in row.items() if hit), axis=1).rename("labels")
+    return labels.where(measured, "nan")
 
 
 def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
     """Each head's primary class: the most specific class whose score clears its threshold (order:
-    ``LABEL_ORDER``, induction and duplicate-token before previous-token, positional before self and sink), or
-    ``"none"``. ``head_labels`` gives every class a head clears."""
+    ``LABEL_ORDER``, induction and duplicate-token before previous-token, positional before self and sink),
+    ``"none"``, or ``"nan"`` where none of the head's scores was measured (all NaN). ``head_labels`` gives every
+    class a head clears."""
     labels = head_labels(df, thresholds)
     return labels.map(lambda text: text.split("+")[0] if text else "none").rename("label")
 

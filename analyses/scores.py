@@ -33,6 +33,7 @@ from interp.stats import attention_stats
 
 from .labels import (DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES, head_labels,  # noqa: F401
                      label_heads, resolve_thresholds, strongest_heads)
+from .taxonomy_base import check_n_bootstrap
 
 __all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
            "label_heads", "head_labels", "strongest_heads"]
@@ -253,6 +254,7 @@ class Tally:
     def frame(self, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
         """One row per (layer, head): each score, positional offset and fraction, and bootstrap 95% intervals
         over prompts (percentile method, prompts resampled with replacement) for the weight scores."""
+        check_n_bootstrap(n_bootstrap)
         n_heads = max(self.heads_per_layer)
         exists = torch.tensor([[h < n for h in range(n_heads)] for n in self.heads_per_layer]).flatten()
         layer = torch.tensor([l for l, n in enumerate(self.heads_per_layer) for _ in range(n)])

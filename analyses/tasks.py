@@ -65,10 +65,14 @@ def ioi_task(model, n: int = 32, seed: int = 0) -> tuple[dict, dict, Metric]:
     if model.tokenizer is None:
         raise ValueError("ioi_task builds text prompts: this model has no tokenizer.")
     tok = model.tokenizer
-    names = [name for name in IOI_NAMES if len(encode(tok, name, add_special_tokens=False)) == 1]
+    ids = {name: encode(tok, name, add_special_tokens=False) for name in IOI_NAMES}
+    unknown = [name for name, found in ids.items() if found == [tok.unk_token_id]]
+    ids = {name: found[0] for name, found in ids.items() if len(found) == 1 and name not in unknown}
+    names = list(ids)
     if len(names) < 4:
-        raise ValueError(f"ioi_task needs at least 4 names that are one token each; this tokenizer keeps {names}.")
-    ids = {name: encode(tok, name, add_special_tokens=False)[0] for name in names}
+        raise ValueError(f"ioi_task needs at least 4 names that are one token each (and not the tokenizer's unknown "
+                         f"token); this tokenizer keeps {names}"
+                         + (f" and reads {unknown} as its unknown token {tok.unk_token!r}." if unknown else "."))
     generator = torch.Generator().manual_seed(seed)
     clean, corrupted, answers, wrongs = [], [], [], []
     for i in range(n):

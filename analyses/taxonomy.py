@@ -41,7 +41,7 @@ from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
 from .labels import TAXONOMY_SCORES
-from .taxonomy_base import bootstrap, refuse_stacks
+from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",
            "TAXONOMY_SCORES"]
@@ -57,15 +57,18 @@ def _bundled_lists() -> dict[str, tuple[str, ...]]:
 def ordinal_lists(model) -> dict[str, list[tuple[int, int]]]:
     """The bundled ordinal lists in the model's tokenizer: name -> ``(token, successor token)`` id pairs, each list
     once as written and once with a leading space (``"days"``, ``"days_space"``). An item is kept where it is one
-    token; a pair where both items are kept and adjacent in the list; a list where it keeps at least 2 pairs."""
+    token (not the tokenizer's unknown token); a pair where both items are kept and adjacent in the list; a list
+    where it keeps at least 2 pairs."""
     if model.tokenizer is None:
         raise ValueError("ordinal_lists needs the model's tokenizer; give lists={name: [token ids in order]} "
                          "instead.")
     tok = model.tokenizer
+    unknown = [tok.unk_token_id] if tok.unk_token_id is not None else []
     out = {}
     for name, items in _bundled_lists().items():
         for suffix, prefix in (("", ""), ("_space", " ")):
             ids = [tok(prefix + item, add_special_tokens=False)["input_ids"] for item in items]
+            ids = [[] if a == unknown else a for a in ids]  # an item the tokenizer cannot read is not kept
             singles = [a[0] for a in ids if len(a) == 1]
             pairs = [(a[0], b[0]) for a, b in zip(ids, ids[1:]) if len(a) == 1 and len(b) == 1]
             if len(pairs) >= 2 and len(set(singles)) == len(singles):
@@ -160,7 +163,8 @@ def successor_scores(model, lists=None, n_bootstrap: int = 1000, seed: int = 0) 
     lists: None (the bundled ordinal lists in the model's tokenizer, ``ordinal_lists``), ``{name: [token ids in
     order]}`` or ``{name: [(token, successor), ...]}``. ``df.attrs["items"]`` holds the number of scored items, ``df.attrs["lists"]`` the list names.
     """
-    refuse_stacks(model, "The successor score")
+    refuse_non_lm(model, "The successor score")
+    check_n_bootstrap(n_bootstrap)
     pairs = ordinal_lists(model) if lists is None else _as_pairs(lists)
     if not pairs:
         raise ValueError("No ordinal list has 2 single-token successor pairs in this tokenizer; give lists=.")
@@ -198,9 +202,9 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
     """
     from .corpus import _ordinary_ids
 
-    refuse_stacks(model, "The copy-suppression score")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive integer; got {k!r}.")
+    refuse_non_lm(model, "The copy-suppression score")
+    check_n_bootstrap(n_bootstrap)
+    check_k(model, k)
     if tokens is None:
         pool = _ordinary_ids(model)
         g = torch.Generator().manual_seed(seed)
@@ -247,7 +251,8 @@ def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 10
                    thresholds: dict[str, float] | None = None) -> pd.DataFrame:
     """The taxonomy scores ``names`` of every head, merged on (layer, head); ``io_attention`` comes with
     ``name_mover`` (its label needs it), and ``s_inhibition`` brings ``name_mover`` along (its receivers)."""
-    refuse_stacks(model, f"The score(s) {names}")
+    refuse_non_lm(model, f"The score(s) {names}")
+    check_n_bootstrap(n_bootstrap)
     frames = []
     if "successor" in names:
         frames.append(successor_scores(model, n_bootstrap=n_bootstrap, seed=seed))

@@ -1,6 +1,8 @@
 """What the literature's head classes share (``analyses.taxonomy``, ``taxonomy_ioi``, ``function_vectors``, and
-``detect_heads``'s dispatch): the refusal for models with several stacks and the bootstrap over items. It sits below
-those modules, so none of them imports another back."""
+``detect_heads``'s dispatch): the refusals for models they cannot read (several stacks; no next-token logits), the
+checks of their arguments (copy suppression's k; the bootstrap's resample count, which retrieval and the attention
+scores check here too) and the bootstrap over items. It sits below those modules, so none of them imports another
+back."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from interp.sites import is_layered
 
-__all__ = ["refuse_stacks", "bootstrap"]
+__all__ = ["refuse_stacks", "refuse_non_lm", "check_n_bootstrap", "check_k", "bootstrap"]
 
 
 def refuse_stacks(model, what: str) -> None:
@@ -19,8 +21,42 @@ def refuse_stacks(model, what: str) -> None:
                         "(detect_heads's defaults), which work per (site, head).")
 
 
+def refuse_non_lm(model, what: str) -> None:
+    """A clear refusal for models whose next-token logits these scores read and that have none: several stacks
+    (``refuse_stacks``), an encoder (bidirectional: BERT, MiniLM), or no output layer or final norm."""
+    refuse_stacks(model, what)
+    has_head, has_norm = model.hf.get_output_embeddings() is not None, model.structure.final_norm is not None
+    if model.cfg.causal and has_head and has_norm:
+        return
+    why = ("is an encoder (bidirectional attention, as BERT and MiniLM): it predicts no next token"
+           if not model.cfg.causal else "has no output layer (unembedding)" if not has_head
+           else "has no final norm before its output layer")
+    raise TypeError(f"{what} reads next-token logits through the unembedding, and this model {why}. Compute it "
+                    "on a causal language model (decoder-only, with its LM head), or use the attention-pattern "
+                    "scores (detect_heads's defaults), which every model has.")
+
+
+def check_n_bootstrap(n_bootstrap) -> None:
+    """n_bootstrap: a positive integer (True and 2.5 are not)."""
+    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 1:
+        raise ValueError(f"n_bootstrap must be a positive integer (the resamples behind each 95% interval, e.g. "
+                         f"1000); got {n_bootstrap!r}.")
+
+
+def check_k(model, k) -> None:
+    """k (copy suppression's top-k): a positive integer below the vocabulary size, where a token among the k
+    extreme logits still says something."""
+    vocab = model.cfg.vocab_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer; got {k!r}.")
+    if k >= vocab:
+        raise ValueError(f"k must be less than the vocabulary's {vocab} tokens: with k >= {vocab} every token is "
+                         f"among the k extreme logits and every head would count every token; got {k}.")
+
+
 def bootstrap(hits: torch.Tensor, n_bootstrap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mean over items of ``hits: (items, heads)`` and its 95% percentile bootstrap interval (items resampled)."""
+    check_n_bootstrap(n_bootstrap)
     hits = hits.double()
     g = torch.Generator().manual_seed(seed)
     draws = torch.randint(hits.shape[0], (n_bootstrap, hits.shape[0]), generator=g)

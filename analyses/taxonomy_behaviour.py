@@ -39,7 +39,7 @@ from interp.inputs import encode
 
 from .attribution import _unembedding, frozen_norm
 from .composition import head_weights
-from .taxonomy_base import bootstrap, refuse_stacks
+from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm
 
 __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 
@@ -47,13 +47,15 @@ __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 def corpus_windows(model, n_prompts: int = 32, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
     """``(n_prompts, seq_len)`` token ids: the tokenizer's leading special tokens, then a window of the bundled
     corpus's running text (sentences joined by spaces) starting at a random token (``seed``)."""
-    from .corpus import _special_frame, corpus_sentences
+    from .corpus import _special_frame, corpus_sentences, refuse_unreadable
 
     if model.tokenizer is None:
         raise ValueError("corpus_windows tokenizes the bundled corpus: this model has no tokenizer; give tokens= "
                          "(a (batch, positions) tensor of token ids).")
     prefix, _ = _special_frame(model)
     stream = torch.tensor(encode(model.tokenizer, " ".join(corpus_sentences()), add_special_tokens=False))
+    refuse_unreadable(model, stream, "The bundled corpus", "Give tokens= (a (batch, positions) tensor of token ids "
+                      "of text this tokenizer reads).")
     body = seq_len - len(prefix)
     if body < 3 or len(stream) < body:
         raise ValueError(f"seq_len must leave at least 3 tokens after {len(prefix)} special token(s) and fit the "
@@ -89,9 +91,9 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     """Every head's behavioural copy-suppression signature (module docstring): one row per (layer, head) with
     ``copy_suppression_behaviour`` (and ``_lo``/``_hi``), ``cs_attends_predicted`` (and ``_lo``/``_hi``) and
     ``cs_predicted_effect``. tokens: ``(batch, positions)`` ids without padding (default: ``corpus_windows``)."""
-    refuse_stacks(model, "The behavioural copy-suppression score")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a positive integer; got {k!r}.")
+    refuse_non_lm(model, "The behavioural copy-suppression score")
+    check_n_bootstrap(n_bootstrap)
+    check_k(model, k)
     ids = _check_tokens(model, corpus_windows(model, n_prompts, seq_len, seed) if tokens is None else tokens)
     s = model.structure
     unembed = _unembedding(model)

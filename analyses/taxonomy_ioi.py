@@ -18,19 +18,24 @@ Intervals: 95% percentile bootstrap over prompts of the ratio of means.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pandas as pd
 import torch
 
 from .attribution import _unembedding, frozen_norm
 from .batches import _main_output
+from .labels import resolve_thresholds
 from .metrics import Metric
-from .taxonomy_base import refuse_stacks
+from .taxonomy_base import check_n_bootstrap, refuse_non_lm
 
 __all__ = ["name_mover_scores", "s_inhibition_scores"]
 
 
 def _ratio_bootstrap(num: torch.Tensor, den: torch.Tensor, n_bootstrap: int, seed: int):
     """mean(num) / mean(den) for ``num: (prompts, heads)``, ``den: (prompts,)``, and its 95% bootstrap interval."""
+    check_n_bootstrap(n_bootstrap)
     num, den = num.double(), den.double()
     g = torch.Generator().manual_seed(seed)
     n = num.shape[0]
@@ -62,8 +67,10 @@ def _ioi(model, n_prompts: int, seed: int):
 def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: int = 1000, task=None) -> pd.DataFrame:
     """Every head's ``name_mover`` score with its interval and ``io_attention`` (module docstring); one row per
     (layer, head). task: ``(clean, corrupted, metric)`` from ``ioi_task`` (default: ``ioi_task(model,
-    n_prompts, seed)``)."""
-    refuse_stacks(model, "The name-mover score")
+    n_prompts, seed)``). Heads whose score cannot be measured (the model's mean logit difference is 0 or not
+    finite, or the head's attribution is not finite) are NaN, with a warning saying why; they are labelled ``"nan"``."""
+    refuse_non_lm(model, "The name-mover score")
+    check_n_bootstrap(n_bootstrap)
     clean, _, metric = task if task is not None else _ioi(model, n_prompts, seed)[:3]
     io, s = metric.correct.cpu(), metric.wrong.cpu()
     unembed = _unembedding(model)
@@ -103,9 +110,22 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     real = [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.heads_per_layer[l])]
     flat = torch.stack([dla[:, l, h] for l, h in real], 1)
     value, lo, hi = _ratio_bootstrap(flat, diff, n_bootstrap, seed)
+    _warn_unmeasured(value, float(diff.mean()), n)
     df = _rows(model, "name_mover", value, lo, hi, {"io_attention": [float(attn[l, h]) for l, h in real]})
     df.attrs.update(logit_difference=float(diff.mean()), prompts=n)
     return df
+
+
+def _warn_unmeasured(value: torch.Tensor, difference: float, n: int) -> None:
+    """A warning saying why some name-mover scores are NaN (not measured, not a head that moves no name)."""
+    bad = int(value.isnan().sum())
+    if not bad:
+        return
+    why = (f"the model's mean logit difference logit(IO) - logit(S) over the {n} IOI prompts is {difference:.3g}, "
+           "so a head's share of it is undefined" if difference == 0 or not math.isfinite(difference)
+           else "their direct logit attribution is not finite (check the weights for NaN or inf)")
+    warnings.warn(f"name_mover: {bad} head(s) were not measured: {why}. Their scores are NaN and their label 'nan', "
+                  "not 'none'.", RuntimeWarning, stacklevel=3)
 
 
 class _Recording(Metric):
@@ -125,21 +145,26 @@ def s_inhibition_scores(model, receivers=None, n_receivers: int = 3, n_prompts: 
                         thresholds: dict[str, float] | None = None) -> pd.DataFrame:
     """Every head's ``s_inhibition`` score (path patching into the name movers' queries) with its interval; one
     row per (layer, head), 0 for heads at or after the receivers' last layer (no path). ``df.attrs["receivers"]``
-    holds the name movers used. receivers: (layer, head) pairs (default: from ``name_mover_scores``)."""
+    holds the name movers used, ``df.attrs["receivers_chosen"]`` how they were chosen. receivers: (layer, head)
+    pairs (default: ``_default_receivers`` of ``name_mover_scores``)."""
     from .patching import path_patching
 
-    refuse_stacks(model, "The S-inhibition score")
+    refuse_non_lm(model, "The S-inhibition score")
+    check_n_bootstrap(n_bootstrap)
     clean, corrupted, metric = task if task is not None else _ioi(model, n_prompts, seed)[:3]
+    how = "given"
     if receivers is None:
         nm = name_movers if name_movers is not None else name_mover_scores(model, seed=seed, n_bootstrap=10,
                                                                             task=(clean, corrupted, metric))
-        limit = (thresholds or {}).get("name_mover", 0.1)
-        ranked = nm.sort_values("name_mover", ascending=False)
-        labelled = ranked[(ranked["name_mover"] >= limit) & (ranked["io_attention"] > 0)]
-        chosen = labelled if len(labelled) else ranked[ranked["layer"] > 0]
-        receivers = [(int(l), int(h)) for l, h in zip(chosen["layer"], chosen["head"])][:n_receivers]
+        receivers, how = _default_receivers(model, nm, thresholds, n_receivers)
     recording = _Recording(metric)
-    df = path_patching(model, clean, corrupted, receivers, recording, via="q")
+    try:
+        df = path_patching(model, clean, corrupted, receivers, recording, via="q")
+    except ValueError as err:
+        if how == "given":
+            raise
+        raise ValueError(f"s_inhibition: no receivers were given, and the default ones {receivers} ({how}) cannot "
+                         f"be patched: {err} Give receivers=[(layer, head), ...].") from err
     clean_v, corrupted_v, *patched = recording.calls  # (n,) each: clean, corrupted, then one per sender
     num = torch.stack([p - corrupted_v for p in patched], 1)  # (n, senders)
     value, lo, hi = _ratio_bootstrap(num, clean_v - corrupted_v, n_bootstrap, seed)
@@ -149,6 +174,31 @@ def s_inhibition_scores(model, receivers=None, n_receivers: int = 3, n_prompts: 
     out = pd.DataFrame({"layer": [l for l, _ in heads], "head": [h for _, h in heads]})
     for name, t in (("s_inhibition", value), ("s_inhibition_lo", lo), ("s_inhibition_hi", hi)):
         out[name] = [float(t[i]) if i is not None else 0.0 for i in pick]
-    out.attrs.update(receivers=[tuple(r) for r in receivers], clean=float(clean_v.mean()),
+    out.attrs.update(receivers=[tuple(r) for r in receivers], receivers_chosen=how, clean=float(clean_v.mean()),
                      corrupted=float(corrupted_v.mean()))
     return out
+
+
+def _default_receivers(model, nm: pd.DataFrame, thresholds, n_receivers: int) -> tuple[list[tuple[int, int]], str]:
+    """The receivers S-inhibition is read into when none are given, and how they were chosen: up to
+    ``n_receivers`` name movers after layer 0 (a layer-0 head has no earlier head to send into it), the heads
+    labelled name mover first, else the highest ``name_mover`` scores there."""
+    limit = resolve_thresholds(thresholds)["name_mover"]
+    ranked = nm[nm["name_mover"].notna()].sort_values("name_mover", ascending=False)
+    labelled = (ranked["name_mover"] >= limit) & (ranked["io_attention"] > 0)
+    later = ranked["layer"] > 0
+    if (labelled & later).any():
+        chosen, how = ranked[labelled & later], "the heads labelled name mover after layer 0"
+    else:
+        chosen, how = ranked[later], "the highest name_mover scores after layer 0, where no head is labelled name mover"
+    early = ranked[labelled & ~later]
+    first = [(int(l), int(h)) for l, h in zip(early["layer"], early["head"])]
+    if first:
+        how += f"; the name mover(s) {first} of layer 0 have no earlier head to send into them"
+    if not len(chosen):
+        unmeasured = " and its heads after layer 0 have no name_mover score (NaN)" if model.cfg.n_layers > 1 else ""
+        raise ValueError(f"s_inhibition: no receivers were given, and the default ones, the top name movers after "
+                         f"layer 0 (a head in layer 0 has no earlier head to send into it), do not exist: this model "
+                         f"has {model.cfg.n_layers} layer(s){unmeasured}. Give receivers=[(layer, head), ...] in a "
+                         "layer after 0, on a model of at least 2 layers.")
+    return [(int(l), int(h)) for l, h in zip(chosen["layer"], chosen["head"])][:n_receivers], how

@@ -95,3 +95,48 @@ def test_smollm2_at_8k_in_linear_memory(task):
     assert row["grew_mib"] < 1024
     if task == "retrieval":
         assert row["trial"]["counted"] and row["top"][0][2] > 0.1
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(depths=()), "depths are fractions"), (dict(depths=(0.5, 1.5)), "depths are fractions"),
+    (dict(lengths=()), "lengths are prompt lengths"), (dict(lengths=[40, 2.5]), "lengths are prompt lengths"),
+    (dict(min_recall=2), "min_recall is the share"), (dict(min_recall=-0.1), "min_recall is the share"),
+    (dict(needle_len=0), "needle_len must be a positive integer"),
+    (dict(needle_len=-2), "needle_len must be a positive integer"),
+    (dict(needle_len=2.5), "needle_len must be a positive integer"),
+    (dict(needle_len=200), r"needle_len 200: .* need 202 ordinary tokens.* has 63; use needle_len <= 61"),
+    (dict(n_bootstrap=0), "n_bootstrap must be a positive integer"),
+])
+def test_degenerate_arguments_are_refused_before_any_trial(toy, kw, message):
+    """depths=() and min_recall=2 returned an all-NaN table; needle_len=200 was cut to 61 tokens while the table
+    said 200; needle_len 0, -2 and 2.5 and n_bootstrap=0 raised raw torch errors."""
+    with pytest.raises(ValueError, match=message):
+        retrieval_heads(toy, **{"context": 72, **kw})
+
+
+def test_context_error_states_the_real_minimum_and_that_minimum_works(toy):
+    """context=16, the minimum the error stated, failed with "length 8 leaves no room"."""
+    import re
+
+    with pytest.raises(ValueError, match=r"context must be an integer in \[30, 72\].*at least 15 tokens; got 16") as e:
+        retrieval_heads(toy, context=16)
+    low = int(re.search(r"\[(\d+),", str(e.value)).group(1))
+    df = retrieval_heads(toy, context=low, depths=[0.5], n_bootstrap=10)
+    assert [t["length"] for t in df.attrs["trials"]] == [low // 2, low]
+    with pytest.raises(ValueError, match="length 14 leaves no room.*take 14 tokens, so a length needs at least 15"):
+        needle_prompts(toy, [14], [0.5])
+
+
+def test_the_table_states_the_needle_length_used(toy):
+    from test_taxonomy import _tiny_with_tokenizer
+
+    df = retrieval_heads(toy, context=48, depths=[0.5], needle_len=5, n_bootstrap=10)
+    assert df.attrs["needle_tokens"] == 5 and "needles of 5 random tokens" in df.attrs["inputs"]
+    assert {t["needle_tokens"] for t in df.attrs["trials"]} == {5}
+    text = _tiny_with_tokenizer()  # SmolLM2's tokenizer: a digit and its space are two tokens
+    prompts = needle_prompts(text, [120], [0.5], needle_len=4)
+    with pytest.warns(RuntimeWarning, match="no trial counted"):  # a random model copies nothing
+        df = retrieval_heads(text, context=120, lengths=[120], depths=[0.5], needle_len=4, n_bootstrap=10)
+    assert df.attrs["needle_tokens"] == len(prompts[0].answer) == 8
+    assert "needles of 4 random digits (8 tokens)" in df.attrs["inputs"]
+    assert set(df["retrieval"].isna()) == {True}
