@@ -4,7 +4,13 @@ Every name below is loaded on first use (``analyses.detect_heads`` imports ``ana
 ``import analyses`` and ``interp --help`` import neither torch nor matplotlib.
 """
 
-from .views import _LAZY as _VIEWS
+# The views (analyses/views/) by module there; analyses.views reads this table too, so a view is listed once
+_VIEWS = {
+    "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
+    "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
+    "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
+    "write_report": "report", "long_view": "long", "LongView": "long",
+}
 
 _LAZY = {
     # Ablation and pruning (issue 4)
@@ -32,7 +38,7 @@ _LAZY = {
     # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
     **dict.fromkeys(["streaming_curve", "streaming_curve_plot", "streaming_inputs", "streaming_order"], "streaming"),
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
-    # Views (issues 5 and 14): every name of analyses/views/, read from its own table (save_figure, long_view, ...)
+    # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
 __all__ = sorted(_LAZY)

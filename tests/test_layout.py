@@ -145,8 +145,8 @@ def test_the_checks_find_a_function_local_cycle_and_an_upward_import(tmp_path):
 
 
 def test_every_view_name_is_importable_from_analyses():
-    """The docs write `from analyses import save_figure` (it lives in analyses.views): the top level lists every view
-    name from the views' own table, so a view added there needs no second list."""
+    """The docs write `from analyses import save_figure` (it lives in analyses.views): both packages read one table of
+    the views, so a view added there needs no second list."""
     import analyses
     import analyses.views
 

@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {
-    "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
-    "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
-    "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
-    "write_report": "report", "long_view": "long", "LongView": "long",
-}
+from .. import _VIEWS as _LAZY  # one list of the views, kept beside the package's other names
+
 __all__ = list(_LAZY)
 
 
