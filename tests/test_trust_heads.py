@@ -15,6 +15,7 @@ from analyses.cli import main
 from analyses.labels import CROSS_KINDS, KINDS, RETRIEVAL_SCORES, TAXONOMY_SCORES
 from interp import progress as progress_module
 from interp.testing import model_class, tiny_model
+from test_progress import restore  # noqa: F401  (the fixture that puts the progress setting back)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
 
@@ -164,14 +165,6 @@ def test_threads_below_one_are_refused_in_one_line(verb, threads):
 
 
 # -- 7: progress ------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def restore():
-    before = dict(progress_module._state)
-    yield
-    progress_module._state.clear()
-    progress_module._state.update(before)
-
-
 def test_each_stage_writes_a_line_when_stderr_is_not_a_terminal(restore, monkeypatch):
     monkeypatch.delenv("INTERP_PROGRESS", raising=False)
     code, out, err = run("heads", "--model", "toy-induction", "--scores", "induction,retrieval", "--context", "48",

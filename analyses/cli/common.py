@@ -20,26 +20,23 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: a whole number of at least 1 (0 prompts would run a study on nothing)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number of at least 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {value}")
-    return value
+def _at_least(least: int, note: str = ""):
+    """argparse type of a whole number of at least ``least`` (``note`` says what the least one means)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number of at least {least}{note})") \
+                from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}{note}; got {value}")
+        return value
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    """argparse type of a limit where 0 means none (``--top 0``: every row)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number, 0 for all)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0 (0 for all); got {value}")
-    return value
+_positive_int = _at_least(1)  # a count: 0 prompts would run a study on nothing
+_nonnegative_int = _at_least(0, ", 0 for all")  # a limit where 0 means none (--top 0: every row)
 
 
 def _threads(text: str) -> str:
