@@ -87,7 +87,8 @@ def choose_scores(names, model: str) -> dict[str, list[str]]:
                         f"encoder-decoder model has two stacks. {takes}")
     if seq2seq and chosen["retrieval"]:
         raise TypeError("retrieval is read while a decoder-only model copies a needle out of the long prompt it "
-                        f"generates from (analyses.retrieval); it is not implemented for encoder-decoder models. {takes}")
+                        "generates from (analyses.retrieval); it is not implemented for encoder-decoder models. "
+                        f"{takes}")
     if not seq2seq and chosen["cross"]:
         raise TypeError(f"The score(s) {chosen['cross']} describe cross-attention heads (decoder queries on the "
                         "encoder's output), which only encoder-decoder models (T5, BART) have; this model's heads "

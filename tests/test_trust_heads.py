@@ -135,6 +135,17 @@ def test_scores_a_model_cannot_take_are_one_line_and_exit_2(folders, model, scor
     assert code == 2 and out == "" and says in _one_line(err)
 
 
+def test_the_help_names_every_score(monkeypatch):
+    """The help is written without importing the scores (``interp --help`` stays fast): this keeps it true."""
+    monkeypatch.setenv("COLUMNS", "200")  # argparse breaks a long name across lines in a narrow terminal
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit):
+        main(["heads", "--help"])
+    text = " ".join(out.getvalue().split())
+    missing = [n for n in (*KINDS, *TAXONOMY_SCORES, *RETRIEVAL_SCORES, *CROSS_KINDS) if n not in text]
+    assert missing == [], text
+
+
 # -- 5: sorted, cut, labels first ------------------------------------------------------------------------------------
 def test_table_is_sorted_cut_to_top_and_labels_come_first(folders):
     code, out, _ = run("heads", "--model", folders / "llama", "--n-prompts", "4", "--scores", "sink,induction")

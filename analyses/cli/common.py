@@ -26,8 +26,8 @@ def _at_least(least: int, note: str = ""):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number of at least {least}{note})") \
-                from None
+            what = f"a whole number of at least {least}{note}"
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} ({what})") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}{note}; got {value}")
         return value

@@ -14,11 +14,12 @@ def add_parser(sub) -> None:
     _model_options(p)
     _format_option(p)
     p.add_argument("--kinds", "--scores", dest="kinds", default=None,
-                   help="comma-separated score kinds (default: all attention-pattern kinds that apply, and an "
-                        "encoder-decoder model's cross-attention kinds alignment, source_sink, source_positional); "
-                        "on request also successor, copy_suppression, copy_suppression_behaviour, name_mover, "
-                        "s_inhibition, function_vector, retrieval (decoder-only models). The table is sorted by the "
-                        "first one")
+                   help="comma-separated scores: the attention-pattern kinds previous_token, next_token "
+                        "(bidirectional heads), self, sink, duplicate_token, induction, positional and an "
+                        "encoder-decoder model's cross-attention kinds alignment, source_sink, source_positional "
+                        "(default: all that apply); on request also successor, copy_suppression, "
+                        "copy_suppression_behaviour, name_mover, s_inhibition, function_vector, retrieval "
+                        "(decoder-only models). The table is sorted by the first one")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
                    help="the length in tokens of the prompts generated for every score that has one: the "
                         "attention-pattern scores' repeated random tokens and corpus prompts (default 64; an "
