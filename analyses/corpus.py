@@ -59,8 +59,10 @@ def prompt_ids(model, prompts) -> list[torch.Tensor]:
     return out
 
 
-def repeated_random_tokens(model, n_prompts: int, seq_len: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """Random ordinary tokens ``x`` repeated, framed by the model's start (and end) tokens: ``seq_len`` ids each.
+def repeated_random_tokens(model, n_prompts: int, seq_len: int, generator: torch.Generator,
+                           name: str = "seq_len") -> list[torch.Tensor]:
+    """Random ordinary tokens ``x`` repeated, framed by the model's start (and end) tokens: ``seq_len`` ids each
+    (``name``: what the caller calls that length, in the error for one too short).
 
     ``x`` holds ceil(m / 2) distinct tokens (m = seq_len minus the special tokens) when the vocabulary allows,
     so each second-copy token has exactly one earlier occurrence (Olsson et al. 2022 use 25 tokens, 4 repeats).
@@ -70,7 +72,7 @@ def repeated_random_tokens(model, n_prompts: int, seq_len: int, generator: torch
     prefix, suffix = _special_frame(model)
     m = seq_len - len(prefix) - len(suffix)
     if m < 4:
-        raise ValueError(f"seq_len {seq_len} leaves {m} random tokens after the special ones; use at least "
+        raise ValueError(f"{name} {seq_len} leaves {m} random tokens after the special ones; use at least "
                          f"{len(prefix) + len(suffix) + 4}.")
     pool = _ordinary_ids(model)
     half = math.ceil(m / 2)

@@ -14,14 +14,14 @@ import torch
 
 from interp import distributed
 from interp.inputs import pad_ids
-from interp.progress import progress
+from interp.progress import progress, stage
 
 from interp.sites import is_layered, with_head_columns
 
 from .corpus import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
                      prompt_ids, repeated_random_tokens)
-from .labels import head_labels, label_heads, resolve_thresholds
-from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, check_kinds, order_columns,
+from .labels import choose_scores, head_labels, label_heads, resolve_thresholds
+from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, order_columns,
                      weights_from_pattern, weights_from_qk)
 
 __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
@@ -32,34 +32,44 @@ _REPEAT_KINDS = ("duplicate_token", "induction")  # scored on repeated random to
 def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
                  n_bootstrap: int = 1000, scores=None, context: int | None = None) -> pd.DataFrame:
-    """Score every head of ``model`` and label it; one row per (layer, head).
-
-    scores: the issue's name for ``kinds`` (give one of the two). Besides the attention-pattern kinds below it
-        takes the literature's classes, computed only on request (``analyses.taxonomy``): ``successor`` and
-        ``copy_suppression`` (from weights, seconds), ``copy_suppression_behaviour`` (the same class read off
-        one run on corpus text, ``analyses.taxonomy_behaviour``; no label), ``name_mover``, ``s_inhibition`` (IOI
-        task) and ``function_vector`` (ICL tasks; forward passes per head, minutes on a 135M model). Asking only for
-        these computes no attention-pattern score; ``prompts`` and ``n_prompts`` do not apply to them.
+    """Score every head of ``model`` and label it; one row per (layer, head), or per (site, head).
 
     kinds: score kinds to compute (None: all that apply): ``previous_token``, ``next_token`` (bidirectional
-        models only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions
-        in ``analyses.scores``.
-    prompts: None, or the inputs for every score: texts, token-id sequences (lists or 1-D tensors), a
-        2-D tensor of ids, or ``model.to_tokens`` output. Each must fit the model's positions.
+        heads only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions
+        in ``analyses.scores``. An encoder-decoder model (T5, BART) also takes its cross-attention heads' scores,
+        ``alignment``, ``source_sink`` and ``source_positional`` (``analyses.seq2seq``); a site that none of the
+        kinds applies to has no rows. A name that is no score, or a score the model cannot take, is refused.
+    scores: another name for ``kinds`` (give one of the two). Besides the attention-pattern kinds above it
+        takes the literature's classes, computed only on request (``analyses.taxonomy``; decoder-only and encoder
+        models): ``successor`` and ``copy_suppression`` (from weights, seconds), ``copy_suppression_behaviour``
+        (the same class read off one run on corpus text, ``analyses.taxonomy_behaviour``; no label),
+        ``name_mover``, ``s_inhibition`` (IOI task) and ``function_vector`` (ICL tasks; forward passes per head,
+        minutes on a 135M model); ``prompts``, ``n_prompts`` and ``context`` do not apply to them. ``"retrieval"``
+        (causal models) adds retrieval heads (Wu et al. 2024, ``analyses.retrieval``), read while the model copies
+        a needle out of haystacks of up to ``context`` tokens; ``prompts`` does not apply to it. Asking only for
+        these computes no attention-pattern score.
+    prompts: None, or the inputs for every attention-pattern score: texts, token-id sequences (lists or 1-D
+        tensors), a 2-D tensor of ids, or ``model.to_tokens`` output (an encoder-decoder model: a batch dict with
+        ``input_ids`` and ``decoder_input_ids``). Each must fit the model's positions.
         With None, ``duplicate_token`` and ``induction`` run on ``n_prompts`` repeated random token
         sequences (``repeated_random_tokens``) and the other scores on ``n_prompts`` prompts of the
         bundled corpus of plain English sentences; a model without a tokenizer uses the random
-        sequences for every score.
-    n_prompts, seq_len: number and length in tokens (specials included) of generated prompts; seq_len
-        defaults to 64, or the model's positions when fewer.
+        sequences for every score; an encoder-decoder model, ``n_prompts`` copy-task pairs (``copy_task``).
+    n_prompts: the number of generated prompts.
+    context: the length in tokens of the prompts generated for every score that has one: the attention-pattern
+        scores' prompts (the repeated random tokens, specials included; the corpus prompts are at most this long;
+        an encoder-decoder model's copy-task sources) unless ``seq_len`` is given, and retrieval's longest haystack
+        (default: the model's positions, at most 8192). Refused where no score asked for reads it (given
+        ``prompts`` and no retrieval, only taxonomy scores, or a ``seq_len`` that differs and no retrieval).
+    seq_len: the attention-pattern scores' prompt length alone (``context`` sets it too); default 64, or the
+        model's positions when fewer (12 on an encoder-decoder model).
     seed: seeds the generated prompts and the bootstrap.
     batch_size: prompts per forward pass (padded: left for causal models, right for encoders).
     thresholds: per kind, the score a head needs for that label (``positional`` reads
         ``positional_fraction``); defaults ``scores.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
-    scores: another name for ``kinds`` (give one of them). ``"retrieval"`` (causal models) adds retrieval heads
-        (Wu et al. 2024, ``analyses.retrieval``), read while the model copies a needle out of haystacks of up to
-        ``context`` tokens (default: its positions, at most 8192); ``prompts`` does not apply to it.
+
+    Progress (``interp.progress``): each score's pass, and each retrieval trial.
 
     Under torch.distributed (``torchrun``, ``accelerate launch``) the batches are split across ranks and each
     prompt's sums and row counts are added up over ranks (float64, one contributor each), so the bootstrap runs on
@@ -73,47 +83,46 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     """
     if scores is not None and kinds is not None:
         raise ValueError("Give scores= or kinds= (the same argument under two names), not both.")
-    from .taxonomy import refuse_stacks, split_scores, taxonomy_frame
-
-    kinds, extra = split_scores(scores if scores is not None else kinds)
-    if not is_layered(model):  # an encoder-decoder model: per stack, and cross-attention
+    for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap),
+                        ("context", 1 if context is None else context)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+    cfg = model.cfg
+    seq2seq = not is_layered(model)  # an encoder-decoder model: per stack, and cross-attention
+    chosen = choose_scores(scores if scores is not None else kinds,
+                           "encoder-decoder" if seq2seq else "causal" if cfg.causal else "bidirectional")
+    kinds, extra, retrieval = chosen["pattern"], chosen["taxonomy"], bool(chosen["retrieval"])
+    seq_len = _prompt_length(seq_len, context, kinds + chosen["cross"], prompts, extra, retrieval)
+    if seq2seq:
         from .seq2seq import seq2seq_heads
 
-        if extra:
-            refuse_stacks(model, f"The score(s) {extra}")
         return seq2seq_heads(model, batch=prompts, n_prompts=n_prompts, seq_len=seq_len or 12, seed=seed,
-                             thresholds=thresholds, n_bootstrap=n_bootstrap)
-    cfg = model.cfg
-    retrieval = kinds is not None and "retrieval" in kinds  # long-context decoding: analyses.retrieval
-    if retrieval:
-        kinds = [k for k in kinds if k != "retrieval"]
-    if (extra or retrieval) and kinds == []:  # only classes computed apart: no attention-pattern pass
+                             thresholds=thresholds, n_bootstrap=n_bootstrap, kinds=kinds + chosen["cross"],
+                             batch_size=batch_size)
+    limits = resolve_thresholds(thresholds)
+    if not kinds:  # only classes computed apart: no attention-pattern pass
         df = None
         if extra:
-            df = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
-            df = _labelled(model, df, resolve_thresholds(thresholds), {k: "analyses.taxonomy" for k in extra})
+            df = _labelled(model, _taxonomy(model, extra, seed, n_bootstrap, thresholds), limits,
+                           {k: "analyses.taxonomy" for k in extra})
         return with_head_columns(model, _with_retrieval(model, df, context, seed, n_bootstrap, thresholds)
                                  if retrieval else df)
-    kinds = check_kinds(kinds, cfg.causal)
-    limits = resolve_thresholds(thresholds)
-    for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
 
     if prompts is not None:
         ids = prompt_ids(model, prompts)
         sets = [(kinds, ids, f"{len(ids)} given prompts")]
     else:
         seq_len = min(64, cfg.max_positions) if seq_len is None else seq_len
+        what = "seq_len" if context is None or seq_len != context else "context"
         if not isinstance(seq_len, int) or seq_len > cfg.max_positions:
-            raise ValueError(f"seq_len must be an integer of at most {cfg.max_positions} (the model's positions); "
+            raise ValueError(f"{what} must be an integer of at most {cfg.max_positions} (the model's positions); "
                              f"got {seq_len!r}.")
         generator = torch.Generator().manual_seed(seed)
         repeat_kinds = [k for k in kinds if k in _REPEAT_KINDS or model.tokenizer is None]
         text_kinds = [k for k in kinds if k not in repeat_kinds]
         sets = []
         if repeat_kinds:
-            ids = repeated_random_tokens(model, n_prompts, seq_len, generator)
+            ids = repeated_random_tokens(model, n_prompts, seq_len, generator, what)
             sets.append((repeat_kinds, ids, f"{n_prompts} repeated random token sequences of {seq_len} tokens"))
         if text_kinds:
             ids = corpus_prompts(model, n_prompts, seq_len, generator)
@@ -130,13 +139,36 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     df = df[[(l, h) in real for l, h in zip(df["layer"], df["head"])]].reset_index(drop=True)
     inputs = {k: what for set_kinds, _, what in sets for k in set_kinds}
     if extra:
-        more = taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
+        more = _taxonomy(model, extra, seed, n_bootstrap, thresholds)
         df = df.merge(more, on=["layer", "head"], how="left")
         df.attrs.update(more.attrs)
         inputs.update({k: "analyses.taxonomy" for k in extra})
     df = _labelled(model, df, limits, inputs, nonfinite)
     return with_head_columns(model, _with_retrieval(model, df, context, seed, n_bootstrap, thresholds)
                              if retrieval else df)
+
+
+def _prompt_length(seq_len, context, kinds: list[str], prompts, extra: list[str], retrieval: bool) -> int | None:
+    """The length of the attention-pattern scores' generated prompts: ``seq_len``, else ``context``. A ``context``
+    that no score asked for reads is refused with what it means."""
+    if context is not None and not retrieval:
+        if not kinds:
+            raise ValueError(f"context sets the length of the prompts detect_heads generates (attention-pattern "
+                             f"scores, retrieval); {extra} build their own task prompts: drop context.")
+        if prompts is not None:
+            raise ValueError("context sets the length of the prompts detect_heads generates; prompts= were given, "
+                             "so drop context (or prompts).")
+        if seq_len is not None and seq_len != context:
+            raise ValueError(f"seq_len ({seq_len!r}) and context ({context!r}) both set the generated prompts' "
+                             "length; give one.")
+    return seq_len if seq_len is not None else context
+
+
+def _taxonomy(model, extra: list[str], seed: int, n_bootstrap: int, thresholds) -> pd.DataFrame:
+    from .taxonomy import taxonomy_frame  # noqa: PLC0415  (loaded when asked for)
+
+    with stage(f"heads: {', '.join(extra)}"):
+        return taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
 
 
 def _labelled(model, df: pd.DataFrame, limits: dict, inputs: dict,
@@ -207,7 +239,8 @@ def _tally(model, prompts: list[torch.Tensor], kinds: list[str], batch_size: int
     mine = distributed.shard(len(starts), strided=True)  # this rank's batches (the same batches as one process's)
     with distributed.failing_together(), torch.no_grad():
         batches = starts if mine is None else [starts[i] for i in mine]
-        for start in progress(batches, total=len(batches), desc=f"heads: {len(prompts)} prompts", unit="batch"):
+        for start in progress(batches, total=len(batches), desc=f"heads: {len(prompts)} prompts ({', '.join(kinds)})",
+                              unit="batch"):
             index = order[start:start + batch_size]
             ids, mask = pad_ids([prompts[i] for i in index], left=cfg.causal, pad_id=model.pad_token_id)
             targets = build_targets(ids, mask, cfg.causal, kinds)

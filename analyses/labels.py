@@ -1,14 +1,21 @@
-"""Labels of heads: each score's threshold and one-line definition, the order of the classes (most specific
-first), a head's primary label and every label it clears, and the strongest heads of each class. What a table of
-scores is read with, whichever module computed the scores (``analyses.scores``, the taxonomy, retrieval)."""
+"""Scores and labels of heads: every score's name (and which models it applies to), threshold and one-line
+definition, the order of the classes (most specific first), a head's primary label and every label it clears, and
+the strongest heads of each class. What a table of scores is read with, whichever module computed the scores
+(``analyses.scores``, the taxonomy, retrieval, ``analyses.seq2seq``'s cross-attention scores)."""
 
 from __future__ import annotations
+
+import difflib
 
 import pandas as pd
 from interp.sites import one_site_per_layer
 
-__all__ = ["DEFAULT_THRESHOLDS", "TAXONOMY_SCORES", "SCORE_DEFINITIONS", "LABEL_ORDER", "head_labels", "label_heads",
-           "resolve_thresholds", "strongest_heads"]
+__all__ = ["DEFAULT_THRESHOLDS", "KINDS", "TAXONOMY_SCORES", "RETRIEVAL_SCORES", "CROSS_KINDS", "SCORE_DEFINITIONS",
+           "LABEL_ORDER", "choose_scores", "head_labels", "label_heads", "resolve_thresholds", "strongest_heads"]
+
+# -- the scores' names: the one list each kind of score is read from -----------------------------------------
+WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
+KINDS = WEIGHT_SCORES + ("positional",)  # the attention-pattern scores of self-attention heads (analyses.scores)
 
 # ARENA's 0.4 for previous/current/induction; Gu et al.'s 0.3 for sinks; Voita et al.'s 0.9 for positional.
 DEFAULT_THRESHOLDS = {
@@ -29,6 +36,68 @@ DEFAULT_THRESHOLDS = {
 }
 TAXONOMY_SCORES = ("successor", "copy_suppression", "copy_suppression_behaviour", "name_mover", "s_inhibition",
                    "function_vector")  # copy_suppression_behaviour: a score without a published threshold, no label
+RETRIEVAL_SCORES = ("retrieval",)  # causal models, read while they generate (analyses.retrieval)
+CROSS_KINDS = ("alignment", "source_sink", "source_positional")  # cross-attention heads (analyses.seq2seq)
+CROSS_THRESHOLDS = {"alignment": 0.4, "source_sink": 0.3, "source_positional": 0.9}
+
+
+
+# -- which scores a model takes ---------------------------------------------------------------------------------
+def _score_list(model: str | None = None) -> str:
+    """The scores a model of this kind takes (every score when None), as one sentence for an error message."""
+    pattern = [k for k in KINDS if not (model == "causal" and k == "next_token")]
+    groups = {"attention-pattern scores": pattern}
+    if model != "encoder-decoder":
+        groups["on request"] = [*TAXONOMY_SCORES, *(RETRIEVAL_SCORES if model != "bidirectional" else ())]
+    if model in (None, "encoder-decoder"):
+        groups["cross-attention scores (encoder-decoder models)"] = list(CROSS_KINDS)
+    return "; ".join(f"{group}: {', '.join(names)}" for group, names in groups.items())
+
+
+def check_score_names(names) -> None:
+    """Every name is a score of some model: an unknown one is refused with the closest names and the full list."""
+    every = KINDS + TAXONOMY_SCORES + RETRIEVAL_SCORES + CROSS_KINDS
+    for name in names:
+        if name not in every:
+            close = difflib.get_close_matches(str(name), every, n=2)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"Unknown score kind {name!r}.{hint} Scores are {_score_list()}.")
+
+
+def choose_scores(names, model: str) -> dict[str, list[str]]:
+    """detect_heads's ``scores``/``kinds`` on a model of this kind (``"causal"``, ``"bidirectional"`` or
+    ``"encoder-decoder"``) as ``{"pattern", "cross", "taxonomy", "retrieval"}``, each a list in canonical order.
+    None asks for the defaults: every attention-pattern score that applies (next_token on bidirectional heads
+    only), and on an encoder-decoder the cross-attention scores. A name that is no score, or a score that does not
+    apply to such a model, is refused with the reason and the scores the model takes."""
+    seq2seq = model == "encoder-decoder"
+    if names is None:
+        pattern = [k for k in KINDS if not (model == "causal" and k == "next_token")]
+        return {"pattern": pattern, "cross": list(CROSS_KINDS) if seq2seq else [], "taxonomy": [], "retrieval": []}
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"kinds is empty; pass None for the defaults, or some of the scores ({_score_list(model)}).")
+    check_score_names(names)
+    chosen = {group: [n for n in every if n in names] for group, every in
+              (("pattern", KINDS), ("cross", CROSS_KINDS), ("taxonomy", TAXONOMY_SCORES),
+               ("retrieval", RETRIEVAL_SCORES))}
+    takes = f"This model takes {_score_list(model)}."
+    if seq2seq and chosen["taxonomy"]:
+        raise TypeError(f"The score(s) {chosen['taxonomy']} read one residual stream and its unembedding; an "
+                        f"encoder-decoder model has two stacks. {takes}")
+    if seq2seq and chosen["retrieval"]:
+        raise TypeError("retrieval is read while a decoder-only model copies a needle out of the long prompt it "
+                        "generates from (analyses.retrieval); it is not implemented for encoder-decoder models. "
+                        f"{takes}")
+    if not seq2seq and chosen["cross"]:
+        raise TypeError(f"The score(s) {chosen['cross']} describe cross-attention heads (decoder queries on the "
+                        "encoder's output), which only encoder-decoder models (T5, BART) have; this model's heads "
+                        f"are all self-attention. {takes}")
+    if model == "causal" and "next_token" in chosen["pattern"]:
+        raise ValueError("next_token needs a bidirectional model: under causal masking no row sees the next token.")
+    if model == "bidirectional" and chosen["retrieval"]:
+        raise ValueError("Retrieval heads are read while a causal model generates; this model is bidirectional.")
+    return chosen
 
 
 # -- labels ----------------------------------------------------------------------------------------------
@@ -96,16 +165,19 @@ def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) ->
     return labels.map(lambda text: text.split("+")[0] if text else "none").rename("label")
 
 
-def resolve_thresholds(thresholds: dict[str, float] | None) -> dict[str, float]:
-    """The default thresholds updated with ``thresholds``; unknown names and values outside (0, 1] are refused."""
+def resolve_thresholds(thresholds: dict[str, float] | None,
+                       defaults: dict[str, float] | None = None) -> dict[str, float]:
+    """The default thresholds (``DEFAULT_THRESHOLDS``, or ``defaults``) updated with ``thresholds``; unknown names
+    and values outside (0, 1] are refused."""
+    defaults = DEFAULT_THRESHOLDS if defaults is None else defaults
     thresholds = dict(thresholds or {})
-    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS))
+    unknown = sorted(set(thresholds) - set(defaults))
     if unknown:
-        raise ValueError(f"Unknown threshold name(s) {unknown}; thresholds are set per kind: {sorted(DEFAULT_THRESHOLDS)}.")
+        raise ValueError(f"Unknown threshold name(s) {unknown}; thresholds are set per kind: {sorted(defaults)}.")
     bad = {k: v for k, v in thresholds.items() if not (isinstance(v, (int, float)) and 0 < v <= 1)}
     if bad:
         raise ValueError(f"Thresholds are fractions in (0, 1]; got {bad}.")
-    return {**DEFAULT_THRESHOLDS, **thresholds}
+    return {**defaults, **thresholds}
 
 
 def strongest_heads(df: pd.DataFrame, per_class: int = 3, order: tuple[str, ...] = LABEL_ORDER) -> pd.DataFrame:

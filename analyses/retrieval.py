@@ -22,6 +22,7 @@ from numbers import Real
 import pandas as pd
 import torch
 
+from interp.progress import progress
 from interp.stats import attention_stats
 from interp.streaming_cache import cache_kwarg, output_cache
 
@@ -222,7 +223,7 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=(0.1
     n_heads = max(cfg.heads_per_layer)
     scores, trials = [], []
     with model.studying():
-        for p in prompts:
+        for p in progress(prompts, total=len(prompts), desc="retrieval: needle trials", unit="trial"):
             generated, top = run_needle(model, p)
             answer = p.answer
             hits = torch.stack([retrieval_step_hits(top[t], int(generated[t]), p.ids, p.needle)

@@ -22,7 +22,6 @@ The rows of a causal model's first real position are left out of ``self``, ``sin
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -31,15 +30,12 @@ import torch
 
 from interp.stats import attention_stats
 
-from .labels import (DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES, head_labels,  # noqa: F401
-                     label_heads, resolve_thresholds, strongest_heads)
+from .labels import (DEFAULT_THRESHOLDS, KINDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES,  # noqa: F401
+                     WEIGHT_SCORES, choose_scores, head_labels, label_heads, resolve_thresholds, strongest_heads)
 from .taxonomy_base import check_n_bootstrap
 
 __all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
            "label_heads", "head_labels", "strongest_heads"]
-
-WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
-KINDS = WEIGHT_SCORES + ("positional",)
 
 _PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
 
@@ -320,23 +316,14 @@ def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mas
 
 
 def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
-    """The requested score kinds in canonical order; None means all that apply to the model."""
-    if kinds is None:
-        return [k for k in KINDS if not (causal and k == "next_token")]
-    if isinstance(kinds, str):
-        kinds = [kinds]
-    kinds = list(kinds)
-    if not kinds:
-        raise ValueError(f"kinds is empty; pass None for all, or some of {list(KINDS)}.")
-    for k in kinds:
-        if k not in KINDS:
-            close = difflib.get_close_matches(str(k), KINDS + TAXONOMY_SCORES, n=2)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ValueError(f"Unknown score kind {k!r}.{hint} Kinds are {list(KINDS)}, and on request "
-                             f"{list(TAXONOMY_SCORES)}.")
-    if causal and "next_token" in kinds:
-        raise ValueError("next_token needs a bidirectional model: under causal masking no row sees the next token.")
-    return [k for k in KINDS if k in kinds]
+    """The requested attention-pattern score kinds in canonical order; None means all that apply to the model.
+    Unknown names are refused with the closest valid ones (``labels.choose_scores``)."""
+    chosen = choose_scores(kinds, "causal" if causal else "bidirectional")
+    other = chosen["taxonomy"] + chosen["retrieval"]
+    if other:
+        raise ValueError(f"The score(s) {other} are read from the model, not from a given pattern: ask "
+                         f"detect_heads(model, scores=...) for them; a pattern's scores are {list(KINDS)}.")
+    return chosen["pattern"]
 
 
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:

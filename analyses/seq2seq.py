@@ -28,16 +28,17 @@ import numpy as np
 import pandas as pd
 import torch
 
+from interp.progress import progress
+
 from .engine import Shard
+from .labels import CROSS_KINDS, CROSS_THRESHOLDS, DEFAULT_THRESHOLDS, choose_scores, resolve_thresholds
 from .scores import pattern_scores
 
 __all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task",
            "copy_study_inputs", "copy_task", "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
 
 
-CROSS_KINDS = ("alignment", "source_sink", "source_positional")
-CROSS_THRESHOLDS = {"alignment": 0.4, "source_sink": 0.3, "source_positional": 0.9}
-# The score columns of cross-attention heads a grid is coloured by (source_positional reads its fraction), and each
+# CROSS_KINDS and CROSS_THRESHOLDS live with every score's name and threshold (analyses.labels). The score columns of cross-attention heads a grid is coloured by (source_positional reads its fraction), and each
 # kind's one-line definition, as above.
 CROSS_SCORES = ("alignment", "source_positional_fraction", "source_sink")
 CROSS_DEFINITIONS = {
@@ -196,29 +197,44 @@ def _cross_scores(pattern: torch.Tensor, source_mask: torch.Tensor | None, targe
     return out
 
 
-def _cross_label(row: dict, thresholds: dict) -> str:
-    found = [k for k in ("alignment", "source_positional", "source_sink")
-             if (row["source_positional_fraction"] if k == "source_positional" else row[k]) >= thresholds[k]]
+def _cross_label(row: dict, thresholds: dict, kinds=CROSS_KINDS) -> str:
+    found = [k for k in ("alignment", "source_positional", "source_sink") if k in kinds
+             and (row["source_positional_fraction"] if k == "source_positional" else row[k]) >= thresholds[k]]
     return "+".join(found) if found else "none"
 
 
+def _cross_columns(kind: str) -> tuple[str, ...]:
+    """The columns of one cross-attention score (dropped where it was not asked for)."""
+    extra = ("source_positional_offset", "source_positional_fraction") if kind == "source_positional" else ()
+    return (kind, *extra, f"{kind}_lo", f"{kind}_hi")
+
+
 def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len: int = 12, seed: int = 0,
-                  thresholds: dict | None = None, n_bootstrap: int = 1000) -> pd.DataFrame:
+                  thresholds: dict | None = None, n_bootstrap: int = 1000, kinds=None,
+                  batch_size: int | None = None) -> pd.DataFrame:
     """Score every head of an encoder-decoder model; one row per (site, head).
 
     batch: ``{"input_ids", "attention_mask", "decoder_input_ids"[, "decoder_attention_mask"]}``; default: the
-    copy task (``copy_task(model, n_prompts, seq_len, seed)``), where target i aligns to source i. Columns:
-    ``stack``, ``kind`` (``self``/``cross``), ``site`` (the hook prefix), ``layer`` (the block in its stack),
-    ``head``, the self-attention scores (NaN for cross heads), the cross-attention scores (NaN for self heads),
-    ``label`` and the bootstrap interval columns.
+    copy task (``copy_task(model, n_prompts, seq_len, seed)``: sources of ``seq_len`` random tokens), where target i
+    aligns to source i. kinds: the scores to compute (None: all): the attention-pattern kinds of
+    ``analyses.scores`` for the self-attention heads (``next_token`` on the encoder's only) and ``alignment``,
+    ``source_sink``, ``source_positional`` for the cross-attention heads; a site that none of them applies to has
+    no rows. thresholds: per kind, either family. batch_size: pairs per forward pass (None: all at once).
+    Columns: ``stack``, ``kind`` (``self``/``cross``), ``site`` (the hook prefix), ``layer`` (the block in its
+    stack), ``head``, the self-attention scores (NaN for cross heads), the cross-attention scores (NaN for self
+    heads), ``label`` and the bootstrap interval columns.
     """
     if not is_seq2seq(model):
         raise TypeError("seq2seq_heads takes an encoder-decoder model (interp.load_model of T5, BART, ...); use "
                         "detect_heads for decoder-only and encoder models.")
-    for name, value in (("n_prompts", n_prompts), ("seq_len", seq_len), ("n_bootstrap", n_bootstrap)):
-        if not isinstance(value, int) or value < 1:
+    chosen = choose_scores(kinds, "encoder-decoder")
+    for name, value in (("n_prompts", n_prompts), ("seq_len", seq_len), ("n_bootstrap", n_bootstrap),
+                        ("batch_size", 1 if batch_size is None else batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    limits = {**CROSS_THRESHOLDS, **(thresholds or {})}
+    limits = resolve_thresholds(thresholds, {**DEFAULT_THRESHOLDS, **CROSS_THRESHOLDS})
+    own = {k: v for k, v in (thresholds or {}).items() if k in DEFAULT_THRESHOLDS}  # the self heads' labels
+    what = f"{n_prompts} copy-task pairs of {seq_len} random tokens" if batch is None else "the given batch"
     batch = copy_task(model, n_prompts, seq_len, seed) if batch is None else batch
     if not isinstance(batch, Mapping) or "input_ids" not in batch or "decoder_input_ids" not in batch:
         raise ValueError("An encoder-decoder model's heads are scored on a batch {input_ids, attention_mask, "
@@ -228,9 +244,13 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
     src, src_mask = batch["input_ids"], batch.get("attention_mask")
     tgt, tgt_mask = batch["decoder_input_ids"], batch.get("decoder_attention_mask")
     patterns = _patterns(model, {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
-                                 "decoder_attention_mask": tgt_mask})
+                                 "decoder_attention_mask": tgt_mask}, batch_size)
     frames, nonfinite = [], {}
     for site in model.cfg.sites:
+        site_kinds = chosen["cross"] if site.kind == "cross" else \
+            [k for k in chosen["pattern"] if not (site.causal and k == "next_token")]
+        if not site_kinds:  # no score asked for applies to this site's heads
+            continue
         pattern = patterns[site.name]
         head = {"stack": site.stack, "kind": site.kind, "site": site.name, "layer": site.block}
         query_mask = src_mask if site.stack == "encoder" else tgt_mask
@@ -242,13 +262,14 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
         if site.kind == "cross":
             rows = [{**head, **r} for r in _cross_scores(pattern, src_mask, tgt_mask, n_bootstrap, seed)]
             for r in rows:  # one class per cross head; labels as for self heads ("" when none)
-                r["label"] = _cross_label(r, limits)
+                r["label"] = _cross_label(r, limits, site_kinds)
                 r["labels"] = "" if r["label"] == "none" else r["label"]
-            frames.append(pd.DataFrame(rows))
+            unasked = [c for k in CROSS_KINDS if k not in site_kinds for c in _cross_columns(k)]
+            frames.append(pd.DataFrame(rows).drop(columns=unasked))
         else:
             ids, mask = (src, src_mask) if site.stack == "encoder" else (tgt, tgt_mask)
             df = pattern_scores(pattern, ids.cpu(), None if mask is None else mask.cpu(), causal=site.causal,
-                                thresholds=thresholds, n_bootstrap=n_bootstrap, seed=seed)
+                                kinds=site_kinds, thresholds=own, n_bootstrap=n_bootstrap, seed=seed)
             frames.append(df.drop(columns=["layer"]).assign(**head))
     df = pd.concat(frames, ignore_index=True)
     if nonfinite:  # not data: NaN scores, label "nan", and a warning naming the heads
@@ -263,23 +284,31 @@ def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len
                       stacklevel=3)
     front = ["stack", "kind", "site", "layer", "head"]
     df = df[front + [c for c in df.columns if c not in front]]
-    df.attrs.update(attn=model.attn, thresholds=limits, n_prompts=int(src.shape[0]))
+    df.attrs.update(attn=model.attn, thresholds=limits, n_prompts=int(src.shape[0]),
+                    inputs={k: what for k in chosen["pattern"] + chosen["cross"]})
     return df
 
 
-def _patterns(model, batch: dict) -> dict[str, torch.Tensor]:
-    """Every site's pattern ``(b, h, q, k)`` on the batch. Under torch.distributed each rank runs its share of the
-    pairs and the patterns are gathered in the original order (exact: one contributor per row), so every rank
-    scores what one process scores."""
+def _patterns(model, batch: dict, batch_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Every site's pattern ``(b, h, q, k)`` on the batch, ``batch_size`` pairs per forward pass (None: all). Under
+    torch.distributed each rank runs its share of the pairs and the patterns are gathered in the original order
+    (exact: one contributor per row), so every rank scores what one process scores."""
     names = [n for n in model.hook_names() if n.endswith(("hook_q", "hook_k"))
              or (model.attn == "eager" and n.endswith("hook_pattern"))]
     with Shard(batch) as shard:
         part = shard.rows(batch)
+        n = part["input_ids"].shape[0]
+        step = n if batch_size is None else batch_size
+        parts: dict[str, list[torch.Tensor]] = {site.name: [] for site in model.cfg.sites}
         with model.studying(), torch.no_grad():
-            _, cache = model.run_with_cache(part["input_ids"], part["attention_mask"], names=names,
-                                            decoder_input_ids=part["decoder_input_ids"],
-                                            decoder_attention_mask=part["decoder_attention_mask"])
-        return {site.name: shard.gather(cache.pattern(site.name)) for site in model.cfg.sites}
+            for start in progress(range(0, n, step), total=-(-n // step), desc=f"heads: {n} pairs", unit="batch"):
+                rows = {k: None if v is None else v[start:start + step] for k, v in part.items()}
+                _, cache = model.run_with_cache(rows["input_ids"], rows["attention_mask"], names=names,
+                                                decoder_input_ids=rows["decoder_input_ids"],
+                                                decoder_attention_mask=rows["decoder_attention_mask"])
+                for site in model.cfg.sites:
+                    parts[site.name].append(cache.pattern(site.name))
+        return {name: shard.gather(torch.cat(p)) for name, p in parts.items()}
 
 
 def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: int = 24, d_model: int = 64,

@@ -221,6 +221,6 @@ def test_heads_takes_retrieval_and_its_context(capsys):
     the model cannot take."""
     assert main(["heads", "--scores", "retrieval", "--context", "64", "--format", "csv"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("stack,kind,site,layer,head,retrieval")
+    assert out.splitlines()[0].startswith("stack,kind,site,layer,head,label,labels,retrieval")  # labels first (issue 35)
     assert main(["heads", "--scores", "retrieval", "--context", "100000"]) == 2
     assert "context must be" in capsys.readouterr().err

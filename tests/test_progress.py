@@ -50,5 +50,5 @@ def test_by_default_progress_follows_where_stderr_goes(restore, monkeypatch):
     assert progress_module.progress_enabled()
     monkeypatch.setenv("INTERP_PROGRESS", "0")
     assert not progress_module.progress_enabled()
-    with pytest.raises(ValueError, match="True, False or None"):
+    with pytest.raises(ValueError, match="True, False, 'lines' or None"):
         interp.set_progress("yes")

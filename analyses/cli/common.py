@@ -20,15 +20,31 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: reported in one line, exit code 2."""
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: a whole number of at least 1 (0 prompts would run a study on nothing)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a whole number of at least 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1; got {value}")
-    return value
+def _at_least(least: int, note: str = ""):
+    """argparse type of a whole number of at least ``least`` (``note`` says what the least one means)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            what = f"a whole number of at least {least}{note}"
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} ({what})") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}{note}; got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _at_least(1)  # a count: 0 prompts would run a study on nothing
+_nonnegative_int = _at_least(0, ", 0 for all")  # a limit where 0 means none (--top 0: every row)
+
+
+def _threads(text: str) -> str:
+    """argparse type of --threads: a whole number of at least 1, or 'auto' (``interp.set_threads`` applies it)."""
+    text = text.strip()
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1 or 'auto'; got {text!r}")
+    return text
 
 
 _DEVICES = "auto, cpu, cuda, cuda:N or mps"
@@ -61,11 +77,12 @@ def _one_line(err: BaseException) -> str:
 
 def _user_mistake(err: BaseException) -> bool:
     """What the user can fix, reported in one line: a bad command line or input (UserError and the ValueError,
-    IndexError, KeyError, TypeError and NotImplementedError our checks raise on what was given), a missing
-    package, and anything the file system refuses (a path in the way, a folder that is a file, no permission, a
-    full disk: OSError). Anything else is a bug of ours, and keeps its traceback."""
-    return isinstance(err, (UserError, ValueError, IndexError, KeyError, NotImplementedError, ModuleNotFoundError,
-                            OSError))
+    IndexError, KeyError, TypeError and NotImplementedError our checks raise on what was given, such as a score
+    that does not apply to the model), a missing package, and anything the file system refuses (a path in the way,
+    a folder that is a file, no permission, a full disk: OSError). Anything else is a bug of ours, and keeps its
+    traceback."""
+    return isinstance(err, (UserError, ValueError, IndexError, KeyError, TypeError, NotImplementedError,
+                            ModuleNotFoundError, OSError))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,7 +106,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 
 def _threads_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", default="auto", metavar="N|auto",
+    p.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
                    help="torch CPU threads (default auto: the idle cores, CPUs minus the 1-minute load average, at "
                         "least 1; on a 2-core machine with one other busy process two threads ran slower than one)")
 

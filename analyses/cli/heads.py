@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .common import _Progress, _emit, _format_option, _load, _model_options, _positive_int, _prompts
+from .common import (_Progress, _emit, _format_option, _load, _model_options, _nonnegative_int, _positive_int,
+                     _prompts)
+
+_TOP = 20  # rows of the table when --top is not given
 
 
 def add_parser(sub) -> None:
@@ -11,28 +14,79 @@ def add_parser(sub) -> None:
     _model_options(p)
     _format_option(p)
     p.add_argument("--kinds", "--scores", dest="kinds", default=None,
-                   help="comma-separated score kinds (default: all attention-pattern kinds that apply); on request also "
-                        "successor, copy_suppression, copy_suppression_behaviour, name_mover, s_inhibition, "
-                        "function_vector, retrieval")
+                   help="comma-separated scores: the attention-pattern kinds previous_token, next_token "
+                        "(bidirectional heads), self, sink, duplicate_token, induction, positional and an "
+                        "encoder-decoder model's cross-attention kinds alignment, source_sink, source_positional "
+                        "(default: all that apply); on request also successor, copy_suppression, "
+                        "copy_suppression_behaviour, name_mover, s_inhibition, function_vector, retrieval "
+                        "(decoder-only models). The table is sorted by the first one")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
-                   help="with --scores retrieval: the longest needle-in-a-haystack prompt (default: the model's "
-                        "positions, at most 8192)")
+                   help="the length in tokens of the prompts generated for every score that has one: the "
+                        "attention-pattern scores' repeated random tokens and corpus prompts (default 64; an "
+                        "encoder-decoder model's copy-task sources, default 12) and retrieval's longest "
+                        "needle-in-a-haystack prompt (default: the model's positions, at most 8192); refused with "
+                        "--prompts unless retrieval is asked for, and with only taxonomy scores")
     p.add_argument("--n-prompts", type=_positive_int, default=100)
+    p.add_argument("--top", type=_nonnegative_int, default=None, metavar="N",
+                   help=f"the N heads with the highest score (the first of --scores; without --scores, labelled "
+                        f"heads first, the most specific class first, each by its score); 0 shows all. Default: "
+                        f"{_TOP} in the table; csv and json keep every head in site order unless --top is given")
     p.set_defaults(func=cmd_heads)
 
 
 def cmd_heads(args) -> int:
+    from interp.progress import progress_lines_off_a_terminal
+
     from ..heads import detect_heads
 
-    with _Progress(["load", "heads"]) as progress:
+    kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
+    with _Progress(["load", "heads"]) as progress, progress_lines_off_a_terminal():
         progress("load")
         model = _load(args)
-        kinds = args.kinds.split(",") if args.kinds else None
         progress("heads")
         df = detect_heads(model, kinds=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
                           context=args.context)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]
-    _emit(df, args.format)
+    df, by = _labels_first(df), None
+    top = _TOP if args.top is None and args.format == "table" else args.top
+    if top is not None:
+        df, by = _ranked(df, kinds)
+    shown = df if not top else df.head(top)
+    _emit(shown, args.format)
+    if args.format == "table" and len(shown) < len(df):
+        print(f"# {len(df) - len(shown)} more heads not shown (sorted by {by}); --top 0 shows all")
     return 0
+
+
+def _labels_first(df):
+    """The head columns, then ``label`` and ``labels``, then the scores."""
+    from interp.sites import FRONT
+
+    first = [c for c in (*FRONT, "label", "labels") if c in df]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def _score_column(kind: str) -> str:
+    return f"{kind}_fraction" if kind.endswith("positional") else kind
+
+
+def _ranked(df, kinds: list[str] | None):
+    """The rows sorted for reading, and what they are sorted by: by the first score asked for, highest first (NaN
+    last); with no score asked for, labelled heads first, the most specific class first (``LABEL_ORDER``, then the
+    cross-attention classes), each by its score."""
+    import pandas as pd
+
+    from ..labels import CROSS_KINDS, LABEL_ORDER
+
+    if kinds and _score_column(kinds[0]) in df:
+        column = _score_column(kinds[0])
+        return df.sort_values(column, ascending=False, na_position="last", kind="stable"), column
+    order = {k: i for i, k in enumerate((*LABEL_ORDER, *CROSS_KINDS))}
+    rank = df["label"].map(lambda label: order.get(label, len(order)))
+    score = [row[_score_column(label)] if label in order else float("nan")
+             for label, (_, row) in zip(df["label"], df.iterrows())]
+    key = pd.DataFrame({"rank": rank.to_numpy(), "score": pd.to_numeric(pd.Series(score), errors="coerce")})
+    key = key.sort_values(["rank", "score"], ascending=[True, False], na_position="last", kind="stable")
+    return df.iloc[key.index.to_numpy()], "label, then its score"
