@@ -21,6 +21,7 @@ from interp.sites import is_layered, with_head_columns
 from .corpus import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
                      prompt_ids, repeated_random_tokens)
 from .labels import choose_scores, head_labels, label_heads, resolve_thresholds
+from .taxonomy_base import check_n_bootstrap
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, order_columns,
                      weights_from_pattern, weights_from_qk)
 
@@ -83,7 +84,8 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
     """
     if scores is not None and kinds is not None:
         raise ValueError("Give scores= or kinds= (the same argument under two names), not both.")
-    for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size), ("n_bootstrap", n_bootstrap),
+    check_n_bootstrap(n_bootstrap)
+    for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size),
                         ("context", 1 if context is None else context)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer; got {value!r}.")
