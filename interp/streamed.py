@@ -39,7 +39,7 @@ __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 
 CONFIG_KEY = "interp_streaming_heads"
 _PLAN = "_interp_stream_plan"  # on the HF model: (each layer's sliding window, per layer
-                               # (kv_full, kv_stream) or None, sink, window)
+                               # (kv_full, kv_stream) or None, sink, window, the block a cache checks)
 _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin method that builds generate's cache
 
 
@@ -97,17 +97,17 @@ def _attach(model) -> None:
         return
     pairs = _check(model, record["heads"], record["sink"], record["window"])
     sink, window, cfg = record["sink"], record["window"], model.cfg
-    plan = []
+    block, plan = (sink, window, tuple(pairs)), []
     for l, module in enumerate(model._attn_modules):
         heads = tuple(h for ll, h in pairs if ll == l)
         if not heads:
             module.__dict__.pop(STREAM_ATTR, None)
             plan.append(None)
             continue
-        spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window)
+        spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window, block)
         module.__dict__[STREAM_ATTR] = spec
         plan.append((spec.kv_full, spec.kv_stream) if spec.kv_stream else None)
-    model.hf.__dict__[_PLAN] = (layer_windows(model), plan, sink, window)  # streaming_cache's arguments
+    model.hf.__dict__[_PLAN] = (layer_windows(model), plan, sink, window, block)  # streaming_cache's arguments
     model.hf.__dict__[_PREPARE] = types.MethodType(_prepare_cache_for_generation, model.hf)
 
 

@@ -16,6 +16,8 @@ keep, for every key/value head all of whose query heads stream (grouped-query at
 several query heads), only the sink and the last ``window`` entries; the other key/value heads keep everything.
 Its ``update`` returns a ``SplitKV`` (not a tensor), which only our attention understands: use it with
 ``model.hf.generate`` or forward calls inside the same ``with`` block, without attention hooks and without padding.
+It knows the sink, window and heads it was made for and refuses (ValueError) to be read under others or after the
+block has closed: it no longer holds the keys those would read.
 """
 
 from __future__ import annotations
@@ -29,12 +31,11 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kernels import fused_attention
 from .sites import check_heads
-from .streaming_cache import SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
+from .streaming_cache import STREAM_ATTR, SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
            "streaming_kv_bytes", "streamable_heads"]
 
-STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
 
 
@@ -120,6 +121,7 @@ class _LayerStream:
     n_kv_heads: int
     sink: int
     window: int
+    block: tuple | None = None  # the whole streaming: (sink, window, ((layer, head), ...)), a cache's check
 
     def __post_init__(self):
         group = self.n_heads // self.n_kv_heads
@@ -298,7 +300,8 @@ class Streaming:
         ``past_key_values=``: ``interp.cache_kwarg(model.hf)``), inside this block only."""
         kv = [(s.kv_full, s.kv_stream) if s is not None and s.kv_stream else None
               for s in map(self._layers.get, range(self.model.cfg.n_layers))]
-        return streaming_cache(layer_windows(self.model), kv, self.sink, self.window)
+        return streaming_cache(layer_windows(self.model), kv, self.sink, self.window,
+                               (self.sink, self.window, tuple(self.heads)), self.model._attn_modules)
 
 
 def layer_windows(model) -> list[int | None]:
@@ -306,17 +309,20 @@ def layer_windows(model) -> list[int | None]:
     return [model.structure.layer_attn[l].window[0] for l in range(model.cfg.n_layers)]
 
 
-def streaming_cache(windows: list, kv: list, sink: int, window: int) -> StreamingCache:
+def streaming_cache(windows: list, kv: list, sink: int, window: int, block: tuple | None = None,
+                    modules=None) -> StreamingCache:
     """An empty cache whose layer ``l`` keeps sink + window entries of its streaming key/value heads (``kv[l]``:
     ``(kv_full, kv_stream)``, or None where no key/value head streams); a layer with nothing streaming keeps every
-    key, or its sliding window ``windows[l]`` where it has one, as HF's own cache does (Gemma 3's local layers)."""
+    key, or its sliding window ``windows[l]`` where it has one, as HF's own cache does (Gemma 3's local layers).
+    ``block``: the streaming it is for, ``(sink, window, ((layer, head), ...))``; ``modules``: the attention modules
+    whose streaming each update checks against it (``StreamingCache``)."""
     layers = []
     for left, split in zip(windows, kv):
         if split is not None:
-            layers.append(StreamingLayer(*split, sink, window))
+            layers.append(StreamingLayer(*split, sink, window, block))
         else:
             layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
-    return StreamingCache(layers)
+    return StreamingCache(layers, block, modules)
 
 
 @contextmanager
@@ -333,9 +339,10 @@ def stream_heads(model, heads, sink: int = 4, window: int = 256):
                            "by interp.stream_model); nesting is not supported: give all the heads to one block, or "
                            "open it on the model before stream_model.")
     layers: dict[int, _LayerStream] = {}
+    block = (sink, window, tuple(pairs))
     for l in sorted({l for l, _ in pairs}):
         layers[l] = _LayerStream(tuple(h for ll, h in pairs if ll == l), model.cfg.heads_per_layer[l],
-                                 model.cfg.kv_heads_per_layer[l], sink, window)
+                                 model.cfg.kv_heads_per_layer[l], sink, window, block)
     try:
         for l, spec in layers.items():
             modules[l].__dict__[STREAM_ATTR] = spec

@@ -368,3 +368,42 @@ def test_right_padding_is_refused_clearly():
     ids, mask = padded_batch(False, lengths=(8, 5))  # right padding
     with interp.stream_heads(model, [(0, 0)]), pytest.raises(ValueError, match="pad on the left"):
         model(ids, mask)
+
+
+# -- a cache is read only under the streaming it was made for (issue 35) ----------------------------------------
+def test_a_streaming_cache_refuses_other_heads_sink_or_window_and_a_closed_block():
+    """Filled under one sink/window and read under another, a cache gave logits off by 4.4 with no error; after its
+    block closed, an AttributeError on SplitKV. Now both are a ValueError naming what the cache was made for, raised
+    before the cache stores anything; under its own streaming (the same block reopened) it still equals the masked
+    model."""
+    model = interp.load_model(_sharp("llama"), attn="eager")
+    ids = torch.randint(1, 99, (1, 40), generator=torch.Generator().manual_seed(0))
+    heads = [(0, 0), (0, 1), (1, 2), (1, 3)]
+    with torch.no_grad():
+        with interp.stream_heads(model, heads, 2, 3) as s:
+            cache = s.new_cache()
+            model(ids[:, :30], **_kv(model, cache), use_cache=True)
+            masked = model(ids).logits[:, 30:]
+        for other, what in [((heads, 4, 8), "sink 4, window 8"), ((heads[:3], 2, 3), "heads 0.0, 0.1, 1.2 with")]:
+            refused = pytest.raises(ValueError, match=f"made for .*now runs with .*{what}")
+            with interp.stream_heads(model, *other), refused:
+                model(ids[:, 30:], **_kv(model, cache), use_cache=True)
+        with pytest.raises(ValueError, match="block that made the cache has closed"):
+            model(ids[:, 30:], **_kv(model, cache), use_cache=True)
+        assert cache.get_seq_length() == 30  # nothing was stored by the refused calls
+        with interp.stream_heads(model, heads, 2, 3):
+            continued = model(ids[:, 30:], **_kv(model, cache), use_cache=True).logits
+    torch.testing.assert_close(continued, masked, atol=1e-5, rtol=0)
+
+
+def test_a_streaming_cache_on_another_model_is_refused_by_the_attention():
+    """A cache whose own check cannot see the model reading it (made for one model, read by a copy without streaming
+    heads) is refused by our attention instead of an AttributeError."""
+    model = interp.load_model(_sharp("llama"), attn="flash")
+    other = interp.load_model(_sharp("llama"), attn="flash")
+    ids = torch.randint(1, 99, (1, 20), generator=torch.Generator().manual_seed(0))
+    with interp.stream_heads(model, [(0, 0), (0, 1)], 2, 3) as s, torch.no_grad():
+        cache = s.new_cache()
+        model(ids, **_kv(model, cache), use_cache=True)
+        with pytest.raises(ValueError, match="layer 0 now runs with no streaming head"):
+            other(ids, **_kv(other, cache), use_cache=True)
