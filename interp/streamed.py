@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from transformers.cache_utils import DynamicCache
 
@@ -33,7 +33,7 @@ from . import model as _model
 from .attention import attached_layer_hooks
 from .pruning import CONFIG_KEY as PRUNED_KEY
 from .pruning import kept_heads, plan_layer
-from .streaming import STREAM_ATTR, _check, _LayerStream, layer_windows, streaming_cache
+from .streaming import STREAM_ATTR, _check, _is_int, _LayerStream, layer_windows, streaming_cache
 
 __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 
@@ -44,45 +44,60 @@ _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin meth
 
 
 # -- the record ----------------------------------------------------------------------------------------------
-def _layouts(model) -> dict[int, tuple[int, ...]]:
-    """Each layer's query heads in original numbering, in the module's order now (a placeholder head: ())."""
+def _layouts(model) -> tuple[dict[int, tuple[int, ...]], int | None]:
+    """(each layer's query heads in original numbering, in the module's order now (a placeholder head: ()); the
+    unpruned model's heads per layer, None where each layer has its own count as now)."""
     config = model.hf.config
     if not getattr(config, PRUNED_KEY, None):
-        return {l: tuple(range(n)) for l, n in enumerate(model.cfg.heads_per_layer)}
+        return {l: tuple(range(n)) for l, n in enumerate(model.cfg.heads_per_layer)}, None
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     out = {}
     for layer, kept in kept_heads(config).items():
         plan = plan_layer(n_heads, n_kv, kept)
         out[layer] = () if plan.placeholder else plan.q
-    return out
+    return out, n_heads
 
 
 def streaming_record(model) -> dict | None:
     """The model's permanent streaming heads ``{"sink", "window", "heads": [(layer, head), ...]}`` in its own head
-    numbering, or None for a model that ``stream_model`` did not make."""
+    numbering, or None for a model that ``stream_model`` did not make. A record that does not describe this model
+    (a layer or head it does not have, a number that is not a whole one) is a ValueError naming the field, the
+    value and the valid range; a head that pruning removed simply no longer streams."""
     record = getattr(model.hf.config, CONFIG_KEY, None)
     if not record:
         return None
+    where = f"config.{CONFIG_KEY}"
     if not isinstance(record, Mapping) or set(record) != {"sink", "window", "heads"} or not isinstance(
             record["heads"], Mapping):
-        raise ValueError(f"config.{CONFIG_KEY} must be {{'sink': int, 'window': int, 'heads': {{layer: [heads]}}}} "
+        raise ValueError(f"{where} must be {{'sink': int, 'window': int, 'heads': {{layer: [heads]}}}} "
                          f"(written by interp.stream_model); got {record!r}.")
-    layouts = _layouts(model)
+    for name, least in (("sink", 0), ("window", 1)):
+        if not _is_int(record[name]) or record[name] < least:
+            raise ValueError(f"{where}['{name}'] must be a whole number >= {least} (keys); got {record[name]!r}. "
+                             "Fix the model's config.json (interp.stream_model writes it).")
+    layouts, n_original = _layouts(model)
     pairs = []
     for layer, heads in record["heads"].items():  # JSON turns the int keys into strings
-        try:
-            layer = int(layer)
-        except ValueError:
-            raise ValueError(f"config.{CONFIG_KEY} names layer {layer!r}; layers are integers.") from None
-        if layer not in layouts:
-            raise ValueError(f"config.{CONFIG_KEY} names layer {layer}; layers run 0..{len(layouts) - 1}.")
+        number = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        if not _is_int(number) or number not in layouts:
+            raise ValueError(f"{where}['heads'] names layer {layer!r}; this model's layers are 0..{len(layouts) - 1}. "
+                             "Fix the model's config.json (interp.stream_model writes it).")
+        layer = int(number)
+        n = len(layouts[layer]) if n_original is None else n_original
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
+            raise ValueError(f"{where}['heads'][{layer}] must be a list of head numbers; got {heads!r}.")
+        for h in heads:
+            if not _is_int(h) or not 0 <= h < n:
+                raise ValueError(f"{where}['heads'][{layer}] names head {h!r}; heads are whole numbers 0..{n - 1}"
+                                 f"{' (numbered as in the unpruned model)' if n_original is not None else ''}. Fix "
+                                 "the model's config.json (interp.stream_model writes it).")
         pairs += [(layer, layouts[layer].index(int(h))) for h in heads if int(h) in layouts[layer]]
     return {"sink": record["sink"], "window": record["window"], "heads": sorted(pairs)}
 
 
 def _record(model, pairs, sink, window) -> dict:
-    layouts = _layouts(model)
+    layouts, _ = _layouts(model)
     heads: dict[int, list[int]] = {}
     for l, h in pairs:
         heads.setdefault(l, []).append(int(layouts[l][h]))
