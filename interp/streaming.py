@@ -287,6 +287,18 @@ def streamable_heads(model) -> list[tuple[int, int]]:
             for h in range(model.cfg.heads_per_layer[l])]
 
 
+def check_streamable(model, what: str, fix: str = "Use a model with full-attention layers (e.g. Llama, Qwen2, or "
+                     "Gemma 3, whose global layers stream).") -> list[tuple[int, int]]:
+    """``streamable_heads(model)``, or a ValueError saying why ``what`` has no head to stream on this model."""
+    heads = streamable_heads(model)
+    if not heads:
+        has = sorted({f"a sliding window of {a.window[0] + 1} keys" if a.window[0] is not None else "sink logits"
+                      for a in model.structure.layer_attn})
+        raise ValueError(f"{what}: no head of this {model.hf.config.model_type} model can stream: every layer already "
+                         f"has {' or '.join(has)}, and streaming is for layers with full attention. {fix}")
+    return heads
+
+
 class Streaming:
     """What ``stream_heads`` yields: ``heads``, ``sink``, ``window``, ``kv_heads`` (the key/value heads whose query
     heads all stream: the ones a ``new_cache()`` shrinks) and ``new_cache()``."""

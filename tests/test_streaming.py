@@ -16,7 +16,7 @@ from conftest import padded_batch, tiny_hf
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 import interp
-from interp.streaming import STREAM_ATTR, StreamingLayer, streaming_attention
+from interp.streaming import STREAM_ATTR, StreamingLayer, streamable_heads, streaming_attention
 
 TOL = {"eager": 0.0, "flash": 1e-5}
 SINK, WINDOW = 2, 5
@@ -407,3 +407,19 @@ def test_a_streaming_cache_on_another_model_is_refused_by_the_attention():
         model(ids, **_kv(model, cache), use_cache=True)
         with pytest.raises(ValueError, match="layer 0 now runs with no streaming head"):
             other(ids, **_kv(other, cache), use_cache=True)
+
+
+def test_a_model_without_a_full_attention_layer_has_no_head_to_stream():
+    """Mistral with a sliding window on every layer (as Phi-3, Starcoder2, GPT-OSS): streaming_curve and the report's
+    streaming section raised ZeroDivisionError; now a ValueError that says no head can stream, and why."""
+    import analyses
+    from analyses.views.report_streaming import check_streaming
+
+    model = interp.load_model(tiny_hf("mistral", sliding_window=4), attn="eager")
+    assert streamable_heads(model) == []
+    ids = torch.randint(1, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="streaming_curve: no head of this mistral model can stream: every layer "
+                                         "already has a sliding window of 4 keys"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, window=4)
+    with pytest.raises(ValueError, match="streaming section: no head .* Leave out streaming=True"):
+        check_streaming(model)

@@ -69,6 +69,7 @@ def cmd_stream(args) -> int:
     import pandas as pd
 
     from interp import distributed, stream_model
+    from interp.streaming import check_streamable
     from interp.files import staged_folder
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
@@ -79,6 +80,7 @@ def cmd_stream(args) -> int:
         progress("load")
         model = _load(args)
         _refuse_seq2seq(model, "interp stream", "streaming heads keep a causal decoder's sinks and recent past.")
+        check_streamable(model, "interp stream")
         prompts = _prompts(args, model)
         tokens = args.tokens or min(model.cfg.max_positions or 1024, 1024)
         if prompts is not None:
