@@ -35,3 +35,22 @@ def test_a_model_without_a_full_attention_layer_is_one_line(capsys, tmp_path, ve
     code, _, err = run(capsys, *argv, "--model", str(folder), "--out", str(tmp_path / "out"))
     _one_line(code, err, "no head of this mistral model can stream: every layer already has a sliding window")
     assert not (tmp_path / "out").exists()
+
+
+def test_context_without_a_retrieval_order_is_refused(capsys, tmp_path):
+    """`interp stream --context` was ignored unless the retrieval order ran: now refused in one line."""
+    code, _, err = run(capsys, "stream", "--order", "random,gates", "--context", "64", "--out", str(tmp_path / "o"))
+    _one_line(code, err, "--context sets the length of the retrieval order's needle prompts, and --order random,gates "
+                         "has no retrieval order")
+
+
+def test_context_sets_the_retrieval_orders_prompts(capsys, tmp_path, monkeypatch):
+    import analyses.retrieval as retrieval
+
+    seen, original = [], retrieval.retrieval_heads
+    monkeypatch.setattr(retrieval, "retrieval_heads", lambda model, **kw: seen.append(kw["context"]) or original(
+        model, **kw))
+    code, _, err = run(capsys, "stream", "--order", "retrieval", "--context", "48", "--tokens", "64", "--window", "8",
+                       "--step", "0.5", "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert seen == [48]

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
                    "DuoAttention-style gates (default 100)")
     p.add_argument("--seeds", type=_positive_int, default=3, help="random orders: how many seeds (default 3)")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
-                   help="retrieval order: the longest needle-in-a-haystack prompt (default --tokens)")
+                   help="retrieval order only: the longest needle-in-a-haystack prompt (default --tokens); the "
+                        "gates order fits on passkey prompts of 2 x (--sink + --window) tokens")
     p.add_argument("--out", type=Path, required=True, help="folder for streaming_curve.csv and streaming_curve.png")
     p.add_argument("--save", type=Path, default=None, help="folder to save a streaming model to (interp.stream_model)")
     p.add_argument("--fraction", type=float, default=None, help="with --save: share of heads that stream, taken "
@@ -46,6 +47,9 @@ def _check_args(args) -> list[str]:
     unknown = [o for o in orders if o not in ORDERS]
     if unknown or not orders:
         raise UserError(f"--order takes {', '.join(ORDERS)} (comma-separated); got {args.order!r}")
+    if args.context is not None and "retrieval" not in orders:
+        raise UserError(f"--context sets the length of the retrieval order's needle prompts, and --order "
+                        f"{args.order} has no retrieval order; drop --context, or add retrieval to --order")
     if args.sink < 0:
         raise UserError(f"--sink is a number of keys, at least 0; got {args.sink}")
     if not 0 < args.step <= 1:
