@@ -59,7 +59,9 @@ def _check_args(args) -> list[str]:
             raise UserError("--save needs --fraction: the share of heads that stream, e.g. 0.5")
         if not 0 < args.fraction <= 1:
             raise UserError(f"--fraction is a share of the heads in (0, 1]; got {args.fraction}")
-        _check_out(args.save, args.force)
+        from interp.model_files import check_model_folder
+
+        check_model_folder(args.save, args.force)  # --force replaces only what interp wrote there
     elif args.fraction is not None:
         raise UserError("--fraction goes with --save DIR (where the streaming model is written)")
     _check_out(args.out, args.force)
@@ -74,7 +76,7 @@ def cmd_stream(args) -> int:
 
     from interp import distributed, stream_model
     from interp.streaming import check_streamable
-    from interp.files import staged_folder
+    from interp.model_files import save_model
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
     from ..views.report import study_inputs
@@ -133,8 +135,7 @@ def cmd_stream(args) -> int:
         heads = streaming_order(model, inputs, metric, ranked[orders[0]], seed=args.seed)
         heads = heads[:round(args.fraction * len(heads))]
         streamed = stream_model(model, heads, sink=args.sink, window=args.window)
-        with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
-            streamed.save_pretrained(staging)
+        save_model(streamed, _rank_zero_path(args.save), overwrite=args.force)  # whole, or not at all
         if distributed.rank_zero():
             named = ", ".join(f"{l}.{h}" for l, h in heads[:12]) + (", ..." if len(heads) > 12 else "")
             print(f"saved a model whose {len(heads)} heads ({named}) stream "
