@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 
 from transformers.cache_utils import DynamicCache
@@ -34,6 +35,7 @@ from .attention import attached_layer_hooks
 from .pruning import CONFIG_KEY as PRUNED_KEY
 from .pruning import kept_heads, plan_layer
 from .streaming import STREAM_ATTR, _check, _is_int, _LayerStream, layer_windows, streaming_cache
+from .streaming_cache import KVHeadsNote, kv_note
 
 __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 
@@ -165,7 +167,9 @@ def stream_model(model, heads, sink: int = 4, window: int = 256):
     ``generate``: what ``stream_heads(model, heads, sink, window)`` computes, made permanent. The original is
     untouched. Save with ``streamed.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the heads in ``interp_streaming_heads``). Prune it (``analyses.prune_model``) and the remaining streaming
-    heads keep streaming; stream a pruned model and its heads are numbered as it numbers them."""
+    heads keep streaming; stream a pruned model and its heads are numbered as it numbers them. Like
+    ``stream_heads``, a ``KVHeadsNote`` warning says how many key/value heads really shrink where some heads share
+    theirs with heads that do not stream."""
     pairs = _check(model, heads, sink, window)
     if getattr(model.hf.config, CONFIG_KEY, None):
         raise ValueError(f"This model already streams heads ({streaming_record(model)['heads'][:4]}...): stream_model "
@@ -189,6 +193,9 @@ def stream_model(model, heads, sink: int = 4, window: int = 256):
                 setattr(module, name, type(table)())
     setattr(hf.config, CONFIG_KEY, _record(model, pairs, sink, window))
     streamed = _model.HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)  # attaches from the record
+    note = kv_note(pairs, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+    if note:
+        warnings.warn(note, KVHeadsNote, stacklevel=2)
     if hasattr(model, "source_name"):
         streamed.source_name = model.source_name
     return streamed

@@ -23,6 +23,7 @@ block has closed: it no longer holds the keys those would read.
 from __future__ import annotations
 
 import numbers
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,10 +32,10 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kernels import fused_attention
 from .sites import check_heads
-from .streaming_cache import STREAM_ATTR, SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
+from .streaming_cache import STREAM_ATTR, KVHeadsNote, SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes, kv_note
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
-           "streaming_kv_bytes", "streamable_heads"]
+           "streaming_kv_bytes", "streamable_heads", "KVHeadsNote"]
 
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
 
@@ -341,8 +342,13 @@ def streaming_cache(windows: list, kv: list, sink: int, window: int, block: tupl
 def stream_heads(model, heads, sink: int = 4, window: int = 256):
     """Inside the block, ``heads`` ((layer, head) pairs; an empty list streams nothing) attend only to the first
     ``sink`` and the last ``window`` keys up to and including each query (positions count real tokens). Yields a
-    ``Streaming``; everything is as before on exit, also after an exception."""
+    ``Streaming``; everything is as before on exit, also after an exception. Where some of the heads share their
+    key/value head with heads that do not stream (grouped-query attention), a ``KVHeadsNote`` warning says how many
+    key/value heads really shrink in a ``new_cache()``."""
     pairs = _check(model, heads, sink, window)
+    note = kv_note(pairs, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+    if note:
+        warnings.warn(note, KVHeadsNote, stacklevel=3)  # the caller's `with` line (this generator, contextlib, it)
     model._check_attached()
     modules = model._attn_modules
     busy = [l for l, m in enumerate(modules) if STREAM_ATTR in m.__dict__]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "kv_cache_bytes", "cache_kwarg", "output_cache"]
+__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "KVHeadsNote", "kv_cache_bytes", "cache_kwarg",
+           "output_cache"]
 
 STREAM_ATTR = "_interp_stream"  # an attention module's streaming spec (interp.streaming._LayerStream) while it streams
 
@@ -160,6 +161,35 @@ class StreamingCache(DynamicCache):
                 if module is not None:
                     check_reader(self._expected[l], getattr(spec, "block", None), l)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KVHeadsNote(UserWarning):
+    """Some streaming query heads share their key/value head with heads that do not stream: that key/value head's
+    cache keeps every key (``stream_heads`` and ``stream_model`` say how many key/value heads really shrink)."""
+
+
+def kv_note(pairs, heads_per_layer, kv_heads_per_layer) -> str | None:
+    """One line where streaming the query heads ``pairs`` ((layer, head)) leaves key/value heads that some of them
+    read holding every key (grouped-query attention: a key/value head keeps only sink + window entries when all its
+    query heads stream); None where every key/value head they read shrinks."""
+    shrink = keep = 0
+    groups = set()
+    for l in sorted({l for l, _ in pairs}):
+        group = heads_per_layer[l] // kv_heads_per_layer[l]
+        chosen = {h for ll, h in pairs if ll == l}
+        groups.add(group)
+        for g in sorted({h // group for h in chosen}):
+            if all(q in chosen for q in range(g * group, (g + 1) * group)):
+                shrink += 1
+            else:
+                keep += 1
+    if not keep:
+        return None
+    per = f" (here {groups.pop()})" if len(groups) == 1 else ""
+    return (f"Streaming these {len(pairs)} query heads shrinks the cache of {shrink} of the model's "
+            f"{sum(kv_heads_per_layer)} key/value heads: a key/value head keeps only sink + window entries when all "
+            f"its query heads{per} stream, and {keep} that they read also serve heads that do not stream, so they "
+            "keep every key (Streaming.kv_heads lists those that shrink).")
 
 
 def kv_cache_bytes(cache) -> int:

@@ -19,6 +19,9 @@ from interp.streamed import CONFIG_KEY, streaming_record
 from interp.streaming import STREAM_ATTR
 from interp.streaming_cache import StreamingCache, StreamingLayer
 
+# most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
+
 
 @pytest.fixture(scope="module")
 def batch():

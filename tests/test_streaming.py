@@ -18,6 +18,8 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 import interp
 from interp.streaming import STREAM_ATTR, StreamingLayer, streamable_heads, streaming_attention
 
+# most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
 TOL = {"eager": 0.0, "flash": 1e-5}
 SINK, WINDOW = 2, 5
 
@@ -423,3 +425,31 @@ def test_a_model_without_a_full_attention_layer_has_no_head_to_stream():
         analyses.streaming_curve(model, ids, analyses.lm_loss, window=4)
     with pytest.raises(ValueError, match="streaming section: no head .* Leave out streaming=True"):
         check_streaming(model)
+
+
+def test_a_note_says_how_many_key_value_heads_really_shrink():
+    """Streaming half of SmolLM2's query heads shrank its cache only to 0.82x, said only in the docs: a key/value head
+    shrinks only when all its query heads stream. stream_heads and stream_model now say how many do (KVHeadsNote),
+    where some streaming heads share their key/value head with heads that do not stream; streaming_curve, whose
+    table counts them, stays quiet."""
+    import warnings
+
+    import analyses
+    from interp.streaming import KVHeadsNote
+
+    model = interp.load_model(tiny_hf("llama"), attn="eager")  # 2 layers of 4 query heads on 2 key/value heads
+    note = (r"Streaming these 3 query heads shrinks the cache of 1 of the model's 4 key/value heads: a key/value head "
+            r"keeps only sink \+ window entries when all its query heads \(here 2\) stream, and 1 that they read also "
+            r"serve heads that do not stream")
+    with pytest.warns(KVHeadsNote, match=note) as caught, interp.stream_heads(model, HEADS) as s:
+        assert s.kv_heads == [(0, 0)]
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    with pytest.warns(KVHeadsNote, match=note):
+        interp.stream_model(model, HEADS)
+    ids = torch.randint(1, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVHeadsNote)
+        with interp.stream_heads(model, [(0, 0), (0, 1), (1, 2), (1, 3)]):  # whole groups: nothing to say
+            pass
+        interp.stream_model(model, [(0, 0), (0, 1)])
+        analyses.streaming_curve(model, ids, analyses.lm_loss, step=0.375, seeds=(0,), sink=1, window=4)

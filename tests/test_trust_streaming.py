@@ -157,3 +157,27 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(capsys, tmp_pat
         err = err.split("\n", 1)[1]
     _one_line(code, err, f"interp {verb}: error: No space left on device")
     assert not saved.exists() and [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+def test_stream_says_how_many_key_value_heads_really_shrink(capsys, tmp_path):
+    """On a grouped-query model (4 query heads on 2 key/value heads per layer) the table counts the key/value heads
+    whose cache shrinks, and --save says in one line how many of the saved model's do."""
+    import io
+    import re
+
+    import pandas as pd
+
+    folder = tmp_path / "llama"
+    interp.load_model(tiny_hf("llama")).save_pretrained(folder)
+    capsys.readouterr()
+    code, out, err = run(capsys, "stream", "--model", str(folder), "--tokens", "32", "--sink", "1", "--window", "4",
+                         "--order", "random", "--seeds", "1", "--step", "0.5", "--out", str(tmp_path / "out"),
+                         "--save", str(tmp_path / "saved"), "--fraction", "0.375")  # 3 of 8 heads: a group is split
+    assert code == 0, err
+    assert "kv_heads: the key/value heads (of 4) whose cache shrinks" in out.splitlines()[0]
+    table = pd.read_csv(io.StringIO("\n".join(out.splitlines()[1:])), sep=r"\s+")
+    assert table["kv_heads"].iloc[0] == 0 and table["kv_heads"].iloc[-1] == 4  # no head streaming, then all
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("saved a model whose 3 heads")
+    assert re.match(r"Streaming these 3 query heads shrinks the cache of [01] of the model's 4 key/value heads: ",
+                    lines[-1]) and "Warning" not in err

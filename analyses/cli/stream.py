@@ -4,6 +4,7 @@ a score), written as a CSV and a figure; with --save, a copy whose first --fract
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from .common import (UserError, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
@@ -75,7 +76,8 @@ def cmd_stream(args) -> int:
     import pandas as pd
 
     from interp import distributed, stream_model
-    from interp.streaming import check_streamable
+    from interp.streaming import KVHeadsNote, check_streamable
+    from interp.streaming_cache import kv_note
     from interp.model_files import save_model
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
@@ -123,9 +125,11 @@ def cmd_stream(args) -> int:
     ax.set_title(f"streaming curve: {getattr(model, 'source_name', args.model)}", fontsize=10)
     ax.figure.savefig(out / "streaming_curve.png", dpi=100)
     if args.format == "table":
-        print(f"# {metric.name} on {what}; sink {args.sink}, window {args.window}")
+        print(f"# {metric.name} on {what}; sink {args.sink}, window {args.window}; kv_heads: the key/value heads "
+              f"(of {sum(model.cfg.kv_heads_per_layer)}) whose cache shrinks, those all of whose query heads stream")
         table = df.groupby(["order", "fraction_streaming"], sort=False).agg(
-            metric=("metric", "mean"), lo=("metric", "min"), hi=("metric", "max"), kv_fraction=("kv_fraction", "mean"))
+            metric=("metric", "mean"), lo=("metric", "min"), hi=("metric", "max"),
+            kv_heads=("kv_heads_streaming", "mean"), kv_fraction=("kv_fraction", "mean"))
         _emit(table.reset_index(), "table")
     else:
         _emit(df, args.format)
@@ -134,10 +138,15 @@ def cmd_stream(args) -> int:
     if args.save is not None:
         heads = streaming_order(model, inputs, metric, ranked[orders[0]], seed=args.seed)
         heads = heads[:round(args.fraction * len(heads))]
-        streamed = stream_model(model, heads, sink=args.sink, window=args.window)
+        with warnings.catch_warnings():  # its note is printed below, in one line
+            warnings.simplefilter("ignore", KVHeadsNote)
+            streamed = stream_model(model, heads, sink=args.sink, window=args.window)
         save_model(streamed, _rank_zero_path(args.save), overwrite=args.force)  # whole, or not at all
         if distributed.rank_zero():
             named = ", ".join(f"{l}.{h}" for l, h in heads[:12]) + (", ..." if len(heads) > 12 else "")
             print(f"saved a model whose {len(heads)} heads ({named}) stream "
                   f"(sink {args.sink}, window {args.window}) to {args.save}", file=sys.stderr)
+            note = kv_note(heads, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+            if note:
+                print(note, file=sys.stderr)
     return 0
