@@ -144,7 +144,9 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing(capsys, tmp_pat
     from safetensors import SafetensorError
 
     def full(*args, **kwargs):
-        raise SafetensorError(_FULL_DISK) if error == "safetensors" else OSError(errno.ENOSPC, "No space left on device")
+        if error == "safetensors":
+            raise SafetensorError(_FULL_DISK)
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
     monkeypatch.setattr(safetensors.torch, "save_file", full)
