@@ -10,6 +10,7 @@ stream first, i.e. by ``1 - retrieval``), Michel et al.'s importance (least impo
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
 
@@ -17,7 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from interp.streaming import stream_heads, streamable_heads, streaming_kv_bytes
+from interp.streaming import KVHeadsNote, check_streamable, stream_heads, streamable_heads, streaming_kv_bytes
 
 from .ablation import Head
 from .engine import Shard, _arguments
@@ -95,13 +96,14 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     batch = batch_of(model, inputs)
     tokens = batch["input_ids"].shape[1] if kv_tokens is None else kv_tokens
     full = streaming_kv_bytes(model, [], tokens, sink, window)  # a clear error for a bad sink, window or model
-    heads = streamable_heads(model)
+    heads = check_streamable(model, "streaming_curve")
     per_step = max(1, round(step * len(heads)))
     stop = math.floor(max_fraction * len(heads) + 1e-9)
     name = column or (next((c for c in ("retrieval", "gate") if c in order), None) if isinstance(order, pd.DataFrame)
                       else None)
     rows = []
-    with model.studying():
+    with model.studying(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", KVHeadsNote)  # the table's kv_heads_streaming says it at every step
         if isinstance(order, str) and order == "random":
             if not len(seeds):
                 raise ValueError("order='random' needs at least one seed.")

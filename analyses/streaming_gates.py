@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from interp.sites import FRONT, head_columns
-from interp.streaming import stream_heads, streamable_heads
+from interp.streaming import check_streamable, stream_heads
 
 from .metrics import batch_of
 
@@ -88,10 +88,7 @@ def streaming_gates(model, inputs=None, positions=None, sink: int = 4, window: i
             raise ValueError(f"{name} must be {'an integer' if whole else 'a number'} >= {least}; got {value!r}.")
     with stream_heads(model, [], sink=sink, window=window):  # clear errors: the model, sink, window
         pass
-    heads = streamable_heads(model)  # Gemma 3: its global layers (the sliding-window layers keep a window already)
-    if not heads:
-        raise ValueError(f"streaming_gates found no layer with full attention in {model!r}: every layer already "
-                         "keeps a sliding window, so no head can stream.")
+    heads = check_streamable(model, "streaming_gates")  # Gemma 3: its global layers (the local ones keep a window)
     cfg = model.cfg
     if inputs is None:
         if tokens is None:

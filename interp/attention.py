@@ -83,7 +83,7 @@ class LayerHooks:
 # buffer: state_dict, repr and save_pretrained never see it). A global weak table keyed by module made
 # torch.compile guard on the table's changing contents.
 _HOOKS_ATTR = "_interp_hooks"
-_STREAM_ATTR = "_interp_stream"  # interp.streaming.STREAM_ATTR (not imported: streaming builds on this module)
+_STREAM_ATTR = "_interp_stream"  # interp.streaming_cache.STREAM_ATTR (not imported: streaming builds on this module)
 
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
@@ -200,7 +200,7 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     if scaling is None:
         scaling = query.size(-1) ** -0.5
     stream = module.__dict__.get(_STREAM_ATTR)  # interp.streaming: heads that see only sinks and a recent window
-    if stream is not None and not isinstance(key, torch.Tensor):
+    if not isinstance(key, torch.Tensor):  # a StreamingCache's SplitKV
         return _streaming_cached(module, stream, hooks, query, key, attention_mask, scaling, softcap), None
     if hooks is not None:
         query, key, value = _fire_qkv(hooks, query, key, value)
@@ -268,7 +268,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     _check_kwargs(kwargs)
     hooks = _active_hooks(module)
     stream = module.__dict__.get(_STREAM_ATTR)
-    if stream is not None and not isinstance(key, torch.Tensor):
+    if not isinstance(key, torch.Tensor):  # a StreamingCache's SplitKV
         return _streaming_cached(module, stream, hooks, query, key, attention_mask, scaling, softcap), None
     if hooks is not None:
         hooks.bias = position_bias
@@ -318,7 +318,13 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):
-    """Attention over a streaming cache's split keys (``interp.streaming.SplitKV``): (b, q, h, e)."""
+    """Attention over a streaming cache's split keys (``interp.streaming.SplitKV``): (b, q, h, e). The cache must
+    have been made for the streaming this module runs now (``stream``, None outside a block): else a ValueError."""
+    check = getattr(key, "check_reader", None)
+    if check is None:
+        raise TypeError(f"Attention got keys of type {type(key).__name__}; expected a tensor (or a StreamingCache's "
+                        "SplitKV).")
+    check(getattr(stream, "block", None), getattr(module, "layer_idx", "?"))
     if hooks is not None or module.training or Recording.active is not None:
         raise ValueError("A StreamingCache runs without attention hooks and in eval mode: remove the hooks (or use a "
                          "plain cache, under which the masked model computes the same).")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 
 from transformers.cache_utils import DynamicCache
 
@@ -33,56 +34,72 @@ from . import model as _model
 from .attention import attached_layer_hooks
 from .pruning import CONFIG_KEY as PRUNED_KEY
 from .pruning import kept_heads, plan_layer
-from .streaming import STREAM_ATTR, _check, _LayerStream, layer_windows, streaming_cache
+from .streaming import STREAM_ATTR, _check, _is_int, _LayerStream, layer_windows, streaming_cache
+from .streaming_cache import KVHeadsNote, kv_note
 
 __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 
 CONFIG_KEY = "interp_streaming_heads"
 _PLAN = "_interp_stream_plan"  # on the HF model: (each layer's sliding window, per layer
-                               # (kv_full, kv_stream) or None, sink, window)
+                               # (kv_full, kv_stream) or None, sink, window, the block a cache checks)
 _PREPARE = "_prepare_cache_for_generation"  # transformers' GenerationMixin method that builds generate's cache
 
 
 # -- the record ----------------------------------------------------------------------------------------------
-def _layouts(model) -> dict[int, tuple[int, ...]]:
-    """Each layer's query heads in original numbering, in the module's order now (a placeholder head: ())."""
+def _layouts(model) -> tuple[dict[int, tuple[int, ...]], int | None]:
+    """(each layer's query heads in original numbering, in the module's order now (a placeholder head: ()); the
+    unpruned model's heads per layer, None where each layer has its own count as now)."""
     config = model.hf.config
     if not getattr(config, PRUNED_KEY, None):
-        return {l: tuple(range(n)) for l, n in enumerate(model.cfg.heads_per_layer)}
+        return {l: tuple(range(n)) for l, n in enumerate(model.cfg.heads_per_layer)}, None
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     out = {}
     for layer, kept in kept_heads(config).items():
         plan = plan_layer(n_heads, n_kv, kept)
         out[layer] = () if plan.placeholder else plan.q
-    return out
+    return out, n_heads
 
 
 def streaming_record(model) -> dict | None:
     """The model's permanent streaming heads ``{"sink", "window", "heads": [(layer, head), ...]}`` in its own head
-    numbering, or None for a model that ``stream_model`` did not make."""
+    numbering, or None for a model that ``stream_model`` did not make. A record that does not describe this model
+    (a layer or head it does not have, a number that is not a whole one) is a ValueError naming the field, the
+    value and the valid range; a head that pruning removed simply no longer streams."""
     record = getattr(model.hf.config, CONFIG_KEY, None)
     if not record:
         return None
+    where = f"config.{CONFIG_KEY}"
     if not isinstance(record, Mapping) or set(record) != {"sink", "window", "heads"} or not isinstance(
             record["heads"], Mapping):
-        raise ValueError(f"config.{CONFIG_KEY} must be {{'sink': int, 'window': int, 'heads': {{layer: [heads]}}}} "
+        raise ValueError(f"{where} must be {{'sink': int, 'window': int, 'heads': {{layer: [heads]}}}} "
                          f"(written by interp.stream_model); got {record!r}.")
-    layouts = _layouts(model)
+    for name, least in (("sink", 0), ("window", 1)):
+        if not _is_int(record[name]) or record[name] < least:
+            raise ValueError(f"{where}['{name}'] must be a whole number >= {least} (keys); got {record[name]!r}. "
+                             "Fix the model's config.json (interp.stream_model writes it).")
+    layouts, n_original = _layouts(model)
     pairs = []
     for layer, heads in record["heads"].items():  # JSON turns the int keys into strings
-        try:
-            layer = int(layer)
-        except ValueError:
-            raise ValueError(f"config.{CONFIG_KEY} names layer {layer!r}; layers are integers.") from None
-        if layer not in layouts:
-            raise ValueError(f"config.{CONFIG_KEY} names layer {layer}; layers run 0..{len(layouts) - 1}.")
+        number = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        if not _is_int(number) or number not in layouts:
+            raise ValueError(f"{where}['heads'] names layer {layer!r}; this model's layers are 0..{len(layouts) - 1}. "
+                             "Fix the model's config.json (interp.stream_model writes it).")
+        layer = int(number)
+        n = len(layouts[layer]) if n_original is None else n_original
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence):
+            raise ValueError(f"{where}['heads'][{layer}] must be a list of head numbers; got {heads!r}.")
+        for h in heads:
+            if not _is_int(h) or not 0 <= h < n:
+                raise ValueError(f"{where}['heads'][{layer}] names head {h!r}; heads are whole numbers 0..{n - 1}"
+                                 f"{' (numbered as in the unpruned model)' if n_original is not None else ''}. Fix "
+                                 "the model's config.json (interp.stream_model writes it).")
         pairs += [(layer, layouts[layer].index(int(h))) for h in heads if int(h) in layouts[layer]]
     return {"sink": record["sink"], "window": record["window"], "heads": sorted(pairs)}
 
 
 def _record(model, pairs, sink, window) -> dict:
-    layouts = _layouts(model)
+    layouts, _ = _layouts(model)
     heads: dict[int, list[int]] = {}
     for l, h in pairs:
         heads.setdefault(l, []).append(int(layouts[l][h]))
@@ -97,17 +114,17 @@ def _attach(model) -> None:
         return
     pairs = _check(model, record["heads"], record["sink"], record["window"])
     sink, window, cfg = record["sink"], record["window"], model.cfg
-    plan = []
+    block, plan = (sink, window, tuple(pairs)), []
     for l, module in enumerate(model._attn_modules):
         heads = tuple(h for ll, h in pairs if ll == l)
         if not heads:
             module.__dict__.pop(STREAM_ATTR, None)
             plan.append(None)
             continue
-        spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window)
+        spec = _LayerStream(heads, cfg.heads_per_layer[l], cfg.kv_heads_per_layer[l], sink, window, block)
         module.__dict__[STREAM_ATTR] = spec
         plan.append((spec.kv_full, spec.kv_stream) if spec.kv_stream else None)
-    model.hf.__dict__[_PLAN] = (layer_windows(model), plan, sink, window)  # streaming_cache's arguments
+    model.hf.__dict__[_PLAN] = (layer_windows(model), plan, sink, window, block)  # streaming_cache's arguments
     model.hf.__dict__[_PREPARE] = types.MethodType(_prepare_cache_for_generation, model.hf)
 
 
@@ -150,7 +167,9 @@ def stream_model(model, heads, sink: int = 4, window: int = 256):
     ``generate``: what ``stream_heads(model, heads, sink, window)`` computes, made permanent. The original is
     untouched. Save with ``streamed.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the heads in ``interp_streaming_heads``). Prune it (``analyses.prune_model``) and the remaining streaming
-    heads keep streaming; stream a pruned model and its heads are numbered as it numbers them."""
+    heads keep streaming; stream a pruned model and its heads are numbered as it numbers them. Like
+    ``stream_heads``, a ``KVHeadsNote`` warning says how many key/value heads really shrink where some heads share
+    theirs with heads that do not stream."""
     pairs = _check(model, heads, sink, window)
     if getattr(model.hf.config, CONFIG_KEY, None):
         raise ValueError(f"This model already streams heads ({streaming_record(model)['heads'][:4]}...): stream_model "
@@ -174,6 +193,9 @@ def stream_model(model, heads, sink: int = 4, window: int = 256):
                 setattr(module, name, type(table)())
     setattr(hf.config, CONFIG_KEY, _record(model, pairs, sink, window))
     streamed = _model.HookedModel(hf, tokenizer=model.tokenizer, attn=model.attn)  # attaches from the record
+    note = kv_note(pairs, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+    if note:
+        warnings.warn(note, KVHeadsNote, stacklevel=2)
     if hasattr(model, "source_name"):
         streamed.source_name = model.source_name
     return streamed

@@ -16,11 +16,14 @@ keep, for every key/value head all of whose query heads stream (grouped-query at
 several query heads), only the sink and the last ``window`` entries; the other key/value heads keep everything.
 Its ``update`` returns a ``SplitKV`` (not a tensor), which only our attention understands: use it with
 ``model.hf.generate`` or forward calls inside the same ``with`` block, without attention hooks and without padding.
+It knows the sink, window and heads it was made for and refuses (ValueError) to be read under others or after the
+block has closed: it no longer holds the keys those would read.
 """
 
 from __future__ import annotations
 
 import numbers
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,12 +32,11 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .kernels import fused_attention
 from .sites import check_heads
-from .streaming_cache import SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes
+from .streaming_cache import STREAM_ATTR, KVHeadsNote, SplitKV, StreamingCache, StreamingLayer, kv_cache_bytes, kv_note
 
 __all__ = ["stream_heads", "Streaming", "StreamingCache", "SplitKV", "streaming_attention", "kv_cache_bytes",
-           "streaming_kv_bytes", "streamable_heads"]
+           "streaming_kv_bytes", "streamable_heads", "KVHeadsNote"]
 
-STREAM_ATTR = "_interp_stream"  # read by interp.attention on each attention module
 _TILE_KEYS = 1 << 22  # elements of one (b, h, tile, keys) score block in streaming_attention
 
 
@@ -120,6 +122,7 @@ class _LayerStream:
     n_kv_heads: int
     sink: int
     window: int
+    block: tuple | None = None  # the whole streaming: (sink, window, ((layer, head), ...)), a cache's check
 
     def __post_init__(self):
         group = self.n_heads // self.n_kv_heads
@@ -285,6 +288,18 @@ def streamable_heads(model) -> list[tuple[int, int]]:
             for h in range(model.cfg.heads_per_layer[l])]
 
 
+def check_streamable(model, what: str, fix: str = "Use a model with full-attention layers (e.g. Llama, Qwen2, or "
+                     "Gemma 3, whose global layers stream).") -> list[tuple[int, int]]:
+    """``streamable_heads(model)``, or a ValueError saying why ``what`` has no head to stream on this model."""
+    heads = streamable_heads(model)
+    if not heads:
+        has = sorted({f"a sliding window of {a.window[0] + 1} keys" if a.window[0] is not None else "sink logits"
+                      for a in model.structure.layer_attn})
+        raise ValueError(f"{what}: no head of this {model.hf.config.model_type} model can stream: every layer already "
+                         f"has {' or '.join(has)}, and streaming is for layers with full attention. {fix}")
+    return heads
+
+
 class Streaming:
     """What ``stream_heads`` yields: ``heads``, ``sink``, ``window``, ``kv_heads`` (the key/value heads whose query
     heads all stream: the ones a ``new_cache()`` shrinks) and ``new_cache()``."""
@@ -298,7 +313,8 @@ class Streaming:
         ``past_key_values=``: ``interp.cache_kwarg(model.hf)``), inside this block only."""
         kv = [(s.kv_full, s.kv_stream) if s is not None and s.kv_stream else None
               for s in map(self._layers.get, range(self.model.cfg.n_layers))]
-        return streaming_cache(layer_windows(self.model), kv, self.sink, self.window)
+        return streaming_cache(layer_windows(self.model), kv, self.sink, self.window,
+                               (self.sink, self.window, tuple(self.heads)), self.model._attn_modules)
 
 
 def layer_windows(model) -> list[int | None]:
@@ -306,25 +322,33 @@ def layer_windows(model) -> list[int | None]:
     return [model.structure.layer_attn[l].window[0] for l in range(model.cfg.n_layers)]
 
 
-def streaming_cache(windows: list, kv: list, sink: int, window: int) -> StreamingCache:
+def streaming_cache(windows: list, kv: list, sink: int, window: int, block: tuple | None = None,
+                    modules=None) -> StreamingCache:
     """An empty cache whose layer ``l`` keeps sink + window entries of its streaming key/value heads (``kv[l]``:
     ``(kv_full, kv_stream)``, or None where no key/value head streams); a layer with nothing streaming keeps every
-    key, or its sliding window ``windows[l]`` where it has one, as HF's own cache does (Gemma 3's local layers)."""
+    key, or its sliding window ``windows[l]`` where it has one, as HF's own cache does (Gemma 3's local layers).
+    ``block``: the streaming it is for, ``(sink, window, ((layer, head), ...))``; ``modules``: the attention modules
+    whose streaming each update checks against it (``StreamingCache``)."""
     layers = []
     for left, split in zip(windows, kv):
         if split is not None:
-            layers.append(StreamingLayer(*split, sink, window))
+            layers.append(StreamingLayer(*split, sink, window, block))
         else:
             layers.append(DynamicLayer() if left is None else DynamicSlidingWindowLayer(sliding_window=left + 1))
-    return StreamingCache(layers)
+    return StreamingCache(layers, block, modules)
 
 
 @contextmanager
 def stream_heads(model, heads, sink: int = 4, window: int = 256):
     """Inside the block, ``heads`` ((layer, head) pairs; an empty list streams nothing) attend only to the first
     ``sink`` and the last ``window`` keys up to and including each query (positions count real tokens). Yields a
-    ``Streaming``; everything is as before on exit, also after an exception."""
+    ``Streaming``; everything is as before on exit, also after an exception. Where some of the heads share their
+    key/value head with heads that do not stream (grouped-query attention), a ``KVHeadsNote`` warning says how many
+    key/value heads really shrink in a ``new_cache()``."""
     pairs = _check(model, heads, sink, window)
+    note = kv_note(pairs, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+    if note:
+        warnings.warn(note, KVHeadsNote, stacklevel=3)  # the caller's `with` line (this generator, contextlib, it)
     model._check_attached()
     modules = model._attn_modules
     busy = [l for l, m in enumerate(modules) if STREAM_ATTR in m.__dict__]
@@ -333,9 +357,10 @@ def stream_heads(model, heads, sink: int = 4, window: int = 256):
                            "by interp.stream_model); nesting is not supported: give all the heads to one block, or "
                            "open it on the model before stream_model.")
     layers: dict[int, _LayerStream] = {}
+    block = (sink, window, tuple(pairs))
     for l in sorted({l for l, _ in pairs}):
         layers[l] = _LayerStream(tuple(h for ll, h in pairs if ll == l), model.cfg.heads_per_layer[l],
-                                 model.cfg.kv_heads_per_layer[l], sink, window)
+                                 model.cfg.kv_heads_per_layer[l], sink, window, block)
     try:
         for l, spec in layers.items():
             modules[l].__dict__[STREAM_ATTR] = spec

@@ -4,17 +4,49 @@ entry of the key/value heads that some query head reads in full, and only the fi
 
 A layer's ``update`` hands the attention a ``SplitKV`` (the two parts and the ranks of the kept entries), not a
 tensor: only our attention, with the layer's streaming spec attached by ``stream_heads``, reads it.
+
+A cache holds only what the heads it was made for keep, so it knows them (its ``block``: sink, window and heads) and
+refuses to be read under any other streaming, or after its ``stream_heads`` block has closed: the model would
+then attend over keys the cache has already dropped. It checks before it stores anything, so a refused call leaves
+it as it was.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "kv_cache_bytes", "cache_kwarg", "output_cache"]
+__all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "KVHeadsNote", "kv_cache_bytes", "cache_kwarg",
+           "output_cache"]
+
+STREAM_ATTR = "_interp_stream"  # an attention module's streaming spec (interp.streaming._LayerStream) while it streams
+
+
+def _describe(block) -> str:
+    """A block ``(sink, window, ((layer, head), ...))`` in words."""
+    if block is None:
+        return "no streaming head"
+    sink, window, pairs = block
+    shown = ", ".join(f"{l}.{h}" for l, h in pairs[:8]) + (", ..." if len(pairs) > 8 else "")
+    return f"streaming heads {shown or '(none)'} with sink {sink}, window {window}"
+
+
+def check_reader(made, now, layer) -> None:
+    """Refuse to read a cache made for the streaming ``made`` (a block, or None) under ``now`` at ``layer``."""
+    if now == made:
+        return
+    if now is None:
+        now_text = "no streaming head (the stream_heads block that made the cache has closed, or this is another model)"
+    else:
+        now_text = _describe(now)
+    raise ValueError(f"This StreamingCache was made for {_describe(made)}, but layer {layer} now runs with {now_text}. "
+                     "A streaming cache holds only the keys its own heads keep, so it is read under the same heads, "
+                     "sink and window only: use it inside the stream_heads block that made it, or make a new one "
+                     "with new_cache() in this block.")
 
 
 @dataclass
@@ -29,10 +61,15 @@ class SplitKV:
     stream_v: torch.Tensor
     ranks: torch.Tensor
     seen: int
+    block: tuple | None = None  # the streaming the cache was made for: (sink, window, ((layer, head), ...))
 
     @property
     def value_dim(self) -> int:
         return self.stream_v.shape[-1]
+
+    def check_reader(self, now, layer) -> None:
+        """Refuse a module streaming ``now`` (a block, or None) at ``layer``: the cache was made for ``block``."""
+        check_reader(self.block, now, layer)
 
 
 class StreamingLayer(DynamicLayer):
@@ -41,9 +78,10 @@ class StreamingLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, kv_full, kv_stream, sink: int, window: int):
+    def __init__(self, kv_full, kv_stream, sink: int, window: int, block: tuple | None = None):
         super().__init__()
         self.kv_full, self.kv_stream, self.sink, self.window = list(kv_full), list(kv_stream), sink, window
+        self.block = block
         self.seen = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -74,7 +112,7 @@ class StreamingLayer(DynamicLayer):
             cut = lambda t: torch.cat([t[..., :head, :], t[..., -tail:, :]], dim=-2)  # noqa: E731
             self.stream_keys, self.stream_values = cut(s_k), cut(s_v)
             self.ranks = torch.cat([ranks[:head], ranks[-tail:]])
-        split = SplitKV(self.keys, self.values, s_k, s_v, ranks, self.seen)
+        split = SplitKV(self.keys, self.values, s_k, s_v, ranks, self.seen, self.block)
         return split, split
 
     def get_seq_length(self) -> int:
@@ -103,11 +141,55 @@ class StreamingLayer(DynamicLayer):
 
 
 class StreamingCache(DynamicCache):
-    """A DynamicCache whose layers with fully streaming key/value heads are ``StreamingLayer`` s."""
+    """A DynamicCache whose layers with fully streaming key/value heads are ``StreamingLayer`` s, made for the
+    streaming ``block`` ``(sink, window, ((layer, head), ...))``. Given the model's attention ``modules`` (one per
+    layer), every ``update`` first checks that they stream exactly that block, and raises a ValueError otherwise."""
 
-    def __init__(self, layers: list[DynamicLayer]):
+    def __init__(self, layers: list[DynamicLayer], block: tuple | None = None, modules=None):
         super().__init__()
         self.layers, self.layer_class_to_replicate = layers, None
+        self.block = block
+        streaming = {l for l, _ in block[2]} if block is not None else set()
+        self._expected = [block if l in streaming else None for l in range(len(layers))]
+        self._modules = None if modules is None else [weakref.ref(m) for m in modules]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._modules is not None:  # every layer, before any is updated: a refused call leaves the cache whole
+            for l, ref in enumerate(self._modules):
+                module = ref()
+                spec = None if module is None else module.__dict__.get(STREAM_ATTR)
+                if module is not None:
+                    check_reader(self._expected[l], getattr(spec, "block", None), l)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class KVHeadsNote(UserWarning):
+    """Some streaming query heads share their key/value head with heads that do not stream: that key/value head's
+    cache keeps every key (``stream_heads`` and ``stream_model`` say how many key/value heads really shrink)."""
+
+
+def kv_note(pairs, heads_per_layer, kv_heads_per_layer) -> str | None:
+    """One line where streaming the query heads ``pairs`` ((layer, head)) leaves key/value heads that some of them
+    read holding every key (grouped-query attention: a key/value head keeps only sink + window entries when all its
+    query heads stream); None where every key/value head they read shrinks."""
+    shrink = keep = 0
+    groups = set()
+    for l in sorted({l for l, _ in pairs}):
+        group = heads_per_layer[l] // kv_heads_per_layer[l]
+        chosen = {h for ll, h in pairs if ll == l}
+        groups.add(group)
+        for g in sorted({h // group for h in chosen}):
+            if all(q in chosen for q in range(g * group, (g + 1) * group)):
+                shrink += 1
+            else:
+                keep += 1
+    if not keep:
+        return None
+    per = f" (here {groups.pop()})" if len(groups) == 1 else ""
+    return (f"Streaming these {len(pairs)} query heads shrinks the cache of {shrink} of the model's "
+            f"{sum(kv_heads_per_layer)} key/value heads: a key/value head keeps only sink + window entries when all "
+            f"its query heads{per} stream, and {keep} that they read also serve heads that do not stream, so they "
+            "keep every key (Streaming.kv_heads lists those that shrink).")
 
 
 def kv_cache_bytes(cache) -> int:

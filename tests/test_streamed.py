@@ -19,6 +19,9 @@ from interp.streamed import CONFIG_KEY, streaming_record
 from interp.streaming import STREAM_ATTR
 from interp.streaming_cache import StreamingCache, StreamingLayer
 
+# most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
+
 
 @pytest.fixture(scope="module")
 def batch():
@@ -155,3 +158,48 @@ def test_a_bad_record_in_a_folder_is_refused_clearly(tmp_path):
     streamed.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="interp_streaming_heads must be"):
         interp.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("heads, match", [
+    ({"0": [99]}, r"\['heads'\]\[0\] names head 99; heads are whole numbers 0..3"),
+    ({"0": [-1]}, r"names head -1; heads are whole numbers 0..3"),
+    ({"0": [True]}, r"names head True; heads are whole numbers 0..3"),
+    ({"0": [1.7]}, r"names head 1.7; heads are whole numbers 0..3"),
+    ({"0": ["a"]}, r"names head 'a'; heads are whole numbers 0..3"),
+    ({"0": 1}, r"\['heads'\]\[0\] must be a list of head numbers; got 1"),
+    ({"2": [0]}, r"names layer '2'; this model's layers are 0..1"),
+    ({"-1": [0]}, r"names layer '-1'; this model's layers are 0..1"),
+    ({"x": [0]}, r"names layer 'x'; this model's layers are 0..1"),
+])
+def test_a_record_that_does_not_describe_the_model_is_refused(tmp_path, heads, match):
+    """A record naming head 99, -1 or true loaded and quietly dropped the head, 1.7 became head 1, 'a' gave a raw
+    error: each is now a ValueError naming the field, the value and the valid range."""
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    streamed = interp.stream_model(model, [(0, 0)])
+    streamed.hf.config.interp_streaming_heads = {"sink": 4, "window": 8, "heads": heads}
+    streamed.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        interp.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, match", [("sink", -1, r"\['sink'\] must be a whole number >= 0"),
+                                                 ("window", 2.5, r"\['window'\] must be a whole number >= 1"),
+                                                 ("window", True, r"\['window'\] must be a whole number >= 1")])
+def test_a_record_with_a_bad_sink_or_window_names_the_field(tmp_path, field, value, match):
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    streamed = interp.stream_model(model, [(0, 0)])
+    streamed.hf.config.interp_streaming_heads = {"sink": 4, "window": 8, "heads": {"0": [0]}} | {field: value}
+    streamed.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        interp.load_model(tmp_path)
+
+
+def test_a_record_of_a_pruned_model_counts_heads_as_the_unpruned_model(tmp_path):
+    """Heads are numbered as in the unpruned model: one that pruning removed no longer streams, one beyond the
+    unpruned model's count is refused."""
+    model = interp.load_model(tiny_hf("llama"), attn="eager")
+    pruned = prune_model(interp.stream_model(model, [(0, 0), (0, 3)]), [(0, 0), (0, 1)])
+    assert streaming_record(pruned)["heads"] == [(0, 1)]  # original head 3 is now head 1; head 0 went
+    pruned.hf.config.interp_streaming_heads["heads"] = {0: [0, 4]}
+    with pytest.raises(ValueError, match=r"names head 4; heads are whole numbers 0..3 \(numbered as in the unpruned"):
+        streaming_record(pruned)

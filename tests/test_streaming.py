@@ -16,8 +16,10 @@ from conftest import padded_batch, tiny_hf
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 import interp
-from interp.streaming import STREAM_ATTR, StreamingLayer, streaming_attention
+from interp.streaming import STREAM_ATTR, StreamingLayer, streamable_heads, streaming_attention
 
+# most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
 TOL = {"eager": 0.0, "flash": 1e-5}
 SINK, WINDOW = 2, 5
 
@@ -368,3 +370,86 @@ def test_right_padding_is_refused_clearly():
     ids, mask = padded_batch(False, lengths=(8, 5))  # right padding
     with interp.stream_heads(model, [(0, 0)]), pytest.raises(ValueError, match="pad on the left"):
         model(ids, mask)
+
+
+# -- a cache is read only under the streaming it was made for (issue 35) ----------------------------------------
+def test_a_streaming_cache_refuses_other_heads_sink_or_window_and_a_closed_block():
+    """Filled under one sink/window and read under another, a cache gave logits off by 4.4 with no error; after its
+    block closed, an AttributeError on SplitKV. Now both are a ValueError naming what the cache was made for, raised
+    before the cache stores anything; under its own streaming (the same block reopened) it still equals the masked
+    model."""
+    model = interp.load_model(_sharp("llama"), attn="eager")
+    ids = torch.randint(1, 99, (1, 40), generator=torch.Generator().manual_seed(0))
+    heads = [(0, 0), (0, 1), (1, 2), (1, 3)]
+    with torch.no_grad():
+        with interp.stream_heads(model, heads, 2, 3) as s:
+            cache = s.new_cache()
+            model(ids[:, :30], **_kv(model, cache), use_cache=True)
+            masked = model(ids).logits[:, 30:]
+        for other, what in [((heads, 4, 8), "sink 4, window 8"), ((heads[:3], 2, 3), "heads 0.0, 0.1, 1.2 with")]:
+            refused = pytest.raises(ValueError, match=f"made for .*now runs with .*{what}")
+            with interp.stream_heads(model, *other), refused:
+                model(ids[:, 30:], **_kv(model, cache), use_cache=True)
+        with pytest.raises(ValueError, match="block that made the cache has closed"):
+            model(ids[:, 30:], **_kv(model, cache), use_cache=True)
+        assert cache.get_seq_length() == 30  # nothing was stored by the refused calls
+        with interp.stream_heads(model, heads, 2, 3):
+            continued = model(ids[:, 30:], **_kv(model, cache), use_cache=True).logits
+    torch.testing.assert_close(continued, masked, atol=1e-5, rtol=0)
+
+
+def test_a_streaming_cache_on_another_model_is_refused_by_the_attention():
+    """A cache whose own check cannot see the model reading it (made for one model, read by a copy without streaming
+    heads) is refused by our attention instead of an AttributeError."""
+    model = interp.load_model(_sharp("llama"), attn="flash")
+    other = interp.load_model(_sharp("llama"), attn="flash")
+    ids = torch.randint(1, 99, (1, 20), generator=torch.Generator().manual_seed(0))
+    with interp.stream_heads(model, [(0, 0), (0, 1)], 2, 3) as s, torch.no_grad():
+        cache = s.new_cache()
+        model(ids, **_kv(model, cache), use_cache=True)
+        with pytest.raises(ValueError, match="layer 0 now runs with no streaming head"):
+            other(ids, **_kv(other, cache), use_cache=True)
+
+
+def test_a_model_without_a_full_attention_layer_has_no_head_to_stream():
+    """Mistral with a sliding window on every layer (as Phi-3, Starcoder2, GPT-OSS): streaming_curve and the report's
+    streaming section raised ZeroDivisionError; now a ValueError that says no head can stream, and why."""
+    import analyses
+    from analyses.views.report_streaming import check_streaming
+
+    model = interp.load_model(tiny_hf("mistral", sliding_window=4), attn="eager")
+    assert streamable_heads(model) == []
+    ids = torch.randint(1, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="streaming_curve: no head of this mistral model can stream: every layer "
+                                         "already has a sliding window of 4 keys"):
+        analyses.streaming_curve(model, ids, analyses.lm_loss, window=4)
+    with pytest.raises(ValueError, match="streaming section: no head .* Leave out streaming=True"):
+        check_streaming(model)
+
+
+def test_a_note_says_how_many_key_value_heads_really_shrink():
+    """Streaming half of SmolLM2's query heads shrank its cache only to 0.82x, said only in the docs: a key/value head
+    shrinks only when all its query heads stream. stream_heads and stream_model now say how many do (KVHeadsNote),
+    where some streaming heads share their key/value head with heads that do not stream; streaming_curve, whose
+    table counts them, stays quiet."""
+    import warnings
+
+    import analyses
+    from interp.streaming import KVHeadsNote
+
+    model = interp.load_model(tiny_hf("llama"), attn="eager")  # 2 layers of 4 query heads on 2 key/value heads
+    note = (r"Streaming these 3 query heads shrinks the cache of 1 of the model's 4 key/value heads: a key/value head "
+            r"keeps only sink \+ window entries when all its query heads \(here 2\) stream, and 1 that they read also "
+            r"serve heads that do not stream")
+    with pytest.warns(KVHeadsNote, match=note) as caught, interp.stream_heads(model, HEADS) as s:
+        assert s.kv_heads == [(0, 0)]
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    with pytest.warns(KVHeadsNote, match=note):
+        interp.stream_model(model, HEADS)
+    ids = torch.randint(1, 99, (2, 20), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVHeadsNote)
+        with interp.stream_heads(model, [(0, 0), (0, 1), (1, 2), (1, 3)]):  # whole groups: nothing to say
+            pass
+        interp.stream_model(model, [(0, 0), (0, 1)])
+        analyses.streaming_curve(model, ids, analyses.lm_loss, step=0.375, seeds=(0,), sink=1, window=4)

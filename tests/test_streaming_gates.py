@@ -102,5 +102,5 @@ def test_gemma3_gates_only_its_full_attention_layers():
     assert df.kv_head.eq(0).all() and df.gate.between(0, 1).all()
     assert model.attn == "flash" and not model._registry.active()
     everything_sliding = Gemma3TextConfig(**{**cfg.to_dict(), "layer_types": ["sliding_attention"] * 3})
-    with pytest.raises(ValueError, match="no layer with full attention"):
+    with pytest.raises(ValueError, match="no head of this gemma3_text model can stream"):
         streaming_gates(interp.load_model(Gemma3ForCausalLM(everything_sliding).eval()), ids, steps=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .common import (UserError, _check_out, _emit, _format_option, _load, _model_options, _one_line, _positive_int,
+from .common import (UserError, _emit, _format_option, _load, _model_options, _one_line, _positive_int,
                      _Progress, _prompts, _rank_zero_path)
 
 
@@ -34,7 +34,9 @@ def cmd_prune(args) -> int:
             raise UserError("--save needs --fraction: the share of heads to prune by importance, e.g. 0.3")
         if not 0 < args.fraction < 1:
             raise UserError(f"--fraction is a share of the heads in (0, 1); got {args.fraction}")
-        _check_out(args.save, args.force)
+        from interp.model_files import check_model_folder
+
+        check_model_folder(args.save, args.force)  # --force replaces only what interp wrote there
     elif args.fraction is not None:
         raise UserError("--fraction goes with --save DIR (where the pruned model is written)")
     with _Progress(["load", *(["importance"] if args.save is not None else []), "pruning curves"]) as progress:
@@ -54,10 +56,9 @@ def cmd_prune(args) -> int:
         print()
     _emit(curves, args.format)
     if pruned is not None:
-        from interp.files import staged_folder
+        from interp.model_files import save_model
 
-        with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
-            pruned.save_pretrained(staging)
+        save_model(pruned, _rank_zero_path(args.save), overwrite=args.force)  # whole, or not at all
         if distributed.rank_zero():
             print(f"saved a model without {len(heads)} heads ({', '.join(f'{l}.{h}' for l, h in heads)}) to "
                   f"{args.save}", file=sys.stderr)

@@ -4,6 +4,7 @@ a score), written as a CSV and a figure; with --save, a copy whose first --fract
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from .common import (UserError, _Progress, _check_out, _emit, _format_option, _load, _model_options, _positive_int,
@@ -32,7 +33,8 @@ def add_parser(sub) -> None:
                    "DuoAttention-style gates (default 100)")
     p.add_argument("--seeds", type=_positive_int, default=3, help="random orders: how many seeds (default 3)")
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
-                   help="retrieval order: the longest needle-in-a-haystack prompt (default --tokens)")
+                   help="retrieval order only: the longest needle-in-a-haystack prompt (default --tokens); the "
+                        "gates order fits on passkey prompts of 2 x (--sink + --window) tokens")
     p.add_argument("--out", type=Path, required=True, help="folder for streaming_curve.csv and streaming_curve.png")
     p.add_argument("--save", type=Path, default=None, help="folder to save a streaming model to (interp.stream_model)")
     p.add_argument("--fraction", type=float, default=None, help="with --save: share of heads that stream, taken "
@@ -46,6 +48,9 @@ def _check_args(args) -> list[str]:
     unknown = [o for o in orders if o not in ORDERS]
     if unknown or not orders:
         raise UserError(f"--order takes {', '.join(ORDERS)} (comma-separated); got {args.order!r}")
+    if args.context is not None and "retrieval" not in orders:
+        raise UserError(f"--context sets the length of the retrieval order's needle prompts, and --order "
+                        f"{args.order} has no retrieval order; drop --context, or add retrieval to --order")
     if args.sink < 0:
         raise UserError(f"--sink is a number of keys, at least 0; got {args.sink}")
     if not 0 < args.step <= 1:
@@ -55,7 +60,9 @@ def _check_args(args) -> list[str]:
             raise UserError("--save needs --fraction: the share of heads that stream, e.g. 0.5")
         if not 0 < args.fraction <= 1:
             raise UserError(f"--fraction is a share of the heads in (0, 1]; got {args.fraction}")
-        _check_out(args.save, args.force)
+        from interp.model_files import check_model_folder
+
+        check_model_folder(args.save, args.force)  # --force replaces only what interp wrote there
     elif args.fraction is not None:
         raise UserError("--fraction goes with --save DIR (where the streaming model is written)")
     _check_out(args.out, args.force)
@@ -69,7 +76,9 @@ def cmd_stream(args) -> int:
     import pandas as pd
 
     from interp import distributed, stream_model
-    from interp.files import staged_folder
+    from interp.streaming import KVHeadsNote, check_streamable
+    from interp.streaming_cache import kv_note
+    from interp.model_files import save_model
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
     from ..views.report import study_inputs
@@ -79,6 +88,7 @@ def cmd_stream(args) -> int:
         progress("load")
         model = _load(args)
         _refuse_seq2seq(model, "interp stream", "streaming heads keep a causal decoder's sinks and recent past.")
+        check_streamable(model, "interp stream")
         prompts = _prompts(args, model)
         tokens = args.tokens or min(model.cfg.max_positions or 1024, 1024)
         if prompts is not None:
@@ -115,9 +125,11 @@ def cmd_stream(args) -> int:
     ax.set_title(f"streaming curve: {getattr(model, 'source_name', args.model)}", fontsize=10)
     ax.figure.savefig(out / "streaming_curve.png", dpi=100)
     if args.format == "table":
-        print(f"# {metric.name} on {what}; sink {args.sink}, window {args.window}")
+        print(f"# {metric.name} on {what}; sink {args.sink}, window {args.window}; kv_heads: the key/value heads "
+              f"(of {sum(model.cfg.kv_heads_per_layer)}) whose cache shrinks, those all of whose query heads stream")
         table = df.groupby(["order", "fraction_streaming"], sort=False).agg(
-            metric=("metric", "mean"), lo=("metric", "min"), hi=("metric", "max"), kv_fraction=("kv_fraction", "mean"))
+            metric=("metric", "mean"), lo=("metric", "min"), hi=("metric", "max"),
+            kv_heads=("kv_heads_streaming", "mean"), kv_fraction=("kv_fraction", "mean"))
         _emit(table.reset_index(), "table")
     else:
         _emit(df, args.format)
@@ -126,11 +138,15 @@ def cmd_stream(args) -> int:
     if args.save is not None:
         heads = streaming_order(model, inputs, metric, ranked[orders[0]], seed=args.seed)
         heads = heads[:round(args.fraction * len(heads))]
-        streamed = stream_model(model, heads, sink=args.sink, window=args.window)
-        with staged_folder(_rank_zero_path(args.save), overwrite=args.force) as staging:  # whole, or not at all
-            streamed.save_pretrained(staging)
+        with warnings.catch_warnings():  # its note is printed below, in one line
+            warnings.simplefilter("ignore", KVHeadsNote)
+            streamed = stream_model(model, heads, sink=args.sink, window=args.window)
+        save_model(streamed, _rank_zero_path(args.save), overwrite=args.force)  # whole, or not at all
         if distributed.rank_zero():
             named = ", ".join(f"{l}.{h}" for l, h in heads[:12]) + (", ..." if len(heads) > 12 else "")
             print(f"saved a model whose {len(heads)} heads ({named}) stream "
                   f"(sink {args.sink}, window {args.window}) to {args.save}", file=sys.stderr)
+            note = kv_note(heads, model.cfg.heads_per_layer, model.cfg.kv_heads_per_layer)
+            if note:
+                print(note, file=sys.stderr)
     return 0

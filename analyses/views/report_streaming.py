@@ -26,7 +26,9 @@ _SCORE = "induction"
 
 
 def check_streaming(model) -> None:
-    """A clear error where streaming does not apply: it is for causal decoders."""
+    """A clear error where streaming does not apply: it is for causal decoders with a full-attention layer."""
+    from interp.streaming import check_streamable
+
     from ..seq2seq import is_seq2seq
 
     if is_seq2seq(model) or not model.cfg.causal:
@@ -34,6 +36,7 @@ def check_streaming(model) -> None:
         raise ValueError(f"The report's streaming section is for causal decoders (sinks + a recent window of "
                          f"earlier keys); {model.hf.config.model_type} is {kind} model."
                          " Leave out streaming=True / --streaming.")
+    check_streamable(model, "The report's streaming section", "Leave out streaming=True / --streaming.")
 
 
 def streaming_section(model, heads: pd.DataFrame, figures, out, seed: int = 0) -> dict:
