@@ -21,7 +21,7 @@ from .threads import apply_auto_threads
 from .model import HookedModel
 from .pruning import CONFIG_KEY, from_pretrained_pruned
 
-__all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device"]
+__all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device", "available_devices"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -68,13 +68,33 @@ def resolve_dtype(dtype) -> torch.dtype | None:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.") from None
 
 
+def available_devices() -> list[str]:
+    """The devices of this machine, as ``device=`` takes them: cpu, then cuda and cuda:N, then mps where present."""
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    mps = ["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else []
+    return ["cpu", *(["cuda", *cuda] if cuda else []), *mps]
+
+
 def resolve_device(device) -> torch.device:
+    """The device ``device`` names: ``"auto"`` (or None) is CUDA where there is one, else the CPU; anything else
+    must be a device of this machine (``available_devices``: cpu, cuda or cuda:N below the device count, mps), or
+    ``"meta"`` (shapes without values). A ValueError names the devices there are."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'.")
-    return device
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device is a string such as 'cpu', 'cuda:0' or 'auto', or a torch.device; got "
+                        f"{type(device).__name__}.")
+    have = available_devices()
+    fix = f"this machine has {', '.join(have)}: use one of them, or 'auto'"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"Unknown device {device!r}; {fix}.") from None
+    if parsed.type == "meta" or str(parsed) in have or parsed.type == "cpu" and parsed.index == 0:
+        return parsed
+    if parsed.type == "cuda" and "cuda" not in have:
+        raise ValueError(f"device {device!r}: torch sees no CUDA device; {fix}.")
+    raise ValueError(f"device {device!r} is not on this machine; {fix}.")
 
 
 def _model_class(config):
