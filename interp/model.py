@@ -79,6 +79,7 @@ class HookedModel(_Wrapper):
             lh = LayerHooks({k: self._registry[f"{site.name}.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
             lh.causal = site.causal  # what the probe found, not the module's is_causal flag
             lh.window = site.window[0] if site.causal and site.window is not None else None
+            lh.softmax_fp32 = site.softmax_fp32  # as the family's own eager softmax
             attach_layer_hooks(self._site_modules[site.name], lh)
             self._layer_hooks[site.name] = lh
         if self.structure is not None:  # a layered model: each module's hooks know its window
