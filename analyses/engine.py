@@ -21,6 +21,7 @@ from interp import distributed
 from interp.progress import progress
 
 from .batches import Batch, _main_output
+from .finite import check_finite, finite_copies, warn_non_finite, watching
 from .metrics import Metric
 
 __all__ = ["scan", "copies_per_forward", "slice_output", "Shard"]
@@ -36,12 +37,20 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
     the item changes. metric(output, batch) -> float, called on each copy's slice of the output (first on the
     baseline's output). desc: the progress bar's label (default "N heads").
     Runs under ``model.studying()`` and ``torch.no_grad()``.
+
+    Non-finite values (``analyses.finite``): NaN anywhere in the baseline run is a ValueError naming its source;
+    an item whose run gives a non-finite output gets NaN (whatever the metric made of it), with one warning.
     """
-    values = []
+    values, broken = [], []
     with model.studying(), torch.no_grad():
         prefix = Prefix(model)
         with model.hooks(list(base_hooks)), prefix.recording():
-            baseline = metric(_run(model, batch), batch)
+            with watching(model, "The baseline run (no intervention)"):
+                output = _run(model, batch)
+            check_finite(model, output, "The baseline run (no intervention)")
+            baseline = metric(output, batch)
+            del output
+        nan = torch.full_like(baseline, float("nan")) if isinstance(baseline, torch.Tensor) else float("nan")
         b = batch["input_ids"].shape[0]
         starts, checked = range(0, len(items), per_forward), False
         for start in progress(starts, total=len(starts), desc=desc or f"{len(items)} heads", unit="forward"):
@@ -57,8 +66,12 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
                     prefix.enabled = _same_output(output, full)
                     if not prefix.enabled:  # the replay is off for every later group, and this one's values
                         output = full       # come from the full forward too
-            values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), batch) for i in range(copies)]
+            for item, finite, i in zip(group, finite_copies(output, copies), range(copies)):
+                value = metric(slice_output(output, i * b, (i + 1) * b, copies * b), batch)  # called on each copy, in
+                values.append(value if finite else nan)                                  # order (some metrics keep
+                broken += [] if finite else [item]                                       # what they saw)
             del output
+    warn_non_finite(broken)
     return baseline, values
 
 

@@ -25,7 +25,8 @@ from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, 
 
 from .ablation import check_per_forward
 from .engine import Prefix, Shard, _arguments, _run, copies_per_forward, scan, slice_output
-from .metrics import Batch, Metric, as_metric, batch_of
+from .finite import check_finite, finite_copies, warn_non_finite, watching
+from .metrics import Batch, Metric, _main_output, as_metric, batch_of
 
 __all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
 
@@ -77,9 +78,17 @@ class _Scalar(Metric):
                 raise ValueError(f"metric {self.name!r} must return one number (a float or a 0-d tensor); it "
                                  "returned several. Reduce it, e.g. with .mean().") from None
             raise
-        if not math.isfinite(value):
+        if not math.isfinite(value) and _finite_output(output):  # a non-finite output: the study reports it
             raise ValueError(f"metric {self.name!r} returned {value}; it must be a finite number.")
         return value
+
+
+def _finite_output(output) -> bool:
+    """Whether a model output's main tensor is finite (True for anything else, such as the model itself)."""
+    try:
+        return bool(torch.isfinite(_main_output(output)).all())
+    except TypeError:
+        return True
 
 
 def scalar_metric(metric) -> Metric:
@@ -172,7 +181,9 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         with model.studying(), torch.no_grad():
             args, kwargs = _arguments(clean)
-            output, cache = model.run_with_cache(*args, names=names, **kwargs)
+            with watching(model, "The clean run"):
+                output, cache = model.run_with_cache(*args, names=names, **kwargs)
+            check_finite(model, output, "The clean run")
             clean_value = local(output, clean)
         sources = {name.rsplit(".", 1)[0]: cache[name] for name in names}
         if heads_per_forward is None:
@@ -237,18 +248,20 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
                      key=lambda t: (order[t[0]], t[1]))
     first_target = min(model.sites[site].block for site, _ in targets)
     with model.studying(), torch.no_grad():
-        args, kwargs = _arguments(clean)
-        out, clean_cache = model.run_with_cache(*args, names=z_names, **kwargs)
-        clean_value = metric(out, clean)
-        args, kwargs = _arguments(corrupted)
-        out, corrupted_cache = model.run_with_cache(*args, names=z_names, **kwargs)
-        corrupted_value = metric(out, corrupted)
+        caches, value = {}, {}
+        for which, batch in (("clean", clean), ("corrupted", corrupted)):
+            args, kwargs = _arguments(batch)
+            with watching(model, f"The {which} run"):
+                out, caches[which] = model.run_with_cache(*args, names=z_names, **kwargs)
+            check_finite(model, out, f"The {which} run")
+            value[which] = metric(out, batch)
+        (clean_cache, corrupted_cache), (clean_value, corrupted_value) = caches.values(), value.values()
         per_forward = heads_per_forward or copies_per_forward(model, corrupted, None)
         prefix = Prefix(model)
         with prefix.recording():
             _run(model, corrupted)
         b = corrupted["input_ids"].shape[0]
-        values = []
+        values, broken = [], []
         for start in range(0, len(senders), per_forward):
             group = [(site_of(model, h).name, h[1]) for h in senders[start:start + per_forward]]
             copies = len(group)
@@ -256,7 +269,12 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
                                        {site for site, _ in targets}, prefix)
             with model.hooks(_receiver_hooks(via, targets, patched)), prefix.replaying(first_target, copies):
                 output = _run(model, corrupted, copies)
-            values += [metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) for i in range(copies)]
+            for sender, finite, i in zip(senders[start:start + per_forward], finite_copies(output, copies),
+                                         range(copies)):
+                values.append(metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) if finite
+                              else float("nan"))
+                broken += [] if finite else [sender]
+        warn_non_finite(broken)
     df = _frame(model, senders, values, clean_value, corrupted_value, metric, "head", f"z through the receivers' {via}")
     df.attrs.update(receivers=receivers, via=via)
     return df

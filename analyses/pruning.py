@@ -30,6 +30,7 @@ from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
 from .batches import _main_output, batch_of
 from .engine import Shard, _arguments, _mean_of_examples, _run, take_rows
+from .finite import check_finite, watching
 from .metrics import as_metric
 
 __all__ = ["head_importance", "pruning_curve", "curve_summary", "prune_model", "ORDERS"]
@@ -114,12 +115,19 @@ def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]
             p.requires_grad_(False)  # gradients for the gates only; studying() restores the flags
         with model.hooks([([name for name, _ in units], gate)]):
             args, kwargs = _arguments(batch)
-            value = loss_fn(model(*args, **kwargs), batch)
+            with watching(model, "head_importance's forward"):
+                output = model(*args, **kwargs)
+            check_finite(model, output, "head_importance's forward")
+            value = loss_fn(output, batch)
         if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
         total = value.sum() if value.ndim == 1 else value * b
-        return torch.autograd.grad(total, list(gates.values()), allow_unused=True)
+        grads = torch.autograd.grad(total, list(gates.values()), allow_unused=True)
+        if not bool(torch.isfinite(total)) or any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
+            raise ValueError(f"head_importance: the loss ({float(total.detach()):.4g}) or its gradient is not finite on a "
+                             "finite forward: the loss overflows (float16: load with dtype=torch.float32).")
+        return grads
 
 
 def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:

@@ -227,7 +227,8 @@ class ActivationCache:
 
         Returns the cached pattern if the run was eager; otherwise rebuilds it from the cached q and k
         exactly as the eager path computes it (scores in the model's dtype, soft-cap, position bias, masked
-        entries at the dtype's minimum, fp32 softmax), so only the selected heads' n x n matrices are built.
+        entries at the dtype's minimum, the softmax in fp32 or, where the site's family takes it so, in the scores'
+        dtype), so only the selected heads' n x n matrices are built.
         """
         index, site = self._site(layer)
         meta = self.meta
@@ -269,7 +270,9 @@ class ActivationCache:
             combined = torch.cat([scores, sinks], dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if meta.sites is None or getattr(meta.sites[index], "softmax_fp32", True):
+            return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.softmax(scores, dim=-1)  # as the eager path for a family whose softmax is in the scores' dtype
 
 
 def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device, layer: int | None = None) -> torch.Tensor | None:

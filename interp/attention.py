@@ -4,8 +4,9 @@ HF keeps its weights, projections and RoPE and calls us with ``query: (b, h, q, 
 ``value: (b, g, k, e)``; we return ``(out: (b, q, h, e), pattern or None)``.
 
 - ``eager`` (key ``interp_exact``) mirrors HF's eager attention step by step (repeat_kv, scale, soft-cap,
-  additive mask, fp32 softmax or the attention-sink softmax, transpose), so that with no hooks it equals HF
-  eager exactly, and it fires every attention hook inside the computation: an edit to q, scores, pattern or z
+  position bias, additive mask, softmax in the dtype the family's own eager function takes it in
+  (``softmax_upcasts``) or the attention-sink softmax, transpose), so that with no hooks it equals HF eager
+  exactly, and it fires every attention hook inside the computation: an edit to q, scores, pattern or z
   changes what follows.
 - ``flash`` (key ``interp_fused``) runs a kernel that also returns each row's logsumexp and never builds the
   n x n matrix (``interp.kernels``); it fires q, k, v, z and lse.
@@ -19,6 +20,7 @@ Key names contain neither "flash" nor "sdpa": HF matches those substrings and wo
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -30,7 +32,7 @@ from .kernels import fused_attention, repeat_kv, windowed_attention
 
 __all__ = ["EAGER_KEY", "FLASH_KEY", "ATTN_KEYS", "LayerHooks", "attach_layer_hooks", "attached_layer_hooks",
            "detach_layer_hooks", "eager_attention", "flash_attention", "fused_attention", "repeat_kv",
-           "REFUSED_KWARGS", "Recording"]
+           "REFUSED_KWARGS", "Recording", "softmax_upcasts"]
 
 EAGER_KEY = "interp_exact"
 FLASH_KEY = "interp_fused"
@@ -58,7 +60,8 @@ class LayerHooks:
     (``copy.deepcopy``, pickling) carries no hooks: they belong to the wrapper, not to the weights.
     """
 
-    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias", "causal", "window")
+    __slots__ = ("q", "k", "v", "attn_scores", "pattern", "z", "lse", "any", "owner", "bias", "causal", "window",
+                 "softmax_fp32")
 
     def __init__(self, points: dict[str, HookPoint], owner=None):
         for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"):
@@ -68,6 +71,7 @@ class LayerHooks:
         self.bias = None  # the position bias of the last hooked call (T5), for rebuilding patterns from q and k
         self.causal = None  # whether the layer is causal, as discovered (None: unknown, the module's is_causal says)
         self.window = None  # a causal layer's sliding window, keys before the query (as discovered), or None
+        self.softmax_fp32 = True  # whether the family's eager softmax runs in float32 (``softmax_upcasts``)
 
     def refresh(self) -> None:
         self.any = any(bool(getattr(self, kind)) for kind in ("q", "k", "v", "attn_scores", "pattern", "z", "lse"))
@@ -129,6 +133,32 @@ def _record(module, query, key, value, attention_mask, out, scaling, softcap, si
         softcap=softcap, sinks=None if sinks is None else sinks.detach(), sliding_window=kwargs.get("sliding_window"),
         position_bias=bias,
     ))
+
+
+def softmax_upcasts(call: dict) -> bool:
+    """Whether the family's own eager attention takes its softmax in float32 (``softmax(s, dtype=torch.float32)
+    .to(query.dtype)``: Llama and most decoders) rather than in the scores' dtype (``softmax(s)``: T5, BART, BERT,
+    GPT-2, ...), for the module of a recorded call. The two agree in float32, bfloat16 and float16 and differ in
+    float64, where float32 keeps 7 digits. Found by running the function HF falls back to for this module
+    (``eager_attention_forward`` of its modeling file) once on random float64 inputs of the call's shapes: weights
+    that survive a round trip through float32 were rounded there. True (float32) when it cannot be run."""
+    module = call["module"]
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return True
+    q, k, v = call["query"], call["key"], call["value"]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, q.shape[1], 3, q.shape[-1]), (1, k.shape[1], 4, k.shape[-1]), (1, v.shape[1], 4, v.shape[-1])]
+    inputs = [torch.randn(shape, generator=g, dtype=torch.float64).to(q.device) for shape in shapes]
+    extra = {} if call["softcap"] is None else {"softcap": call["softcap"]}
+    try:
+        with torch.no_grad():
+            weights = eager(module, *inputs, None, scaling=call["scaling"], dropout=0.0, **extra)[1]
+    except Exception:  # noqa: BLE001  a function that needs more than a plain call (module state, other arguments)
+        return True
+    if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float64:
+        return True
+    return bool(torch.equal(weights, weights.float().double()))
 
 
 # Families whose eager attention applies the sinks as a scale on the output, not as an extra softmax column (the
@@ -226,7 +256,11 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     if s_aux is None:
         if hooks is not None and hooks.lse:
             hooks.lse(torch.logsumexp(scores.float(), dim=-1))
-        pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, q, k)
+        attached = module.__dict__.get(_HOOKS_ATTR)
+        if attached is None or attached.softmax_fp32:
+            pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # (b, h, q, k)
+        else:  # as the family's eager function takes it: in the scores' dtype (T5, BART, BERT, GPT-2, ...)
+            pattern = F.softmax(scores, dim=-1)
     elif _sinks_scale_output(module):  # Granite SWA: the usual softmax, then out * sigmoid(lse - sink)
         lse = torch.logsumexp(scores, dim=-1)
         sink_scale = (lse - s_aux.view(1, -1, 1)).to(torch.float32).sigmoid()  # (b, h, q)

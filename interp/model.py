@@ -29,7 +29,7 @@ from .layered import LAYERED, spec_name  # noqa: F401  (spec_name: its home befo
 from .pruning import save_pruned
 from .seq2seq import SEQ2SEQ, decoder_inputs
 from .structure import Structure
-from .wrapper import _Handles, _replace_first, _take_over, _Wrapper, studying  # noqa: F401  (their home before)
+from .wrapper import _Handles, _hand_back_when_dropped, _replace_first, _take_over, _Wrapper, studying  # noqa: F401  (their home before)
 
 __all__ = ["HookedModel", "ModelConfig", "Seq2SeqHookedModel"]
 
@@ -60,6 +60,7 @@ class HookedModel(_Wrapper):
         self.hf = hf
         self.tokenizer = tokenizer
         _take_over(hf)  # before the probe, so that an earlier wrapper's hooks cannot fire in it
+        _hand_back_when_dropped(self)  # HF's own attention again once this wrapper is gone
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure); None for an encoder-decoder
         self.cfg = layout.cfg
@@ -78,6 +79,7 @@ class HookedModel(_Wrapper):
             lh = LayerHooks({k: self._registry[f"{site.name}.hook_{k}"] for k in _ATTN_KINDS}, owner=self)
             lh.causal = site.causal  # what the probe found, not the module's is_causal flag
             lh.window = site.window[0] if site.causal and site.window is not None else None
+            lh.softmax_fp32 = site.softmax_fp32  # as the family's own eager softmax
             attach_layer_hooks(self._site_modules[site.name], lh)
             self._layer_hooks[site.name] = lh
         if self.structure is not None:  # a layered model: each module's hooks know its window

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import softmax_upcasts
 from .distributed import input_device
 from .probe import _find_blocks, _is_linear, _is_norm, _ModuleLog, probe
 from .projections import Projections
@@ -55,7 +56,7 @@ def _discover(hf) -> tuple[list[Site], str, str, dict, dict]:
                 name=f"{stack}.blocks.{block}.{'cross_attn' if kind == 'cross' else 'attn'}", stack=stack, block=block,
                 kind=kind, n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
                 scale=float(call["scaling"]) if call["scaling"] is not None else q.shape[-1] ** -0.5,
-                causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log),
+                causal=stack == "decoder" and kind == "self", o_proj=_o_proj(call, log), softmax_fp32=softmax_upcasts(call),
                 queries="input_ids" if stack == "encoder" else "decoder_input_ids",
                 keys="decoder_input_ids" if stack == "decoder" and kind == "self" else "input_ids"))
     order = {("encoder", "self"): 0, ("decoder", "self"): 1, ("decoder", "cross"): 2}

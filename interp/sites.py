@@ -29,7 +29,8 @@ MASK_OF = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attentio
 class Site:
     """One attention module: its hook prefix (``name``), stack (``"decoder"`` or ``"encoder"``), block index
     within the stack, kind (``"self"`` or ``"cross"``), shape, the scale the model passes, and the features its
-    attention has (window ``(before, after)`` or None, soft-cap, sink logits). ``queries``/``keys``: the batch
+    attention has (window ``(before, after)`` or None, soft-cap, sink logits, whether its family's eager softmax
+    runs in float32: ``interp.attention.softmax_upcasts``). ``queries``/``keys``: the batch
     entries its queries and keys are computed from (``"input_ids"`` or ``"decoder_input_ids"``)."""
 
     name: str
@@ -46,6 +47,7 @@ class Site:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     sinks: bool = False
+    softmax_fp32: bool = True  # the family's eager softmax runs in float32, else in the scores' dtype
     queries: str = "input_ids"
     keys: str = "input_ids"
 

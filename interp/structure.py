@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import Recording
+from .attention import Recording, softmax_upcasts
 from .probe import _close, _find_blocks, _is_linear, _is_norm, _ModuleLog, _probe_ids, probe
 from .projections import Projections, _projections
 from .probe import attention_keys, set_attention_key  # noqa: F401  (public here, as before)
@@ -55,6 +55,7 @@ class LayerAttention:
     window: tuple[int | None, int | None]
     softcap: float | None = None
     sinks: str | None = None  # path (from the block) of the per-head sink logits, when the layer has them
+    softmax_fp32: bool = True  # whether the family's eager softmax runs in float32 (attention.softmax_upcasts)
 
     @property
     def causal(self) -> bool:
@@ -227,6 +228,7 @@ def _layer_attention(call: dict, recording: Recording, names: dict) -> LayerAtte
     return LayerAttention(
         n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
         scale=float(call["scaling"]), window=_window(call, recording), softcap=call["softcap"], sinks=sinks,
+        softmax_fp32=softmax_upcasts(call),
     )
 
 

@@ -5,6 +5,7 @@ and ``Kind`` (how a batch feeds it)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,6 +87,31 @@ def _take_over(hf: torch.nn.Module) -> None:
             if owner is not None:
                 owner._drop_torch_hooks()
             detach_layer_hooks(module)
+
+
+_ORIGINAL_ATTN = "_interp_original_attention"  # on the HF model: its implementations before its first wrapper
+
+
+def _hand_back_when_dropped(model) -> None:
+    """When ``model`` (a HookedModel) is garbage-collected, its HF model gets back the attention implementations
+    it had before its first wrapper and loses our layer hooks, unless a newer wrapper holds it then (nothing of
+    the wrapper is kept alive: the layer hooks know their owner by a weak reference)."""
+    hf = model.hf
+    hf.__dict__.setdefault(_ORIGINAL_ATTN, [key for _, key in attention_keys(hf)])
+    weakref.finalize(model, _hand_back, hf).atexit = False
+
+
+def _hand_back(hf: torch.nn.Module) -> None:
+    attached = [(m, attached_layer_hooks(m)) for m in hf.modules()]
+    if any(hooks is not None and hooks.owner() is not None for _, hooks in attached):
+        return  # a living wrapper holds it
+    for module, hooks in attached:
+        if hooks is not None:
+            detach_layer_hooks(module)
+    keys = hf.__dict__.pop(_ORIGINAL_ATTN, None) or []
+    for (holder, found), key in zip(attention_keys(hf), keys):
+        if found != key:
+            holder.set_attn_implementation(key)
 
 
 @contextmanager

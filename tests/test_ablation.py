@@ -273,3 +273,52 @@ def test_bad_methods_and_references_are_refused():
         with ablate_heads(model, [(0, 0)], "resample", reference=short):
             _out(model, inputs)
     assert model._registry.active() == [] and no_torch_hooks(model.hf)
+
+
+def _nan_q_model():
+    """A tiny Llama whose layer-1 q_proj holds one NaN: on the flash path (and HF's sdpa) PyTorch's fused CPU kernel
+    turns the NaN query into a finite output, so the logits are finite though an activation is NaN."""
+    hf = tiny_hf("llama")
+    with torch.no_grad():
+        hf.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+    return interp.load_model(hf, attn="flash")
+
+
+@pytest.mark.parametrize("study", ["ablation_scan", "activation_patching", "path_patching", "head_importance"])
+def test_a_nan_weight_is_an_error_naming_it_in_every_scan(study):
+    from analyses import activation_patching, head_importance, path_patching
+    model = _nan_q_model()
+    ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    other = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(1))
+    run = {"ablation_scan": lambda: ablation_scan(model, ids, lm_loss),
+           "activation_patching": lambda: activation_patching(model, ids, other, lm_loss),
+           "path_patching": lambda: path_patching(model, ids, other, [(1, 0)], lm_loss),
+           "head_importance": lambda: head_importance(model, ids, lm_loss)}[study]
+    with pytest.raises(ValueError, match=r"NaN, first in module 'model\.layers\.1\.self_attn\.q_proj'.*"
+                                         r"model\.layers\.1\.self_attn\.q_proj\.weight"):
+        run()
+
+
+def test_an_item_whose_run_is_not_finite_gets_nan_and_a_warning():
+    model = _model("gpt2")
+    ids = torch.randint(1, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    heads = all_heads(model)
+
+    def hooks_for(group, copies):  # the copy of head (1, 2) gets an infinite z: its logits are NaN
+        def hook(z, point):
+            z = z.clone()
+            for i, head in enumerate(group):
+                if head == (1, 2) and point.layer == 1:
+                    z[i * 2:(i + 1) * 2] = float("inf")
+            return z
+        return [("blocks.1.attn.hook_z", hook)]
+
+    def hits(output, batch):  # finite on NaN logits (an argmax), as an accuracy is
+        return float((output.logits.argmax(-1) == 3).float().mean())
+
+    with pytest.warns(RuntimeWarning, match=r"1 item\(s\) gave a non-finite output.*\(1, 2\)"):
+        baseline, values = engine.scan(model, {"input_ids": ids, "attention_mask": None}, heads, lambda h: h[0],
+                                       hooks_for, hits, 3)
+    broken = heads.index((1, 2))
+    assert baseline == baseline and all(v == v for i, v in enumerate(values) if i != broken)
+    assert values[broken] != values[broken]  # NaN, not the argmax of NaN logits

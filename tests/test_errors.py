@@ -89,6 +89,23 @@ def test_bad_attn_and_dtype():
         interp.load_model(tiny_hf("gpt2"), dtype="float8")
 
 
+@pytest.mark.parametrize("device", ["tpu", "cpu:7", "gpu", "cuda:1"])
+def test_a_device_this_machine_lacks_is_a_clear_error(device, monkeypatch, capsys):
+    """device='tpu' was a raw RuntimeError, and 'cpu:7' and a CUDA index beyond the device count were accepted. A
+    machine with one GPU is feigned, so that cuda:1 is checked against the count on any machine."""
+    from analyses.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert interp.loading.available_devices()[:3] == ["cpu", "cuda", "cuda:0"]
+    assert str(interp.loading.resolve_device("cuda:0")) == "cuda:0"
+    with pytest.raises(ValueError, match=rf"device '{device}'.*this machine has cpu, cuda, cuda:0.*or 'auto'"):
+        interp.load_model(tiny_hf("gpt2"), device=device)
+    assert main(["heads", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--device must be one of this machine's devices (cpu, cuda" in err
+
+
 def test_layer_and_head_out_of_range(gpt2):
     with pytest.raises(ValueError, match=r"Layers run 0\.\.1"):
         gpt2.run_with_hooks(torch.arange(1, 4), fwd_hooks=[("blocks.2.attn.hook_z", lambda t, h: None)])

@@ -44,6 +44,25 @@ def test_eager_is_bit_identical_to_hf_eager(family):
     assert _compare(ref, ours, ids, mask) == 0.0
 
 
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_eager_is_bit_identical_to_hf_eager_in_float64(family):
+    """Each family's eager function takes its softmax where it does: float32 for Llama, Mistral, Qwen2 (then cast
+    back), the scores' dtype for GPT-2 and BERT. Only float64 tells them apart; our path took every softmax in
+    float32, 1.8e-9 off BERT and NaN on padded GPT-2 (the float64 mask minimum became -inf in float32). Where HF
+    itself gives NaN (a float32-softmax family with left padding, for the same reason) ours gives NaN at the same
+    places: the comparison is bit for bit with NaN matched to NaN, over every position and every pattern."""
+    hf = tiny_hf(family).double()
+    ref, ours = reference_and_ours(hf, "eager")
+    ids, mask = padded_batch(ours.cfg.causal)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, output_attentions=True, **hf_kwargs(ours, mask))
+        got = ours(ids, mask, output_attentions=True)
+    for x, y in zip([main_output(want), *want.attentions], [main_output(got), *got.attentions]):
+        assert x.dtype == y.dtype == torch.float64
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+    assert not main_output(got)[0].isnan().any()  # the unpadded row is compared on numbers
+
+
 @pytest.mark.parametrize("attn", ["eager", "flash"])
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
 def test_minilm_matches_hf(minilm, minilm_folder, attn, padding):

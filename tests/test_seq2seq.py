@@ -84,6 +84,38 @@ def test_parity_with_hf_eager_with_padding_on_both_sides(pair, attn):
         assert (got[real] - want[real]).abs().max() <= 1e-5 * want[real].abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+def test_eager_outputs_and_patterns_are_bit_identical_to_hf_eager(pair, padding, dtype):
+    """Every position of the logits and the encoder output, and every site's pattern (HF's output_attentions),
+    torch.equal to HF eager, with query/key weights x4 and T5's position bias x8 so that the bias, the scale and
+    the mask all move the patterns. T5, BART, mBART and Marian take their softmax in the scores' dtype, where our
+    path took it in float32: the same bits in float32, up to 2.4e-6 apart in float64 (the softmax's precision)."""
+    family, hf, ref = pair
+    hf, ref = copy.deepcopy(hf).to(dtype), copy.deepcopy(ref).to(dtype)
+    src, src_mask, tgt, tgt_mask = _batch()
+    if not padding:
+        src_mask = tgt_mask = None
+    model = interp.load_model(hf, attn="eager")
+    with torch.no_grad():
+        want = ref(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
+                   use_cache=False, output_attentions=True)
+        got, cache = model.run_with_cache(src, src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
+                                          names=lambda name: name.endswith("hook_pattern"))
+        _, qk = model.run_with_cache(src, src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask,
+                                     names=lambda name: name.endswith(("hook_q", "hook_k")))
+    assert got.logits.dtype == dtype
+    assert torch.equal(got.logits, want.logits)
+    assert torch.equal(got.encoder_last_hidden_state, want.encoder_last_hidden_state)
+    theirs = {**{f"encoder.blocks.{i}.attn": a for i, a in enumerate(want.encoder_attentions)},
+              **{f"decoder.blocks.{i}.attn": a for i, a in enumerate(want.decoder_attentions)},
+              **{f"decoder.blocks.{i}.cross_attn": a for i, a in enumerate(want.cross_attentions)}}
+    assert set(theirs) == set(model.sites)
+    for site, pattern in theirs.items():
+        assert torch.equal(cache[f"{site}.hook_pattern"], pattern), site
+        assert torch.equal(qk.pattern(site), pattern), site  # rebuilt from q and k
+
+
 def test_a_decoder_whose_modules_say_not_causal_is_still_causal_on_flash():
     """NLLB-MoE's decoder self-attention modules say is_causal=False (HF refuses sdpa for it); without padding
     the mask function skips the causal mask, so the flash path must know the layer is causal from discovery."""

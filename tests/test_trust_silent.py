@@ -204,3 +204,43 @@ def test_attention_switched_on_one_stack_of_an_encoder_decoder_is_refused():
             model(ids, decoder_input_ids=ids)
         model.set_attn("eager")
         model(ids, decoder_input_ids=ids)
+
+
+# -- issue 35, 8: load_model(instance, ...) never changes the caller's model --------------------------------------
+def _state(hf):
+    return ({k: v.clone() for k, v in hf.state_dict().items()}, [m.training for m in hf.modules()],
+            [p.requires_grad for p in hf.parameters()], hf.config._attn_implementation)
+
+
+def _same_state(hf, state):
+    tensors, modes, grads, key = state
+    now = hf.state_dict()
+    return (all(torch.equal(now[k], v) and now[k].dtype == v.dtype and now[k].device == v.device
+                for k, v in tensors.items()) and [m.training for m in hf.modules()] == modes
+            and [p.requires_grad for p in hf.parameters()] == grads and hf.config._attn_implementation == key
+            and not any(hasattr(m, "_hf_hook") for m in hf.modules()))
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype=torch.bfloat16), dict(dtype="float16", attn="eager"),
+                                    dict(device_map={"": "cpu"}), dict(device="cpu", dtype="float32")])
+def test_load_model_leaves_the_instance_as_it_was(kwargs):
+    """load_model(instance, dtype=torch.bfloat16) converted the caller's model in place, and a device map
+    dispatched it in place; now the wrapper gets a converted copy (or the instance itself where nothing changes) and
+    the instance keeps its weights, dtype, device, train mode and, once the wrapper is gone, HF's attention."""
+    import gc
+
+    hf = tiny_model("llama").train()
+    ids = _ids()
+    before = _state(hf)
+    model = interp.load_model(hf, **kwargs)
+    wanted = interp.loading.resolve_dtype(kwargs.get("dtype")) or torch.float32
+    assert model.dtype == wanted and model.hf.training
+    copied = model.hf is not hf
+    assert copied == (wanted != torch.float32 or "device_map" in kwargs)  # a copy only where something changes
+    if copied:
+        assert _same_state(hf, before)
+    del model
+    gc.collect()
+    assert _same_state(hf, before)  # HF's own attention again: the wrapper is gone
+    with torch.no_grad():
+        assert torch.equal(hf.eval()(ids).logits, tiny_model("llama")(ids).logits)

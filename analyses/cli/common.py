@@ -47,23 +47,15 @@ def _threads(text: str) -> str:
     return text
 
 
-_DEVICES = "auto, cpu, cuda, cuda:N or mps"
-
-
 def _check_device(device: str | None) -> None:
-    """--device names a device torch knows and this machine has."""
-    if device in (None, "auto"):
-        return
-    import torch
+    """--device names a device this machine has (``interp.loading.resolve_device``, the one check)."""
+    from interp.loading import available_devices, resolve_device
 
     try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device must be {_DEVICES}; got {device!r}") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu (or auto)")
-    if kind not in ("cpu", "cuda", "mps"):
-        raise UserError(f"--device must be {_DEVICES}; got {device!r}")
+        resolve_device(device)
+    except ValueError:
+        raise UserError(f"--device must be one of this machine's devices ({', '.join(available_devices())}) or "
+                        f"auto; got {device!r}") from None
 
 
 def _one_line(err: BaseException) -> str:
@@ -97,7 +89,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy-induction", help=f"bundled name ({', '.join(BUNDLED_NAMES)}) or model "
                    "folder")
     p.add_argument("--attn", choices=["flash", "eager"], default="flash", help="attention path (default flash)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, mps or auto (default)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--prompts", type=Path, default=None, help="text file, one prompt a line (token ids for a "
                    "model without a tokenizer)")
