@@ -60,3 +60,36 @@ def test_bad_zoom_and_layer_are_refused(toy):
         long_view(toy, _ids(32), layer=1, zoom=(10, 5))
     with pytest.raises(ValueError, match="layer must be"):
         long_view(toy, _ids(32), layer=7)
+
+
+def test_a_batch_of_several_rows_is_refused_not_glued_into_one_prompt(toy):
+    """ids of shape (2, 30) were read as one 60-token prompt (issue 35): a view of one prompt refuses a batch and says
+    how to pick a row; one row, (1, p) or (p,), gives the same view."""
+    ids = torch.stack([_ids(30), _ids(30).flip(0)])
+    with pytest.raises(ValueError, match=r"one prompt.*got 2 rows.*ids\[i:i\+1\]"):
+        long_view(toy, ids, layer=1)
+    one, flat = long_view(toy, ids[1:2], layer=1), long_view(toy, ids[1], layer=1)
+    assert one.data == flat.data and one.data["n"] == 30
+
+
+def test_bad_arguments_are_refused_with_what_was_given(toy):
+    """Raw errors before (issue 35): IndexError for n_buckets=0, a tuple-index TypeError for layer=1.5, "zoom ... got
+    None" for empty ids, and an AttributeError (n_layers) on an encoder-decoder model."""
+    from test_seq2seq import _tiny
+
+    for empty in (torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), []):
+        with pytest.raises(ValueError, match="no tokens .*the ids are empty"):
+            long_view(toy, empty, layer=1)
+    for n_buckets in (0, -1, 1, 2.5, True):
+        with pytest.raises(ValueError, match=f"n_buckets is a whole number .*got {n_buckets!r}"):
+            long_view(toy, _ids(32), layer=1, n_buckets=n_buckets)
+    for layer in (1.5, -1, "1", None):
+        with pytest.raises(ValueError, match=f"layer must be a whole number in 0..1; got {layer!r}"):
+            long_view(toy, _ids(32), layer=layer)
+    with pytest.raises(TypeError, match="integer token ids"):
+        long_view(toy, torch.rand(8), layer=1)
+    seq2seq = interp.load_model(_tiny("t5"), attn="flash")
+    with pytest.raises(ValueError, match="encoder and decoder stacks.*head_view"):
+        long_view(seq2seq, _ids(16), layer=0)
+    view = long_view(toy, _ids(32), layer=np.int64(1), n_buckets=2)  # a numpy layer is a layer; 2 buckets: 0 and >=1
+    assert view.data["buckets"] == ["0", ">=1"] and 'data-view="long"' in view.html

@@ -70,14 +70,14 @@ class LongView:
 def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None) -> LongView:
     """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path.
 
+    A batch of several rows is refused (the view shows one sequence: pick one with ``ids[i:i+1]``), and so is a
+    model with encoder and decoder stacks (``head_view`` shows its sites).
+
     zoom: (start, stop) query rows shown exactly, at most 256 (default: the last 64 rows). n_buckets: distance
     buckets (default: enough for the prompt's length).
     """
-    ids = torch.as_tensor(ids).reshape(-1)
+    ids, layer, n_buckets = _checked(model, ids, layer, n_buckets)
     n = len(ids)
-    n_buckets = max(2, n - 1).bit_length() + 1 if n_buckets is None else n_buckets
-    if not 0 <= layer < model.cfg.n_layers:
-        raise ValueError(f"layer must be in 0..{model.cfg.n_layers - 1}; got {layer}.")
     start, stop = zoom if zoom is not None else (max(0, n - 64), n)
     if not 0 <= start < stop <= n or stop - start > _MAX_ZOOM:
         raise ValueError(f"zoom is (start, stop) with 0 <= start < stop <= {n} and at most {_MAX_ZOOM} rows; "
@@ -139,6 +139,39 @@ def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buc
                              for i in range(h)]},
     }
     return LongView(data)
+
+
+def _checked(model, ids, layer, n_buckets) -> tuple[torch.Tensor, int, int]:
+    """One prompt's ids ``(p,)``, the layer and the number of distance buckets, after checking what was given."""
+    from ..seq2seq import is_seq2seq
+
+    if is_seq2seq(model):
+        raise ValueError("long_view shows one layer of a model with one self-attention site per layer (decoder-only "
+                         "or encoder); this model has encoder and decoder stacks. Use head_view(model, (source, "
+                         "target)) to see its sites.")
+    try:
+        ids = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"long_view takes one prompt's token ids, (p,) or (1, p); got {type(ids).__name__}.") from None
+    if ids.numel() == 0:
+        raise ValueError(f"long_view was given no tokens (the ids are empty, shape {tuple(ids.shape)}); give the ids "
+                         "of a prompt of at least one token.")
+    if ids.ndim == 2 and ids.shape[0] != 1:
+        raise ValueError(f"long_view shows one prompt: give one row of ids, (p,) or (1, p); got {ids.shape[0]} rows "
+                         f"{tuple(ids.shape)}. Pick one with ids[i:i+1].")
+    if ids.ndim not in (1, 2) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"long_view takes integer token ids of one prompt, (p,) or (1, p); got a {ids.dtype} tensor "
+                        f"of shape {tuple(ids.shape)}.")
+    ids = ids.reshape(-1)
+    n_layers = model.cfg.n_layers
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n_layers:
+        raise ValueError(f"layer must be a whole number in 0..{n_layers - 1}; got {layer!r}.")
+    if n_buckets is None:
+        return ids, int(layer), max(2, len(ids) - 1).bit_length() + 1
+    if isinstance(n_buckets, bool) or not isinstance(n_buckets, (int, np.integer)) or n_buckets < 2:
+        raise ValueError(f"n_buckets is a whole number of distance buckets, at least 2 (distance 0 and the rest), "
+                         f"or None (enough for the prompt's length); got {n_buckets!r}.")
+    return ids, int(layer), int(n_buckets)
 
 
 def _b64(array: np.ndarray) -> str:
