@@ -217,6 +217,21 @@ def test_pruning_curve_plot_with_importance_and_random_orders(curve_df):
     assert ax.get_ylabel() == "second-copy loss"
 
 
+def test_pruning_curves_and_band_end_inside_the_axes(curve_df):
+    """The report's pruning figure set xlim to (0, last step): the curves, their last markers and the band ran into
+    the right edge as if they went on (issue 35). Every line's and the band's x data lie inside the limits, with
+    room for a marker (at least 1% of the width) either side."""
+    ax = pruning_curve_plot(curve_df)
+    lo, hi = ax.get_xlim()
+    room = 0.01 * (hi - lo)
+    xs = [np.asarray(line.get_xdata(), dtype=float) for line in ax.lines if line.get_label() in
+          ("importance", "random (mean of 2 seeds, range shaded)")]
+    xs += [path.vertices[:, 0] for band in ax.collections for path in band.get_paths()]
+    assert len(xs) == 3
+    for x in xs:
+        assert lo + room <= x.min() and x.max() <= hi - room, (x.min(), x.max(), (lo, hi))
+
+
 # -- ax= and no show ------------------------------------------------------------------------------------
 @pytest.fixture
 def plot_calls(toy, tokens, heads_df, scan_df, curve_df):

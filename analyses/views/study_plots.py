@@ -188,7 +188,11 @@ def pruning_curve_plot(df: pd.DataFrame, ax=None, metric_name: str | None = None
     name = metric_name or df.attrs.get("metric", "metric")
     ax.set_xlabel("fraction of heads pruned")
     ax.set_ylabel(name)
-    ax.set_xlim(0, max(float(df["fraction_pruned"].max()), 1e-6))
+    # a margin either side: at xlim = (0, last step) the last markers were cut in half and the curves and band ran
+    # into the right edge as if they went on (issue 35)
+    lo, hi = float(df["fraction_pruned"].min()), float(df["fraction_pruned"].max())
+    pad = 0.03 * max(hi - lo, 0.1)
+    ax.set_xlim(lo - pad, hi + pad)
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     ax.set_title(f"pruning curve: {name}")
