@@ -400,3 +400,18 @@ def test_the_reports_figure_pixels_are_savefigs_tight_picture(heads_df):
     assert expected.shape[1] > 4.0 * 200                # savefig grew the canvas to hold the text
     assert np.asarray(_drawn(fig)).shape == expected.shape
     plt.close(fig)
+
+
+def test_attention_heatmap_of_a_model_in_training_mode_is_its_eval_pattern(tokens):
+    """attention_heatmap(model, ...) ran the model as it was: in training mode with dropout on, a pattern drawn from a
+    dropped-out run, and torch's global RNG moved (issue 35). It runs in ``model.studying()``: the eval pattern, the
+    RNG as it was, the model left in training mode."""
+    model = interp.load_model("toy-induction", attn="flash")
+    for layer in model.hf.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    want = attention_heatmap(model, 1, 3, tokens[0]).collections[0].get_array()
+    model.hf.train()
+    rng = torch.random.get_rng_state()
+    got = attention_heatmap(model, 1, 3, tokens[0]).collections[0].get_array()
+    np.testing.assert_array_equal(got, want)
+    assert torch.equal(torch.random.get_rng_state(), rng) and model.hf.training

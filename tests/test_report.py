@@ -221,3 +221,34 @@ def test_importing_the_report_leaves_the_matplotlib_backend_alone(tmp_path):
                           env={**os.environ, "MPLBACKEND": "svg"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().lower() == "svg"
+
+
+def test_a_model_in_training_mode_gets_the_report_of_eval_mode_and_keeps_its_mode_and_rng(tmp_path):
+    """write_report drew its attention maps with dropout on and moved torch's global RNG (issue 35): every stage runs
+    in eval mode with the RNG untouched (``model.studying()``), and the model is left in training mode. The toy with
+    attention dropout 0.3: the files of a report in training mode equal those in eval mode (but the timings)."""
+    import interp
+    from analyses.views.report import write_report
+
+    model = interp.load_model("toy-induction")
+    for layer in model.hf.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    model.hf.eval()
+    write_report(model, tmp_path / "eval", n_prompts=8, study_prompts=4)
+    model.hf.train()
+    rng = torch.random.get_rng_state()
+    write_report(model, tmp_path / "train", n_prompts=8, study_prompts=4)
+    assert model.hf.training and all(m.training for m in model.hf.modules())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    files = sorted(p.relative_to(tmp_path / "eval") for p in (tmp_path / "eval").rglob("*") if p.is_file())
+    assert any(p.name.startswith("attention_induction") for p in files)
+    for name in files:
+        eval_bytes, train_bytes = (tmp_path / "eval" / name).read_bytes(), (tmp_path / "train" / name).read_bytes()
+        if name.name == "summary.json":
+            eval_bytes, train_bytes = ({k: v for k, v in json.loads(b).items() if k != "seconds"}
+                                       for b in (eval_bytes, train_bytes))
+        elif name.name == "index.html":  # the views' data
+            eval_bytes, train_bytes = (re.findall(rb'class="iv-data">(.*?)</script>', b)
+                                       for b in (eval_bytes, train_bytes))
+            assert len(eval_bytes) >= 2
+        assert eval_bytes == train_bytes, name

@@ -138,7 +138,7 @@ def _pattern_of(source, layer, head, text, tokens, batch) -> tuple[torch.Tensor,
         _check_head(source.cfg.heads_per_layer, layer, head)
         ids = source._inputs(text)[0][:1]  # one sequence: (1, p)
         names = [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]
-        with torch.no_grad():
+        with source.studying(), torch.no_grad():  # eval mode, the RNG untouched: no dropout in the pattern drawn
             _, cache = source.run_with_cache(ids, names=names)
         pattern = cache.pattern(layer, head)[0, 0].float().cpu()
         if tokens is None:

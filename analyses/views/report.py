@@ -150,7 +150,8 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     _formats(fmt)
     if streaming:
         check_streaming(model)
-    with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures")) as staging:
+    with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures")) as staging, \
+            model.studying():  # eval mode and the global RNG untouched for every stage (no dropout in a map)
         return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
 
 
