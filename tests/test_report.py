@@ -252,3 +252,28 @@ def test_a_model_in_training_mode_gets_the_report_of_eval_mode_and_keeps_its_mod
                                        for b in (eval_bytes, train_bytes))
             assert len(eval_bytes) >= 2
         assert eval_bytes == train_bytes, name
+
+
+def test_each_head_view_opens_on_the_head_its_title_names_first():
+    """On SmolLM2 the "strongest heads" view was titled 18.6 (the strongest induction head) and opened on layer 5, the
+    lowest of its heads (a duplicate-token head's; issue 35). The view's data name the layer it opens on: the first
+    head of its title's, and that head is among the heads shown there. The toy with a strongest table whose first
+    head is on layer 1 and the next on layer 0, as on SmolLM2."""
+    import interp
+    from analyses import detect_heads
+    from analyses.views.report import _views
+
+    model = interp.load_model("toy-induction")
+    heads = detect_heads(model, n_prompts=8)
+    strongest = pd.DataFrame({"class": ["induction", "duplicate_token"], "layer": [1, 0], "head": [3, 2],
+                              "score": [0.9, 0.5]})
+    ids = torch.randint(1, 64, (24,), generator=torch.Generator().manual_seed(0))
+    _, cache = model.run_with_cache(ids[None])
+    views = _views(heads, strongest, {"repeated random tokens": (cache, [str(i) for i in range(24)])},
+                   list(model.cfg.sites))
+    [view] = views["head_views_html"]
+    data = json.loads(re.search(r'class="iv-data">(.*?)</script>', view).group(1))
+    first = re.search(r"strongest heads on [^:]+: (\d+)\.(\d+) ", data["title"]).groups()
+    assert first == ("1", "3") and data["layers"] == [0, 1]
+    assert data["open"] == 1 and 3 in data["heads"][data["layers"].index(data["open"])]
+    assert views["head_views"][0]["heads"][0] == "1.3" and views["first_site"] == "blocks.1.attn"

@@ -190,6 +190,13 @@ def test_layer_selector_and_head_buttons(browser, toy, tokens, patterns):
     assert {h for _, h in page.squares("key")} == {0, 1, 3}
     page.check_clean()
     page.close()
+    # heads given as pairs: the view opens on the first head's layer, not the lowest (issue 35)
+    page = Page(browser, head_view(toy, tokens, heads=[(1, 3), (0, 2)]).page())
+    p = page.page
+    assert p.get_attribute(".interp-view", "data-layer") == "1" and p.input_value('[data-role="layer"]') == "1"
+    assert p.locator('[data-role="head"]').all_inner_texts() == ["head 3"]
+    page.check_clean()
+    page.close()
 
 
 def test_heatmap_display_reports_the_hovered_cell(browser, toy, tokens, patterns):

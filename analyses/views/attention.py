@@ -51,7 +51,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
       (either path) with ``text_or_tokens`` the token strings to label it with (default: positions).
     layers: a layer or layers to offer in the selector (default all), by number or site name (``"blocks.3.attn"``).
       heads: head indices shown in each of them (default all), or ``(layer, head)`` or ``(site, head)`` pairs
-      (then ``layers`` follows from them).
+      (then ``layers`` follows from them). The view opens on the first head's layer (or the first layer given).
     window: ``(start, stop)``: only positions ``start .. stop - 1`` (slice rules) of a longer prompt; hovering a
       query also shows how much of its weight falls outside the window.
     batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
@@ -83,6 +83,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     chosen = _choose(run, layers, heads)
     data = _embed(run, chosen, window, "head view")
     sequences = [data[side] for side in SIDES.values()] if "sites" in data else [data]
+    data["open"] = _first_layer(layers, heads, chosen)
     data["display"] = display or ("lines" if max(len(s["tokens"]) for s in sequences) <= LINES_UP_TO else "matrix")
     data["title"] = title or f"head view: {run.name}"
     return HeadView(data)
@@ -130,6 +131,17 @@ def _needed_layers(layers, heads) -> list[int] | None:
     if layers is None:
         return None
     return [layers] if isinstance(layers, int) else [int(l) for l in layers]
+
+
+def _first_layer(layers, heads, chosen: dict[int, list[int]]) -> int:
+    """The layer (site) a head view opens on: the first head's, else the first layer given (the selector lists them
+    in order). A report's view names its strongest head first and opens on it; it opened on the lowest layer of its
+    heads (issue 35: titled 18.6, open on 5.6)."""
+    if heads is not None and len(heads) and isinstance(heads[0], (tuple, list)):
+        return int(heads[0][0])
+    if layers is not None and not isinstance(layers, int) and len(layers):
+        return int(list(layers)[0])
+    return next(iter(chosen))
 
 
 def _choose(run: _Run, layers, heads) -> dict[int, list[int]]:

@@ -153,12 +153,13 @@
   function headView(root, d) {
     const W = Weights(d), ROW = 20;
     const on = new Set(d.heads.flat());
-    let layer = d.layers[0], hover = null, display = d.display;
+    let layer = d.open ?? d.layers[0], hover = null, display = d.display;  // open: the first head's layer
     let S = W.sides(layer), nq = S.q.tokens.length, nk = S.k.tokens.length;  // the shown layer's two sides
 
     const layerSel = el("select", { "data-role": "layer" });
     d.layers.forEach((l) => layerSel.append(d.sites ? el("option", { value: l, "data-site": d.sites[l].name },
       d.sites[l].label) : el("option", { value: l }, "layer " + l)));
+    layerSel.value = layer;
     const displaySel = el("select", { "data-role": "display" });
     displaySel.append(el("option", { value: "lines" }, "lines"), el("option", { value: "matrix" }, "heatmaps"));
     displaySel.value = display;
