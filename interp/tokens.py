@@ -2,9 +2,11 @@
 with whitespace made visible.
 
 Byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM2) store each byte as a printable stand-in (``Ġ`` a space, ``Ċ`` a
-newline, ``âĢľ`` the three bytes of ``“``); they are mapped back to the bytes and decoded (bytes of an incomplete
-character show as ``\\xNN``). SentencePiece's ``▁`` and any space show as ``␣``, newlines as ``\\n``, tabs as
-``\\t``; byte-fallback tokens ``<0xNN>`` as the character, or ``\\xNN`` when it is not one on its own.
+newline, ``âĢľ`` the three bytes of ``“``); they are mapped back to the bytes and decoded. SentencePiece's ``▁`` and
+any space show as ``␣``, newlines as ``\\n``, tabs as ``\\t``. A byte that is not a character on its own (a piece of a
+character a tokenizer split, common among random tokens: ``æĿ`` is the first two of the three bytes of ``杀``) shows
+as tokenizers write a byte-fallback token, ``<0xE6><0x9D>``, never as Python's escapes ``\\xe6\\x9d``; a byte-fallback
+token ``<0xNN>`` shows as its character where it is one (``<0x0A>``: ``\\n``), else as it is.
 
 >>> visible("Ġsaid"), visible("▁said"), visible(" said\\n")
 ('␣said', '␣said', '␣said\\\\n')
@@ -50,17 +52,30 @@ def _from_bytes(token: str) -> str:
     decoder = _byte_decoder()
     if not all(c in decoder for c in token):  # added tokens are kept as they were written
         return token
-    return bytes(decoder[c] for c in token).decode("utf-8", errors="backslashreplace")
+    return _utf8(bytes(decoder[c] for c in token))
+
+
+def _utf8(data: bytes) -> str:
+    """``data`` decoded as UTF-8, each byte that is no part of a whole character as ``<0xNN>``."""
+    shown = []
+    while data:
+        try:
+            shown.append(data.decode("utf-8"))
+            break
+        except UnicodeDecodeError as err:
+            shown.append(data[:err.start].decode("utf-8") + "".join(f"<0x{b:02X}>" for b in data[err.start:err.end]))
+            data = data[err.end:]
+    return "".join(shown)
 
 
 def visible(token: str) -> str:
     """A token string with its whitespace visible: spaces (and ``Ġ``, ``▁``) as ``␣``, newlines (and ``Ċ``) as ``\\n``,
-    tabs as ``\\t``; a byte-fallback token ``<0xNN>`` as its character or ``\\xNN``."""
+    tabs as ``\\t``; a byte-fallback token ``<0xNN>`` as its character, or as it is where the byte is no character."""
     token = str(token)
     byte = _BYTE_TOKEN.match(token)
     if byte:
         value = int(byte.group(1), 16)
-        token = chr(value) if value < 0x80 else f"\\x{value:02x}"
+        token = chr(value) if value < 0x80 else f"<0x{value:02X}>"
     for raw, shown in ((" ", "␣"), ("\u00a0", "␣"), ("Ġ", "␣"), ("▁", "␣"), ("\n", "\\n"), ("Ċ", "\\n"),
                        ("\t", "\\t"), ("ĉ", "\\t")):
         token = token.replace(raw, shown)

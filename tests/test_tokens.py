@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -44,7 +45,27 @@ def test_a_byte_level_decoder_inside_a_sequence_is_byte_level_too(smollm2_tokeni
 
 
 def test_sentencepiece_and_byte_fallback_tokens():
-    assert visible("▁said") == "␣said" and visible("<0x0A>") == "\\n" and visible("<0xC2>") == "\\xc2"
+    assert visible("▁said") == "␣said" and visible("<0x0A>") == "\\n" and visible("<0xC2>") == "<0xC2>"
+    assert visible("<0xc2>") == "<0xC2>"  # one spelling of a byte that is no character, whatever the tokenizer's
+
+
+def test_pieces_of_a_character_show_as_bytes_a_reader_knows(smollm2_tokenizer):
+    """Random tokens of a byte-level vocabulary are often pieces of a character (313 of SmolLM2's 49,152): the
+    report's labels showed Python escapes such as ``\\xe6\\x9d`` (issue 35). A piece shows as tokenizers write a
+    byte-fallback token, ``<0xE6><0x9D>``, whole characters in the same token decoded; the views' labels too."""
+    from types import SimpleNamespace
+
+    from analyses.views.common import model_tokens
+
+    ids = smollm2_tokenizer("a杀b 東京 😀", add_special_tokens=False)["input_ids"]
+    assert smollm2_tokenizer.convert_ids_to_tokens(ids)[1:3] == ["æĿ", "Ģ"]
+    shown = display_tokens(smollm2_tokenizer, ids)
+    assert shown[:3] == ["a", "<0xE6><0x9D>", "<0x80>"] and "<0xE4><0xBA>" in shown
+    assert not any("\\x" in t for t in shown) and model_tokens(SimpleNamespace(tokenizer=smollm2_tokenizer), ids) == shown
+    everything = display_tokens(smollm2_tokenizer, range(len(smollm2_tokenizer)))
+    assert not any("\\x" in t for t in everything)
+    pieces = [t for t in everything if "<0x" in t]
+    assert 300 <= len(pieces) <= 330 and all(re.fullmatch(r"(.*?)((<0x[8-9A-F][0-9A-F]>)+)(.*?)", t) for t in pieces)
 
 
 def test_logit_lens_and_views_show_the_display_form():
