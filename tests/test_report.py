@@ -277,3 +277,15 @@ def test_each_head_view_opens_on_the_head_its_title_names_first():
     assert first == ("1", "3") and data["layers"] == [0, 1]
     assert data["open"] == 1 and 3 in data["heads"][data["layers"].index(data["open"])]
     assert views["head_views"][0]["heads"][0] == "1.3" and views["first_site"] == "blocks.1.attn"
+
+
+def test_the_class_ablation_finding_names_its_prompts(report):
+    """The report's 74% for SmolLM2's induction heads differed from the README's 85% with nothing to say why: they
+    come from different prompts (issue 35). The finding says which: how many sequences, of how many tokens."""
+    summary = json.loads((report / "summary.json").read_text())
+    ablation = summary["class_ablation"]
+    assert (ablation["n"], ablation["tokens"]) == (8, 33)
+    [line] = [f for f in summary["findings"] if "in-context gain" in f and "induction" in f]
+    share = {r["class"]: r["share"] for r in ablation["rows"]}["induction"]
+    assert re.search(rf"removes <b>{share * 100:.0f}%</b> of the in-context gain on 8 repeated random sequences "
+                     r"\[BOS, x, x\] of 33 tokens \(\|x\| = 16\); as many random heads", line), line
