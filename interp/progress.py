@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterable
 
-__all__ = ["progress", "progress_enabled", "progress_lines_off_a_terminal", "set_progress", "stage"]
+__all__ = ["progress", "progress_enabled", "progress_lines_off_a_terminal", "progress_mode", "set_progress", "stage"]
 
 _state: dict[str, bool | str | None] = {"on": None}  # None: decided by where the output goes
 _EVERY = 30.0  # seconds between two lines of one stage in "lines" mode
@@ -48,6 +48,11 @@ def _mode() -> str | None:
         on = "lines" if env == "lines" else env not in ("0", "false", "no", "off") if env else \
             _in_notebook() or bool(getattr(sys.stderr, "isatty", lambda: False)())
     return "lines" if on == "lines" else "bar" if on else None
+
+
+def progress_mode() -> str:
+    """How progress is shown now: ``"bar"``, ``"lines"`` or ``"off"``."""
+    return _mode() or "off"
 
 
 def progress_enabled() -> bool:

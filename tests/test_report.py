@@ -289,3 +289,43 @@ def test_the_class_ablation_finding_names_its_prompts(report):
     share = {r["class"]: r["share"] for r in ablation["rows"]}["induction"]
     assert re.search(rf"removes <b>{share * 100:.0f}%</b> of the in-context gain on 8 repeated random sequences "
                      r"\[BOS, x, x\] of 33 tokens \(\|x\| = 16\); as many random heads", line), line
+
+
+def test_the_cli_report_prints_a_line_per_stage_into_a_log_file(tmp_path):
+    """The report ran 4.5 minutes with nothing printed after the model's conversion line (issue 35). Where stderr is
+    a file (not a terminal: no bar), a line as each stage starts, with the time the one before took. A mistake found
+    once the model is loaded stays the only line on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    def report(*args, env=()):
+        with open(tmp_path / "stderr.txt", "w") as log:
+            done = subprocess.run([sys.executable, "-m", "analyses.cli", "report", "--n-prompts", "8", *args],
+                                  stdout=subprocess.PIPE, stderr=log, text=True, timeout=600,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **dict(env)})
+        return done.returncode, (tmp_path / "stderr.txt").read_text()
+
+    code, err = report("--out", str(tmp_path / "out"))
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("interp report: ")]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    stages = [s for s in summary["seconds"] if s != "total"]
+    assert [line.split(" (")[0] for line in lines] == [f"interp report: {s}" for s in stages]
+    assert re.fullmatch(r"interp report: heads \(stage 2 of 7; load took \d+\.\d s\)", lines[0])
+    assert re.fullmatch(r"interp report: attention maps \(stage 3 of 7; heads took \d+\.\d s\)", lines[1])
+    code, err = report("--out", str(tmp_path / "bad"), "--model", "minilm", "--streaming")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "causal decoders" in err
+
+
+def test_stage_lines_are_quiet_when_progress_is_turned_off(capsys, monkeypatch):
+    from analyses.cli.common import _Progress
+
+    from interp.progress import progress_lines_off_a_terminal
+
+    for env, printed in (("lines", True), ("0", False), ("", True)):  # unset: lines, where stderr is no terminal
+        monkeypatch.setenv("INTERP_PROGRESS", env)
+        with _Progress(["load", "heads"], lines="interp report") as progress, progress_lines_off_a_terminal():
+            progress("load")
+            progress("heads")
+        assert ("interp report: heads (stage 2 of 2; load took" in capsys.readouterr().err) == printed, env

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # interp.BUNDLED's names, for the help text without importing torch (tests/test_cli.py checks that they agree)
@@ -230,16 +231,22 @@ def _emit(df, fmt: str) -> None:
 
 
 class _Progress:
-    """Stage names on a tqdm bar on stderr when it is a terminal; silent otherwise."""
+    """Stage names on a tqdm bar on stderr when it is a terminal; silent otherwise, or with ``lines`` (a command's
+    name) one line per stage where progress is written as lines (``interp.progress.progress_lines_off_a_terminal``):
+    each stage as it starts, with the time the one before took. The first stage (loading the model) gets no line of
+    its own: a mistake found after it is still the only line on stderr."""
 
-    def __init__(self, stages: list[str]):
+    def __init__(self, stages: list[str], lines: str | None = None):
         from interp import distributed
 
-        self.bar = None
+        self.bar, self.lines = None, None
         if sys.stderr.isatty() and distributed.rank_zero():
             from tqdm import tqdm
 
             self.bar = tqdm(total=len(stages), file=sys.stderr, unit="stage", leave=False)
+        elif distributed.rank_zero():
+            self.lines = lines
+        self.stages, self.last = list(stages), None
         self.started = False
 
     def __call__(self, stage: str) -> None:
@@ -248,6 +255,14 @@ class _Progress:
                 self.bar.update(1)
             self.bar.set_description(stage)
             self.started = True
+        from interp.progress import progress_mode
+
+        now = time.perf_counter()
+        if self.lines and self.last is not None and progress_mode() == "lines":
+            number = self.stages.index(stage) + 1 if stage in self.stages else "?"
+            print(f"{self.lines}: {stage} (stage {number} of {len(self.stages)}; {self.last[0]} took "
+                  f"{now - self.last[1]:.1f} s)", file=sys.stderr, flush=True)
+        self.last = (stage, now)
 
     def close(self) -> None:
         if self.bar is not None:

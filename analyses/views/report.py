@@ -132,7 +132,8 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     model (an encoder-decoder model's heads per attention site, its studies on the copy task or its prompts copied).
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
-    ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage.
+    ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage (default: a line per
+    stage on stderr where progress is shown, ``interp.progress``).
     n_prompts: prompts per head score (default 64, or 32 for a model with more than 100 heads, whose bootstrap
     intervals stay narrow: on SmolLM2 the widest is 0.10, BENCHMARKS.md).
     study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
@@ -362,7 +363,7 @@ def _views(heads, strongest, shown, sites) -> dict:
 
 
 def _print_stage(stage: str) -> None:
-    """The report's stages on stderr, where progress is shown (``interp.progress``)."""
+    """The report's stages on stderr, where progress is shown (``interp.progress``: bars, or lines for a log)."""
     if progress_enabled():
         print(f"interp report: {stage}", file=sys.stderr, flush=True)
 
