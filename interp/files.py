@@ -50,11 +50,15 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 @contextmanager
-def staged_folder(out: str | os.PathLike, overwrite: bool = False, names: tuple[str, ...] | None = None) -> Iterator[Path]:
-    """``with staged_folder(out) as tmp:`` write every output into ``tmp``; on success each file and folder in it
-    replaces its namesake in ``out`` (created if missing; other files of ``out`` are left alone), on failure
-    nothing in ``out`` changes and ``tmp`` is removed. Without ``overwrite``, any of ``names`` (default: whatever
-    the block writes) that exists in ``out`` is an error, raised before anything is moved."""
+def staged_folder(out: str | os.PathLike, overwrite: bool = False, names: tuple[str, ...] | None = None,
+                  earlier: tuple[str, ...] = ()) -> Iterator[Path]:
+    """``with staged_folder(out) as tmp:`` write every output into ``tmp``; on success each file in it replaces its
+    namesake in ``out`` (created if missing), and each folder in it is merged into its namesake the same way: files
+    of ``out`` that the block did not write are left alone (a user's own file in a report's ``figures/`` too), except
+    those named in ``earlier``, paths relative to ``out`` that an earlier run of the same program wrote (its outputs,
+    not the user's: removed where this run does not write them again). On failure nothing in ``out`` changes and
+    ``tmp`` is removed. Without ``overwrite``, any of ``names`` (default: whatever the block writes) that exists in
+    ``out`` is an error, raised before anything is moved."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{str(out)!r} is a file; give a folder for the outputs.")
@@ -70,15 +74,28 @@ def staged_folder(out: str | os.PathLike, overwrite: bool = False, names: tuple[
         if not overwrite:
             for item in made:
                 refuse_overwrite(out / item.name, overwrite)
+        written = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir()}
         out.mkdir(exist_ok=True)
-        for item in made:
-            target = out / item.name
-            if target.is_dir() and not target.is_symlink():
-                old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:6]}")
-                os.replace(target, old)
-                os.replace(item, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(item, target)
+        _merge(tmp, out)
+        for name in sorted(set(earlier) - written):  # an earlier run's outputs this run did not write again
+            stale = out / name
+            if _relative(name) and stale.is_file() and not stale.is_symlink():
+                stale.unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _merge(source: Path, target: Path) -> None:
+    """Move everything in ``source`` into ``target``: a file replaces its namesake, a folder is merged into its."""
+    for item in sorted(source.iterdir()):
+        there = target / item.name
+        if item.is_dir() and there.is_dir() and not there.is_symlink():
+            _merge(item, there)
+        else:
+            os.replace(item, there)
+
+
+def _relative(name) -> bool:
+    """Whether ``name`` (read from a file the user could edit) is a path that stays inside the folder it is relative
+    to."""
+    return isinstance(name, str) and bool(name) and not Path(name).is_absolute() and ".." not in Path(name).parts

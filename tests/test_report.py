@@ -329,3 +329,27 @@ def test_stage_lines_are_quiet_when_progress_is_turned_off(capsys, monkeypatch):
             progress("load")
             progress("heads")
         assert ("interp report: heads (stage 2 of 2; load took" in capsys.readouterr().err) == printed, env
+
+
+def test_force_replaces_the_earlier_reports_files_and_keeps_the_users(tmp_path, capsys):
+    """`interp report --force` replaced the whole figures/ folder, a user's own file in it too (issue 35): it replaces
+    what a report wrote (the earlier report's summary lists its files), never a file it did not write."""
+    import interp
+    from analyses.views.report import write_report
+
+    out = tmp_path / "report"
+    write_report(interp.load_model("toy-induction"), out, n_prompts=4, study_prompts=2, fmt="svg")
+    earlier = json.loads((out / "summary.json").read_text()).get("files", [])
+    mine = {"notes.txt": "my notes", "figures/mine.png": "my figure", "figures/drafts/a.txt": "a draft"}
+    for name, text in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    assert main(["report", "--out", str(out), "--force", "--n-prompts", "4"]) == 0
+    for name, text in mine.items():
+        assert (out / name).read_text() == text, name
+    figures = sorted(p.name for p in (out / "figures").iterdir())
+    assert "pruning.png" in figures and not any(f.endswith(".svg") for f in figures)  # the earlier report's: gone
+    assert "figures/pruning.svg" in earlier and "index.html" in earlier and "summary.json" in earlier
+    files = json.loads((out / "summary.json").read_text())["files"]
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and
+                  p.relative_to(out).as_posix() not in mine) == files

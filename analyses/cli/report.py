@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                    "for a model with more than 100 heads)")
     p.add_argument("--fmt", default="png", help="format(s) of the files in figures/: png, svg, pdf, or a comma list "
                    "(svg,pdf: vector, for papers); the page always embeds 2x PNGs")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out folder")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out folder: the files of an earlier "
+                   "report there are replaced, other files (also in figures/) stay")
     p.add_argument("--streaming", action="store_true", help="add a streaming-heads section (sinks + a recent window, "
                    "in order of the induction score against random orders; causal decoders only)")
     p.set_defaults(func=cmd_report)

@@ -140,8 +140,8 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     more than 100 heads; pruning steps of 10% of the remaining heads, or 20% there).
     fmt: the format(s) of the figure files, ``"png"``, ``"svg"`` or ``"pdf"`` (vector, for papers), or several
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
-    overwrite: replace the report files of an earlier report in ``out`` (other files there are left alone); without
-    it an existing report file is an error. Every file is written into a staging folder first and moved into
+    overwrite: replace the files of an earlier report in ``out`` (those its ``summary.json`` lists under ``files``);
+    other files there, also in ``figures/``, are left alone. Without it an existing report file is an error. Every file is written into a staging folder first and moved into
     ``out`` only when all are written (``interp.files.staged_folder``): a full disk or an error midway leaves
     ``out`` as it was.
     streaming: add a streaming section (``report_streaming``: heads streamed in order of their induction score
@@ -151,7 +151,8 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     _formats(fmt)
     if streaming:
         check_streaming(model)
-    with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures")) as staging, \
+    earlier = _earlier_files(out) if overwrite else ()
+    with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures"), earlier=earlier) as staging, \
             model.studying():  # eval mode and the global RNG untouched for every stage (no dropout in a map)
         return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
 
@@ -267,6 +268,9 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
                      "python": platform.python_version()},
     }
     summary["findings"] = findings(summary, heads)
+    # what this report wrote, so that the next one with overwrite replaces these and leaves the user's files alone
+    summary["files"] = sorted({p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} |
+                              {"summary.json", "index.html"})
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (out / "index.html").write_text(page(summary, heads, strongest, scan, summary_curves, maps, scores, figures,
                                          views))
@@ -366,6 +370,15 @@ def _print_stage(stage: str) -> None:
     """The report's stages on stderr, where progress is shown (``interp.progress``: bars, or lines for a log)."""
     if progress_enabled():
         print(f"interp report: {stage}", file=sys.stderr, flush=True)
+
+
+def _earlier_files(out) -> tuple[str, ...]:
+    """The files an earlier report in ``out`` wrote (its summary's ``files``); none where it has no readable list."""
+    try:
+        files = json.loads((Path(out) / "summary.json").read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else ()
 
 
 def _ids_of(model, text):
