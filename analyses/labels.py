@@ -11,7 +11,7 @@ import pandas as pd
 from interp.sites import one_site_per_layer
 
 __all__ = ["DEFAULT_THRESHOLDS", "KINDS", "TAXONOMY_SCORES", "RETRIEVAL_SCORES", "CROSS_KINDS", "SCORE_DEFINITIONS",
-           "LABEL_ORDER", "choose_scores", "head_labels", "label_heads", "resolve_thresholds", "strongest_heads"]
+           "LABEL_ORDER", "NO_CLASS", "choose_scores", "head_labels", "label_heads", "resolve_thresholds", "strongest_heads"]
 
 # -- the scores' names: the one list each kind of score is read from -----------------------------------------
 WEIGHT_SCORES = ("previous_token", "next_token", "self", "sink", "duplicate_token", "induction")
@@ -133,6 +133,8 @@ SCORE_DEFINITIONS = {
 # previous-token head is also positional (offset -1); the primary label names what is special about the head.
 LABEL_ORDER = ("name_mover", "s_inhibition", "function_vector", "successor", "copy_suppression", "retrieval",
                "induction", "duplicate_token", "previous_token", "next_token", "positional", "self", "sink")
+# The primary labels that name no class: measured and cleared none, or not measured at all
+NO_CLASS = ("none", "nan")
 
 
 def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:

@@ -353,3 +353,18 @@ def test_force_replaces_the_earlier_reports_files_and_keeps_the_users(tmp_path, 
     files = json.loads((out / "summary.json").read_text())["files"]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and
                   p.relative_to(out).as_posix() not in mine) == files
+
+
+def test_heads_whose_scores_were_not_measured_are_not_listed_as_labelled():
+    """A head labelled 'nan' (none of its scores measured) is no class: the report's table of labelled heads leaves it
+    out, as it leaves out 'none'."""
+    import pandas as pd
+
+    from analyses.views.report_page import _labelled_table
+    heads = pd.DataFrame({"stack": "", "kind": "self", "site": ["blocks.0.attn"] * 3, "layer": 0, "head": [0, 1, 2],
+                          "induction": [0.9, 0.1, float("nan")], "induction_lo": [0.8, 0.0, float("nan")],
+                          "induction_hi": [1.0, 0.2, float("nan")], "label": ["induction", "none", "nan"],
+                          "labels": ["induction", "", "nan"]})
+    table = _labelled_table(heads)
+    assert "0.0" in table and "0.1" not in table and "0.2" not in table
+    assert _labelled_table(heads.iloc[1:]) == "<p>No head passes a threshold.</p>"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from interp.sites import one_site_per_layer
 
+from ..labels import NO_CLASS
 from ..seq2seq import CROSS_DEFINITIONS, CROSS_SCORES
 from .common import MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens, visible_token
 from .runs import SIDES, _Run, places_of, site_indices
@@ -252,7 +253,7 @@ def _score_table(df, sites=None) -> dict:
             if offset in r and _num(r[offset]) is not None:  # NaN on heads of the other kind
                 entry[offset] = int(r[offset])
         labels = r.get("labels", r.get("label"))
-        if not isinstance(labels, str) and isinstance(r.get("label"), str) and r["label"] != "none":
+        if not isinstance(labels, str) and isinstance(r.get("label"), str) and r["label"] not in NO_CLASS:
             labels = r["label"]  # cross-attention rows of seq2seq_heads have a label and no labels
         entry["labels"] = labels if isinstance(labels, str) else ""  # a CSV reads an empty label as NaN
         if index is not None and r["site"] not in index:

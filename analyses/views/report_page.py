@@ -10,7 +10,7 @@ import time
 
 import pandas as pd
 
-from ..labels import SCORE_DEFINITIONS
+from ..labels import NO_CLASS, SCORE_DEFINITIONS
 from ..seq2seq import CROSS_DEFINITIONS
 from .report_story import head_name
 from .report_streaming import streaming_html
@@ -89,7 +89,7 @@ def _strongest_table(strongest: pd.DataFrame, thresholds: dict) -> str:
 def _labelled_table(heads: pd.DataFrame) -> str:
     """Every labelled head with the score of its label and that score's interval, strongest first per class."""
     rows = []
-    for r in heads[heads["label"] != "none"].to_dict(orient="records"):
+    for r in heads[~heads["label"].isin(NO_CLASS)].to_dict(orient="records"):
         column = _column(r["label"])
         rows.append({"label": r["label"], "head": head_name(r), "score": float(r[column]),
                      "95% interval": _interval(r.get(f"{column}_lo", float("nan")), r.get(f"{column}_hi", float("nan"))),
@@ -110,7 +110,7 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
     found = "".join(f"<li>{esc(line)}</li>" for line in summary["structure"])
     thresholds = summary["thresholds"] or {}
     counts = ", ".join(f"{k} {v}" for k, v in summary["label_counts"].items())
-    n_labelled = int((heads["label"] != "none").sum())
+    n_labelled = int((~heads["label"].isin(NO_CLASS)).sum())
     kind_of = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
     intervals = "each cell: the score and, below it, its 95% bootstrap interval over prompts"
     grids = "".join(
