@@ -73,7 +73,7 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
             labels = [labels[i] for i in order]
         texts.append("".join(f"Q: {a}\nA: {b}\n\n" for (a, _), b in zip(demos, labels)) + f"Q: {x}\nA:")
         answers.append(model.tokenizer(" " + y, add_special_tokens=False)["input_ids"][0])
-    return model.to_tokens(texts), torch.tensor(answers)
+    return model.to_batch(texts), torch.tensor(answers)
 
 
 def _probabilities(output, answers: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         models only), ``self``, ``sink``, ``duplicate_token``, ``induction``, ``positional``. Definitions
         in ``analyses.scores``.
     prompts: None, or the inputs for every score: texts, token-id sequences (lists or 1-D tensors), a
-        2-D tensor of ids, or ``model.to_tokens`` output. Each must fit the model's positions.
+        2-D tensor of ids, or ``model.to_batch`` output. Each must fit the model's positions.
         With None, ``duplicate_token`` and ``induction`` run on ``n_prompts`` repeated random token
         sequences (``repeated_random_tokens``) and the other scores on ``n_prompts`` prompts of the
         bundled corpus of plain English sentences; a model without a tokenizer uses the random
