@@ -65,6 +65,13 @@ class ModelCache(ActivationCache):
         self.has_batch_dim = False
         return self
 
+    def pattern(self, layer, heads=None) -> torch.Tensor:
+        """``ActivationCache.pattern``, also after ``remove_batch_dim()`` (then ``(h, q, k)``)."""
+        if self.has_batch_dim:
+            return super().pattern(layer, heads)
+        batched = ModelCache({k: t[None] for k, t in self._store.items()}, self.meta, self.model)
+        return batched.pattern(layer, heads)[0]
+
     # -- the stack read ------------------------------------------------------------------------------------------
     def _stack_prefix(self, stack: str | None) -> tuple[str, int]:
         """``(hook prefix, blocks)`` of the residual stack read: ``blocks`` of a model with one stack, else

@@ -195,6 +195,11 @@ class TokensMixin:
         loss = lm_loss(logits, batch["input_ids"], batch.get("attention_mask"), loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def loss_fn(self, logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                per_token: bool = False) -> torch.Tensor:
+        """TransformerLens's ``model.loss_fn``: next-token cross-entropy of ``logits`` on ``tokens``."""
+        return lm_loss(logits, torch.as_tensor(tokens, device=logits.device), attention_mask, per_token)
+
     # -- generation ---------------------------------------------------------------------------------------------
     def generate(self, input="", max_new_tokens: int = 10, stop_at_eos: bool = True,  # noqa: A002
                  eos_token_id: int | None = None, do_sample: bool = True, top_k: int | None = None,
