@@ -92,6 +92,14 @@ class ModelCache(ActivationCache):
             raise KeyError(f"No {prefix}.*.hook_resid_pre in this cache; run_with_cache captures it by default.")
         return prefix, max(layers) + 1
 
+    def _single(self, what: str) -> int:
+        """The block count of a one-stream cache; an encoder-decoder model's is refused for ``what``."""
+        if any(".blocks." in name for name in self._store):
+            raise NotImplementedError(f"{what} splits one residual stream into sublayer outputs; an encoder-decoder "
+                                      "model has two and its blocks have no MLP hook. Use accumulated_resid(stack="
+                                      "'encoder' or 'decoder') or stack_activation.")
+        return self._stack_prefix(None)[1]
+
     def _get(self, prefix: str, layer: int, kind: str) -> torch.Tensor:
         name = f"{prefix}.{layer}.hook_{kind}"
         if name not in self._store:
@@ -235,7 +243,7 @@ class ModelCache(ActivationCache):
         (``pos_embed``), then each block's ``{l}_attn_out`` and ``{l}_mlp_out`` (``mode``: "all", "attn", "mlp")."""
         if mode not in ("all", "attn", "mlp"):
             raise ValueError(f"mode is 'all', 'attn' or 'mlp'; got {mode!r}.")
-        prefix, n = self._stack_prefix(None)
+        prefix, n = "blocks", self._single("decompose_resid")
         layer = self._layer(layer, n)
         parts, labels = self._embeds(pos_slice) if incl_embeds else ([], [])
         for l in range(layer + (1 if mlp_input and layer < n else 0)):
@@ -270,7 +278,7 @@ class ModelCache(ActivationCache):
         ``(stack, labels)`` of those layers."""
         if layers is not None:
             return super().stack_head_results(layers)
-        _, n = self._stack_prefix(None)
+        n = self._single("stack_head_results")
         layer = self._layer(layer, n)
         parts, labels = [], []
         for l in range(layer):
@@ -301,7 +309,7 @@ class ModelCache(ActivationCache):
             raise NotImplementedError("interp has no hook on MLP neurons, so they cannot be expanded; pass "
                                       "expand_neurons=False for one row per MLP.")
         model = self._require_model("get_full_resid_decomposition")
-        _, n = self._stack_prefix(None)
+        n = self._single("get_full_resid_decomposition")
         layer = self._layer(layer, n)
         upto = layer + (1 if mlp_input and layer < n else 0)
         heads, labels = self.stack_head_results(upto, return_labels=True, pos_slice=pos_slice)

@@ -290,3 +290,23 @@ def test_an_encoder_cache_accumulates_and_refuses_a_split(minilm):
         cache.decompose_resid()
     with pytest.raises(NotImplementedError, match="Post-norm"):
         cache.accumulated_resid(layer=2, apply_ln=True)
+
+
+def test_an_encoder_decoder_cache_reads_each_stack_and_refuses_the_rest():
+    from tests.test_seq2seq import _tiny
+
+    t5 = interp.load_model(_tiny("t5"), attn="eager")
+    ids, dec = _ids(2, 6) % 50, _ids(2, 4, seed=1) % 50
+    _, cache = t5.run_with_cache(ids, decoder_input_ids=dec)
+    encoder, labels = cache.accumulated_resid(stack="encoder", return_labels=True)
+    assert labels[-1] == "final_post" and torch.equal(encoder[-1], cache["encoder.blocks.1.hook_resid_post"])
+    assert torch.equal(cache.accumulated_resid(stack="decoder")[0], cache["decoder.blocks.0.hook_resid_pre"])
+    with pytest.raises(ValueError, match="stack='encoder' or stack='decoder'"):
+        cache.accumulated_resid()
+    with pytest.raises(NotImplementedError, match="encoder-decoder model has two"):
+        cache.decompose_resid()
+    with pytest.raises(NotImplementedError, match="head_weights"):
+        t5.W_Q
+    with pytest.raises(NotImplementedError, match="model.hf.generate"):
+        t5.generate(ids)
+    assert t5(ids, decoder_input_ids=dec, return_type="logits").shape == (2, 4, t5.cfg.vocab_size)
