@@ -310,3 +310,23 @@ def test_an_encoder_decoder_cache_reads_each_stack_and_refuses_the_rest():
     with pytest.raises(NotImplementedError, match="model.hf.generate"):
         t5.generate(ids)
     assert t5(ids, decoder_input_ids=dec, return_type="logits").shape == (2, 4, t5.cfg.vocab_size)
+
+
+def test_add_hook_reset_hooks_and_hook_layer(llama):
+    ids = _ids()
+    seen = []
+    llama.add_hook("blocks.1.attn.hook_z", lambda z, hook: seen.append(hook.layer()))
+    llama.add_hook(lambda n: n.endswith("hook_resid_post"), lambda x, hook: seen.append(("post", hook.layer)),
+                   is_permanent=True)
+    llama(ids)
+    assert seen == [("post", 0), 1, ("post", 1)]
+    llama.reset_hooks()  # the permanent hook stays
+    seen.clear()
+    llama(ids)
+    assert seen == [("post", 0), ("post", 1)]
+    llama.reset_hooks(including_permanent=True)
+    seen.clear()
+    llama(ids)
+    assert seen == [] and not llama._registry.active()
+    with pytest.raises(ValueError, match="forward hooks"):
+        llama.add_hook("blocks.0.attn.hook_z", lambda z, hook: None, dir="bwd")
