@@ -1,25 +1,19 @@
 """TransformerLens's Exploratory Analysis Demo (indirect object identification), step by step, on interp (issue 37).
 
-Written from the demo's outline (TransformerLensOrg/TransformerLens, demos/Exploratory_Analysis_Demo.ipynb), not
-copied. Only the loading lines differ from TransformerLens code (SmolLM2-135M for GPT-2 small); every other line
-that had to change ends with a CHANGED comment saying why (``notebooks/transformerlens.md`` counts them).
+From TransformerLens's demos/Exploratory_Analysis_Demo.ipynb outline, not copied: the loading lines use SmolLM2-135M
+for GPT-2 small, and a CHANGED comment says why any other line differs (``notebooks/transformerlens.md``).
 
     python notebooks/tl_demos/exploratory_demo.py --attn flash      # or eager; --device cuda --dtype bfloat16
 """
 
-import argparse
 from functools import partial
 
 import torch
 
 from interp import HookedTransformer, utils  # loading: was `from transformer_lens import HookedTransformer, utils`
+from options import options  # --attn, --device, --dtype (and no gradients, as the demos set)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--attn", default="flash")
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--dtype", default=None)
-args = parser.parse_args()
-torch.set_grad_enabled(False)
+args = options()
 
 model = HookedTransformer.from_pretrained("smollm2", attn=args.attn, device=args.device, dtype=args.dtype)  # loading
 

@@ -1,25 +1,19 @@
 """TransformerLens's Main Demo, step by step, as a TransformerLens user writes it, on interp (issue 37).
 
-Written from the demo's outline (TransformerLensOrg/TransformerLens, demos/Main_Demo.ipynb), not copied. Only the
-loading lines differ from TransformerLens code (SmolLM2-135M for GPT-2 small); every other line that had to change
-ends with a CHANGED comment saying why (``notebooks/transformerlens.md`` counts them).
+Written from TransformerLens's demos/Main_Demo.ipynb outline, not copied; loading lines differ (SmolLM2-135M for
+GPT-2 small), and each other changed line says why in a CHANGED comment (``notebooks/transformerlens.md``).
 
     python notebooks/tl_demos/main_demo.py --attn flash      # or eager; --device cuda --dtype bfloat16
 """
 
-import argparse
 from functools import partial
 
 import torch
 
 from interp import HookedTransformer, utils  # loading: was `from transformer_lens import HookedTransformer, utils`
+from options import options  # --attn, --device, --dtype (and no gradients, as the demos set)
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--attn", default="flash")
-parser.add_argument("--device", default="cpu")
-parser.add_argument("--dtype", default=None)
-args = parser.parse_args()
-torch.set_grad_enabled(False)
+args = options()
 
 # -- loading and running ---------------------------------------------------------------------------------------
 model = HookedTransformer.from_pretrained("smollm2", attn=args.attn, device=args.device, dtype=args.dtype)  # loading
