@@ -16,6 +16,7 @@ import torch
 import pandas as pd
 
 from interp.inputs import encode
+from interp.norms import norm_centres as _centres, norm_eps as _eps  # noqa: F401  (their home before)
 from interp.sites import FRONT, check_heads, head_columns, site_of
 
 from .engine import Shard, _arguments, _run
@@ -108,36 +109,6 @@ def _first_order(model, clean, corrupted, metric, names, n: int | None):
 
 
 # -- the final norm, frozen --------------------------------------------------------------------------------------
-def _eps(norm, d_model: int) -> float:
-    """The norm's epsilon: its attribute, or (OLMo's LayerNorm hard-codes it) solved from the module's output on a
-    small input, where the epsilon weighs as much as the input's own scale."""
-    for attr in ("eps", "variance_epsilon", "epsilon"):
-        value = getattr(norm, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    param = next(norm.parameters(), None)
-    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
-    sign = torch.ones(1, d_model, dtype=dtype, device=device)
-    sign[0, 1::2] = -1.0  # mean 0, mean square 1: LayerNorm and RMSNorm see the same scale
-    small = 1e-3
-    with torch.no_grad():
-        ratio = float((norm(sign * small).double() - norm(sign * 0).double()).abs().sum()
-                      / (norm(sign).double() - norm(sign * 0).double()).abs().sum()) / small
-    # ratio = sqrt(1 + eps) / sqrt(small^2 + eps)
-    return max(0.0, (1.0 - ratio**2 * small**2) / (ratio**2 - 1.0))
-
-
-def _centres(norm, d_model: int) -> bool:
-    """Whether the norm subtracts the mean (a LayerNorm) rather than only dividing by the root mean square (T5's
-    ``T5LayerNorm`` is an RMSNorm by another name): a LayerNorm's output ignores a constant added to the input."""
-    param = next(norm.parameters(), None)
-    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
-    x = torch.ones(1, d_model, dtype=dtype, device=device)
-    x[0, 1::2] = -1.0
-    with torch.no_grad():
-        return bool(torch.allclose(norm(x + 3.0).float(), norm(x).float(), atol=1e-3))
-
-
 def frozen_norm(norm, x: torch.Tensor):
     """The final norm at the residual ``x: (n, m)`` with its scale frozen: ``(apply, bias)`` where ``apply(c)``
     maps a component ``c: (..., n, m)`` linearly and ``apply(x) + bias`` equals ``norm(x)``.

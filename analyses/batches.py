@@ -14,7 +14,7 @@ Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
 
 def batch_of(model, inputs) -> Batch:
     """Normalise a study's inputs into a batch on the model's device: ``{"input_ids": (b, p), "attention_mask":
-    (b, p) or None}`` from text (tokenized with ``model.to_tokens``), token ids ``(b, p)``/``(p,)`` or a mapping.
+    (b, p) or None}`` from text (tokenized with ``model.to_batch``), token ids ``(b, p)``/``(p,)`` or a mapping.
 
     What a batch holds is what the model's sites read (``site.queries``/``site.keys``): a model with a decoder stack
     fed separately (encoder-decoder) also needs ``decoder_input_ids`` and takes ``decoder_attention_mask`` (teacher
@@ -22,7 +22,7 @@ def batch_of(model, inputs) -> Batch:
     if any(s.queries == "decoder_input_ids" for s in model.cfg.sites):
         return _two_stack_batch(model, inputs)
     if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)):
-        inputs = model.to_tokens(inputs)
+        inputs = model.to_batch(inputs)
     if isinstance(inputs, Mapping):
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     else:

@@ -14,123 +14,20 @@ here). For an earlier head A and a later head B (Elhage et al.):
     V-composition = ||W_OV^A @ W_OV^B|| / (||W_OV^A|| ||W_OV^B||)      (read by B's values)
 
 in Frobenius norms, computed from the factors: no d_model x d_model matrix per head is ever built unless asked
-for (``LowRank.full``).
+for (``LowRank.full``). ``LowRank`` and ``head_weights`` live in ``interp.circuits`` (the model's ``W_Q`` ... and
+``OV``/``QK`` read them too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pandas as pd
-import torch
-from transformers.pytorch_utils import Conv1D
 
-from interp.distributed import onloaded
-from interp.sites import FRONT, Site, head_columns, is_layered
+from interp.circuits import LowRank, head_weights
+from interp.sites import FRONT, head_columns, is_layered
 
 __all__ = ["LowRank", "head_weights", "qk_circuit", "ov_circuit", "composition_scores"]
 
 SOURCE = ["source_stack", "source_kind", "source_site", "source_layer", "source_head"]  # head A's columns
-
-
-@dataclass(frozen=True)
-class LowRank:
-    """A matrix kept as ``left @ right``: left (..., m, r), right (..., r, n)."""
-
-    left: torch.Tensor
-    right: torch.Tensor
-
-    def full(self) -> torch.Tensor:
-        return self.left @ self.right
-
-    @property
-    def T(self) -> LowRank:  # noqa: N802
-        return LowRank(self.right.transpose(-1, -2), self.left.transpose(-1, -2))
-
-    def __matmul__(self, other: LowRank) -> LowRank:
-        return LowRank(self.left @ (self.right @ other.left), other.right)
-
-    def norm(self) -> torch.Tensor:
-        """Frobenius norm, from r x r Gram matrices: ||L R||^2 = tr((L^T L)(R R^T))."""
-        gram_left = self.left.transpose(-1, -2) @ self.left
-        gram_right = self.right @ self.right.transpose(-1, -2)
-        return (gram_left * gram_right.transpose(-1, -2)).sum((-1, -2)).clamp(min=0).sqrt()
-
-
-def _rows(module: torch.nn.Module, index: torch.Tensor) -> torch.Tensor:
-    """Output features ``index`` of a projection as (d_model, len(index)) columns: x @ W."""
-    weight = module.weight.detach().double()
-    return weight[:, index] if isinstance(module, Conv1D) else weight[index].T
-
-
-def _norm_weight(norm) -> torch.Tensor | None:
-    if norm is None:
-        return None
-    weight = getattr(norm, "weight", None)
-    if "RMS" not in type(norm).__name__ and (isinstance(norm, torch.nn.LayerNorm) or "LayerNorm" in type(norm).__name__):
-        return weight.detach().double() if weight is not None else None
-    from .attribution import _eps
-
-    with torch.no_grad():  # the effective weight of any RMSNorm convention (Gemma's 1 + w included)
-        ones = torch.ones(1, weight.shape[-1], dtype=weight.dtype, device=weight.device)
-        return norm(ones).double()[0] * (1.0 + _eps(norm, weight.shape[-1])) ** 0.5
-
-
-def head_weights(model, layer, fold_norms: bool = True) -> dict[str, torch.Tensor]:
-    """One site's W_Q (h, m, d), W_K and W_V (g, m, d|e) and W_O (h, e, m) in float64, as row-vector maps, on the
-    model's input device (a model split by a device map has its layers elsewhere; offloaded weights are loaded for
-    the read). ``layer``: a site's name (``"decoder.blocks.0.cross_attn"``), or on a model with one site per
-    layer the layer's number."""
-    site = _check_site(model, layer)
-    module, _ = model.projections_of(site)
-    with onloaded(module):
-        weights = _head_weights(model, site, fold_norms)
-    return {name: w.to(model.device) for name, w in weights.items()}
-
-
-def _check_site(model, layer) -> Site:
-    if isinstance(layer, str):
-        if layer not in model.sites:
-            raise ValueError(f"{layer!r} is not an attention site of this model; give one of "
-                             f"{', '.join(model.sites)}.")
-        return model.sites[layer]
-    if not is_layered(model):
-        raise ValueError(f"An encoder-decoder model's weights are read per site: give a site name such as "
-                         f"{model.cfg.sites[-1].name!r}; got {layer!r}.")
-    n = model.cfg.n_layers
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-        raise ValueError(f"layer must be an integer in [0, {n}) (this model has {n} layers); got {layer!r}.")
-    return model.cfg.sites[layer]
-
-
-def _head_weights(model, site: Site, fold_norms: bool) -> dict[str, torch.Tensor]:
-    module, proj = model.projections_of(site)  # paths relative to module
-    o_proj = model.o_proj_of(site)
-    if isinstance(proj, str) or o_proj is None:
-        raise NotImplementedError(f"{site.name}'s weights cannot be split per head: "
-                                  f"{proj if isinstance(proj, str) else 'no output projection reads z'}.")
-    h, g, d, e = site.n_heads, site.n_kv_heads, site.d_head, site.d_head_v
-    arange = torch.arange
-    if proj.layout == "separate":
-        q, k, v = (module.get_submodule(p) for p in (proj.q, proj.k, proj.v))
-        w_q, w_k, w_v = _rows(q, arange(h * d)), _rows(k, arange(g * d)), _rows(v, arange(g * e))
-    elif proj.layout == "concat":
-        qkv = module.get_submodule(proj.q)
-        w_q, w_k = _rows(qkv, arange(h * d)), _rows(qkv, arange(g * d) + h * d)
-        w_v = _rows(qkv, arange(g * e) + h * d + g * d)
-    else:  # interleaved per head: [q_h | k_h | v_h]
-        qkv = module.get_submodule(proj.q)
-        base = (arange(h)[:, None] * 3 * d + arange(d)).flatten()
-        w_q, w_k, w_v = _rows(qkv, base), _rows(qkv, base + d), _rows(qkv, base + 2 * d)
-    gamma = _norm_weight(model.in_norm_of(site)) if fold_norms else None
-    if gamma is not None:  # a cross site's keys and values read the encoder's output, not this norm's
-        w_q = gamma[:, None] * w_q
-        if site.kind == "self":
-            w_k, w_v = gamma[:, None] * w_k, gamma[:, None] * w_v
-    w_o = o_proj.weight.detach().double()
-    w_o = w_o if isinstance(o_proj, Conv1D) else w_o.T  # (h e, m)
-    return {"W_Q": w_q.T.reshape(h, d, -1).transpose(1, 2), "W_K": w_k.T.reshape(g, d, -1).transpose(1, 2),
-            "W_V": w_v.T.reshape(g, e, -1).transpose(1, 2), "W_O": w_o.reshape(h, e, -1)}
 
 
 def qk_circuit(model, layer, fold_norms: bool = True) -> LowRank:

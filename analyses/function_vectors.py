@@ -76,7 +76,7 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
             labels = [labels[i] for i in order]
         texts.append("".join(f"Q: {a}\nA: {b}\n\n" for (a, _), b in zip(demos, labels)) + f"Q: {x}\nA:")
         answers.append(model.tokenizer(" " + y, add_special_tokens=False)["input_ids"][0])
-    batch, answers = model.to_tokens(texts), torch.tensor(answers)
+    batch, answers = model.to_batch(texts), torch.tensor(answers)
     mask = batch.get("attention_mask")
     fix = ("Give tasks={name: [(input, answer), ...]} in words this tokenizer knows, or use a model whose tokenizer "
            "reads English text.")

@@ -50,7 +50,7 @@ def detect_heads(model, kinds=None, prompts=None, n_prompts: int = 100, seq_len:
         a needle out of haystacks of up to ``context`` tokens; ``prompts`` does not apply to it. Asking only for
         these computes no attention-pattern score.
     prompts: None, or the inputs for every attention-pattern score: texts, token-id sequences (lists or 1-D
-        tensors), a 2-D tensor of ids, or ``model.to_tokens`` output (an encoder-decoder model: a batch dict with
+        tensors), a 2-D tensor of ids, or ``model.to_batch`` output (an encoder-decoder model: a batch dict with
         ``input_ids`` and ``decoder_input_ids``). Each must fit the model's positions.
         With None, ``duplicate_token`` and ``induction`` run on ``n_prompts`` repeated random token
         sequences (``repeated_random_tokens``) and the other scores on ``n_prompts`` prompts of the

@@ -49,7 +49,7 @@ def _arguments(metric, output, inputs) -> tuple[Any, Mapping]:
         inputs = {"input_ids": ids if ids.ndim == 2 else ids[None], "attention_mask": None}
     else:
         raise TypeError(f"{call}: inputs must be token ids (a tensor) or a batch dict with input_ids, as the model "
-                        f"ran on; got {type(inputs).__name__}. Tokenize text with model.to_tokens first.")
+                        f"ran on; got {type(inputs).__name__}. Tokenize text with model.to_tokens (ids) or model.to_batch (ids and mask) first.")
     if hasattr(output, "hf") and hasattr(output, "run_with_cache"):  # the model itself: run it on the inputs
         ids = inputs["input_ids"].to(output.device)
         mask = inputs.get("attention_mask")

@@ -135,7 +135,7 @@ def copy_study_inputs(model, prompts: list | None = None, n: int = 16, seed: int
         return (copy_task(model, n, COPY_LENGTH, seed), target_loss(),
                 f"{n} copy-task pairs of {COPY_LENGTH} random tokens (the target is the source), teacher-forced")
     if all(isinstance(p, str) for p in prompts):
-        source = model.to_tokens(list(prompts[:n]))
+        source = model.to_batch(list(prompts[:n]))
     else:
         ids, mask = pad_ids([torch.as_tensor(p) for p in prompts[:n]], left=False, pad_id=model.pad_token_id)
         source = {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}

@@ -82,5 +82,5 @@ def ioi_task(model, n: int = 32, seed: int = 0) -> tuple[dict, dict, Metric]:
         corrupted.append(template.replace("{B}", "{X}", 1).format(A=c, X=d, B=b))
         answers.append(ids[a])
         wrongs.append(ids[b])
-    clean, corrupted = model.to_tokens(clean), model.to_tokens(corrupted)
+    clean, corrupted = model.to_batch(clean), model.to_batch(corrupted)
     return clean, corrupted, logit_difference(answers, wrongs)

@@ -57,7 +57,7 @@ def _gpt2_body(device, dtype):
 
 def _minilm(device, dtype):
     model = interp.load_model("minilm", device=device, dtype=dtype)
-    inputs = model.to_tokens(_sentences())
+    inputs = model.to_batch(_sentences())
     imp = head_importance(model, inputs, embedding_similarity(model, inputs))
     imp = imp.sort_values(["importance", "layer", "head"])
     left = dict.fromkeys(range(model.cfg.n_layers), model.cfg.n_heads)
@@ -123,7 +123,7 @@ def bench_scan(device, dtype) -> list[dict]:
         cases.append((f"toy, {n} x 41 tokens", toy, {"input_ids": tokens.to(device)}, second_copy_loss, 3))
     minilm = interp.load_model("minilm", device=device, dtype=dtype)
     for n in (8, 64):
-        inputs = minilm.to_tokens(_sentences()[:n])
+        inputs = minilm.to_batch(_sentences()[:n])
         cases.append((f"MiniLM, {n} sentences", minilm, inputs, embedding_similarity(minilm, inputs), 1))
     rows = []
     for name, model, inputs, metric, reps in cases:

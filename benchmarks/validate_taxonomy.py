@@ -85,7 +85,7 @@ def successor_task(model, n=None):
             answers.append(ids[0])
     if n is not None:
         texts, answers = texts[:n], answers[:n]
-    return model.to_tokens(texts), torch.tensor(answers)
+    return model.to_batch(texts), torch.tensor(answers)
 
 
 def _accuracy(model, batch, answers):

@@ -4,7 +4,7 @@ This package depends on nothing else of ours; ``interp`` and ``analyses`` build 
 """
 
 from .cache import ActivationCache, AttentionMeta, additive_mask, allowed_keys
-from .names import HOOK_TABLE, HookSpec, expand_names, spec_for, suggest_names
+from .names import HOOK_TABLE, HookSpec, expand_names, get_act_name, spec_for, suggest_names
 from .points import HookFn, HookHandle, HookPoint, HookRegistry, NameFilter
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "additive_mask",
     "allowed_keys",
     "expand_names",
+    "get_act_name",
     "spec_for",
     "suggest_names",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .names import HOOK_TABLE, unknown_name_error
+from .names import _ALIASES, HOOK_TABLE, get_act_name, unknown_name_error
 
 __all__ = ["ActivationCache", "AttentionMeta"]
 
@@ -87,13 +87,22 @@ class ActivationCache:
     # -- mapping -------------------------------------------------------------------------------------
     def _name(self, key) -> str:
         if isinstance(key, tuple):
-            if len(key) != 2 or not isinstance(key[1], int):
-                raise KeyError(f"The shorthand is cache[kind, layer], e.g. cache['pattern', 3]; got {key!r}.")
-            kind, layer = key
-            spec = _SHORT.get(kind.removeprefix("hook_"))
+            if not 2 <= len(key) <= 3 or not isinstance(key[1], int) or isinstance(key[1], bool):
+                raise KeyError(f"The shorthand is cache[kind, layer] (or TransformerLens's cache[kind, layer, "
+                               f"sublayer]), e.g. cache['pattern', 3]; got {key!r}.")
+            kind, layer = key[0], key[1]
+            spec = _SHORT.get(_ALIASES.get(kind, kind).removeprefix("hook_"))
             if spec is None:
                 raise KeyError(f"Unknown hook kind {kind!r}; kinds are {sorted(_SHORT)}.")
+            if layer < 0:  # as TransformerLens: counted from the last layer in the cache
+                layers = self._layers_of(spec.short)
+                layer = layers[-1] + 1 + layer if layers else layer
             name = spec.name(layer)
+        elif isinstance(key, str) and key not in self._store and "." not in key and not key.startswith("hook_"):
+            try:
+                name = get_act_name(key)  # TransformerLens's cache["embed"], cache["k6"]
+            except ValueError:
+                name = key
         else:
             name = key
         if name not in self._store:

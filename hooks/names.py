@@ -14,7 +14,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-__all__ = ["HookSpec", "HOOK_TABLE", "expand_names", "spec_for", "suggest_names", "unknown_name_error"]
+__all__ = ["HookSpec", "HOOK_TABLE", "expand_names", "get_act_name", "spec_for", "suggest_names", "unknown_name_error"]
 
 
 @dataclass(frozen=True)
@@ -149,5 +149,41 @@ def unknown_name_error(name: str, valid: list[str]) -> ValueError:
     layers = sorted({int(m) for v in valid for m in _LAYER_RE.findall(v)})
     span = f" Layers run 0..{layers[-1]}." if layers else ""
     return ValueError(
-        f"Unknown hook name {name!r}.{hint}{span} See model.hook_names() for the full list."
+        f"Unknown hook name {name!r}.{hint}{span} See model.hook_names for the full list."
     )
+
+
+_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v"}
+_SUBLAYERS = {None, "", "a", "attn", "attention", "b", "block", "blocks"}
+_SHORTHAND = re.compile(r"^([a-z_]+?)(\d+)([a-z]*)$")
+
+
+def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+    """A hook's full name from TransformerLens's shorthand (``transformer_lens.utils.get_act_name``):
+    ``get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``, ``get_act_name("resid_pre", 0)``,
+    ``get_act_name("embed") == "hook_embed"``, ``get_act_name("k6") == "blocks.6.attn.hook_k"``; its aliases
+    (``attn`` for ``pattern``, ``attn_logits`` for ``attn_scores``, ``key``/``query``/``value``) too. A full name
+    comes back as it is. Kinds interp has no hook for (MLP neurons ``pre``/``post``, norm ``scale``) are refused.
+
+    >>> get_act_name("attn", 2, "attn"), get_act_name("v1")
+    ('blocks.2.attn.hook_pattern', 'blocks.1.attn.hook_v')
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"get_act_name takes a kind such as 'pattern' or 'resid_pre'; got {name!r}.")
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    match = _SHORTHAND.match(name) if layer is None else None
+    if match is not None and match.group(1).rstrip("_") in {*_ALIASES, *(s.short for s in HOOK_TABLE)}:
+        name, layer, layer_type = match.group(1).rstrip("_"), int(match.group(2)), match.group(3) or None
+    kind = _ALIASES.get(name, name)
+    spec = next((s for s in HOOK_TABLE if s.short == kind), None)
+    if spec is None:
+        kinds = sorted({s.short for s in HOOK_TABLE} | set(_ALIASES))
+        raise ValueError(f"interp has no hook of kind {name!r} (TransformerLens's MLP neurons 'pre'/'post' and norm "
+                         f"'scale'/'normalized' have none here); kinds are {kinds}.")
+    if layer_type not in _SUBLAYERS and not (layer_type in ("m", "mlp") and kind == "mlp_out"):
+        raise ValueError(f"get_act_name: layer_type {layer_type!r} does not fit {kind!r} in interp's names.")
+    if spec.per_layer != (layer is not None):
+        need = "a layer" if spec.per_layer else "no layer"
+        raise ValueError(f"{kind!r} takes {need}; got layer={layer!r}.")
+    return spec.name(layer)

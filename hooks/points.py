@@ -27,14 +27,22 @@ HookFn = Callable[[torch.Tensor, "HookPoint"], Union[torch.Tensor, None]]
 NameFilter = Union[str, Iterable[str], Callable[[str], bool]]
 
 
+class _Layer(int):
+    """A hook's layer number, also callable as TransformerLens's ``hook.layer()``."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class HookPoint:
-    """A named place in the forward pass. Calling it runs its hooks in the order they were added."""
+    """A named place in the forward pass. Calling it runs its hooks in the order they were added. ``hook.layer``:
+    its layer (``hook.layer()`` too, as in TransformerLens), None for a point outside the blocks."""
 
     __slots__ = ("name", "layer", "fns", "read_only")
 
     def __init__(self, name: str, layer: int | None = None, read_only: str | None = None):
         self.name = name
-        self.layer = layer
+        self.layer = None if layer is None else _Layer(layer)
         self.fns: list[HookFn] = []
         self.read_only = read_only  # why an edit here cannot work, or None
 

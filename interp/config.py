@@ -53,6 +53,16 @@ class ModelConfig:
                              f"{self.heads_per_layer} and {self.kv_heads_per_layer}.")
 
     @property
+    def d_vocab(self) -> int:
+        """TransformerLens's name of ``vocab_size``."""
+        return self.vocab_size
+
+    @property
+    def n_ctx(self) -> int | None:
+        """TransformerLens's name of ``max_positions``."""
+        return self.max_positions
+
+    @property
     def pruned(self) -> bool:
         return bool(self.empty_layers) or any(h != self.n_heads for h in self.heads_per_layer)
 

@@ -35,7 +35,7 @@ def check_inputs(inputs, attention_mask, vocab_size: int, max_positions: int | N
     if isinstance(inputs, Mapping):
         if "input_ids" not in inputs:
             raise ValueError(f"A mapping of inputs must hold input_ids (and may hold attention_mask); got keys "
-                             f"{sorted(map(str, inputs))}. Build one with model.to_tokens(text), or pass the ids.")
+                             f"{sorted(map(str, inputs))}. Build one with model.to_batch(text), or pass the ids.")
         attention_mask = inputs.get("attention_mask", attention_mask)
         inputs = inputs["input_ids"]
     try:

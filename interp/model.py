@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from hooks import ActivationCache, AttentionMeta, HookRegistry, NameFilter, spec_for
+from hooks import AttentionMeta, HookRegistry, NameFilter, spec_for
 
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .masks import window_aware
 from .config import ModelConfig, _config_of, _site  # noqa: F401  (their home before)
 from .families import check_supported
-from .inputs import check_inputs, fix_permissions, pad_ids, texts_of, tokenize
+from .inputs import check_inputs, fix_permissions
 from .layered import LAYERED, spec_name  # noqa: F401  (spec_name: its home before)
 from .pruning import save_pruned
+from .resid import ModelCache
+from .tl_tokens import _UNSET, TokensMixin, pad_mask
+from .tl_weights import WeightsMixin
 from .seq2seq import SEQ2SEQ, decoder_inputs
 from .structure import Structure
 from .wrapper import _Handles, _hand_back_when_dropped, _replace_first, _take_over, _Wrapper, studying  # noqa: F401  (their home before)
@@ -34,6 +37,7 @@ from .wrapper import _Handles, _hand_back_when_dropped, _replace_first, _take_ov
 __all__ = ["HookedModel", "ModelConfig", "Seq2SeqHookedModel"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
+_SETTINGS = ("return_type", "fold_ln")  # TransformerLens-style settings a copy keeps (interp.tl_tokens, tl_weights)
 _ON_BUILD: list = []  # run on every new HookedModel: interp.streamed attaches the streaming heads a config records
 
 
@@ -42,12 +46,14 @@ def _encoder_decoder(hf) -> bool:
         getattr(hf, "get_encoder", None))
 
 
-class HookedModel(_Wrapper):
+class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     """A HF model (``.hf``) with our attention, hook points and activation cache: the one public class for
     decoder-only, encoder-only and encoder-decoder models (``type(model) is HookedModel`` for every one).
 
-    ``model(input_ids, attention_mask=None)`` returns the HF model's own output. Inputs may be token ids
-    ``(b, p)`` or ``(p,)``, the mapping ``to_tokens`` returns, or text (tokenized with ``to_tokens``). The model
+    ``model(input_ids, attention_mask=None)`` returns the HF model's own output (``return_type="logits"`` ...:
+    ``interp.tl_tokens``). Inputs may be token ids ``(b, p)`` or ``(p,)`` (``to_tokens``), the mapping
+    ``to_batch`` returns, or text (tokenized with ``to_batch``). TransformerLens's surface (tokens, weights,
+    ``generate``, the cache's residual decompositions): ``interp.tl_tokens``, ``interp.tl_weights``, ``interp.resid``. The model
     is a list of attention sites (``model.cfg.sites``, ``interp.sites``): one per layer (``blocks.{l}.attn``) in a
     decoder-only or encoder-only model; encoder, decoder and cross-attention sites in an encoder-decoder HF model
     (T5, BART, ...), which also takes ``decoder_input_ids`` (and ``decoder_attention_mask``), as keywords or in
@@ -100,14 +106,17 @@ class HookedModel(_Wrapper):
         clone = type(self)(copy.deepcopy(self.hf, memo), copy.deepcopy(self.tokenizer, memo), self.attn,
                            structure=getattr(self, "structure", None))
         clone._add_hooks(self._hook_functions())
+        clone.__dict__.update({k: v for k, v in self.__dict__.items() if k in _SETTINGS})
         return clone
 
     def __getstate__(self) -> dict:
-        return {"hf": self.hf, "tokenizer": self.tokenizer, "attn": self.attn, "hooks": self._hook_functions()}
+        return {"hf": self.hf, "tokenizer": self.tokenizer, "attn": self.attn, "hooks": self._hook_functions(),
+                **{k: v for k, v in self.__dict__.items() if k in _SETTINGS}}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["hf"], state["tokenizer"], state["attn"])
         self._add_hooks(state["hooks"])
+        self.__dict__.update({k: v for k, v in state.items() if k in _SETTINGS})
 
     def _hook_functions(self) -> dict[str, list]:
         return {name: list(point.fns) for name, point in self._registry.points.items() if point.fns}
@@ -171,16 +180,6 @@ class HookedModel(_Wrapper):
         return self._weights[site.name][2]
 
     # -- inputs ----------------------------------------------------------------------------------------
-    def to_tokens(self, text: str | Sequence[str], max_length: int | None = None):
-        """Tokenize text into ``{"input_ids": (b, p), "attention_mask": (b, p)}``, padded (left for causal
-        models, right for encoders) and on the model's device."""
-        if self.tokenizer is None:
-            raise ValueError("This model has no tokenizer; pass token ids (b, p) instead of text.")
-        texts = texts_of(text)
-        rows = tokenize(self.tokenizer, texts, max_length=max_length)
-        ids, mask = pad_ids(rows, left=self.cfg.causal, pad_id=self.pad_token_id)
-        return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-
     @property
     def pad_token_id(self) -> int:
         """The id put on padded positions (masked out, so any id works): the tokenizer's or config's pad, else
@@ -193,25 +192,15 @@ class HookedModel(_Wrapper):
                     return value
         return 0
 
-    def to_str_tokens(self, tokens) -> list[str] | list[list[str]]:
-        """Token strings of text, of ids ``(p,)`` or of a batch ``(b, p)`` (a list per sequence)."""
-        if isinstance(tokens, Mapping):
-            tokens = tokens["input_ids"]
-        if isinstance(tokens, str):
-            tokens = self.to_tokens(tokens)["input_ids"][0]
-        ids = torch.as_tensor(tokens)
-        if ids.ndim == 2:
-            return [self.to_str_tokens(row) for row in ids]
-        if self.tokenizer is None:
-            return [str(int(i)) for i in ids]
-        return self.tokenizer.convert_ids_to_tokens(ids.tolist())
-
     def _inputs(self, inputs, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._ids(inputs, attention_mask, "input_ids")
+        ids, mask = self._ids(inputs, attention_mask, "input_ids")
+        if mask is None and self.tokenizer is not None and not isinstance(inputs, (Mapping, str)):
+            mask = pad_mask(ids, self.tokenizer)  # a bare tensor from to_tokens: its dedicated pad tokens (tl_tokens)
+        return ids, mask
 
     def _ids(self, inputs, mask, what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         return check_inputs(inputs, mask, self.cfg.vocab_size, self.cfg.max_positions, self.device,
-                            self.to_tokens if self.tokenizer is not None else None, what=what)
+                            self.to_batch if self.tokenizer is not None else None, what=what)
 
     def decoder_inputs(self, labels: torch.Tensor) -> torch.Tensor:
         """An encoder-decoder model's target ids ``(b, t)`` shifted right behind the decoder start token, as the
@@ -219,18 +208,22 @@ class HookedModel(_Wrapper):
         return decoder_inputs(self, labels)
 
     # -- running ---------------------------------------------------------------------------------------
-    def __call__(self, inputs, attention_mask=None, **kwargs):
+    def __call__(self, inputs, attention_mask=None, return_type=_UNSET, loss_per_token: bool = False, **kwargs):
         """Run the HF model on a batch fed as its kind takes it (``interp.layered``: with padding, a causal model
         gets ``position_ids = cumsum(mask) - 1`` as HF's ``generate`` does, so that each left-padded row is
         computed exactly as if it ran alone; pass ``position_ids`` to override. ``interp.seq2seq``: plus
-        ``decoder_input_ids`` and ``decoder_attention_mask``)."""
+        ``decoder_input_ids`` and ``decoder_attention_mask``). ``return_type``: "output" (the HF output; the
+        default unless ``model.return_type`` says otherwise), "logits", "loss", "both" or None, as TransformerLens
+        (``interp.tl_tokens``)."""
         self._check_attached()
+        inputs = self._text_kwargs(inputs, kwargs)
         batch, _ = self._kind.feed(self, inputs, attention_mask, kwargs)
-        return self.hf(**batch)
+        return self._returned(self.hf(**batch), batch, return_type, loss_per_token)
 
     forward = __call__
 
     def run_with_hooks(self, inputs, attention_mask=None, fwd_hooks: Iterable = (), **kwargs):
+        kwargs.pop("reset_hooks_end", None), kwargs.pop("clear_contexts", None), kwargs.pop("bwd_hooks", None)
         with self.hooks(fwd_hooks):
             return self(inputs, attention_mask, **kwargs)
 
@@ -240,14 +233,19 @@ class HookedModel(_Wrapper):
                 if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
 
     def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
-                       fwd_hooks: Iterable = (), device=None, **kwargs) -> tuple[object, ActivationCache]:
+                       fwd_hooks: Iterable = (), device=None, return_type=_UNSET, remove_batch_dim: bool = False,
+                       names_filter: NameFilter | None = None, **kwargs) -> tuple[object, ModelCache]:
         """Run once and capture activations (references, not copies) into an ActivationCache. ``fwd_hooks`` are
         active during the run and fire before the capture, so the cache holds what they return. Each tensor stays
         on its layer's device (a model split by ``device_map``), or with ``device`` is moved there as it is
         captured (gathered on one device; ``cache.to(device)`` does it afterwards). ``cache.pattern(site or
         layer, heads)`` rebuilds any site's pattern on the flash path (position bias and masks as the run had
-        them)."""
+        them). TransformerLens's ``return_type``, ``remove_batch_dim`` and ``names_filter`` (``names``) are taken;
+        the cache has its residual-stream methods (``interp.resid``)."""
         self._check_attached()
+        names = names_filter if names is None else names
+        loss_per_token = kwargs.pop("loss_per_token", False)
+        inputs = self._text_kwargs(inputs, kwargs)
         batch, masks = self._kind.feed(self, inputs, attention_mask, kwargs)
         selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
         store: dict[str, torch.Tensor] = {}
@@ -266,8 +264,11 @@ class HookedModel(_Wrapper):
             output = self.hf(**batch)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
-        cache = ActivationCache(store, self._kind.meta(self, masks, biases))
-        return output, cache if device is None else cache.to(device)
+        cache = ModelCache(store, self._kind.meta(self, masks, biases), self)
+        cache = cache if device is None else cache.to(device)
+        if remove_batch_dim:
+            cache.remove_batch_dim()
+        return self._returned(output, batch, return_type, loss_per_token), cache
 
     def attention_meta(self, attention_mask: torch.Tensor | None = None) -> AttentionMeta:
         """What rebuilding this model's patterns from q and k needs: per site the scale, the window of keys,

@@ -18,7 +18,7 @@ import json
 import re
 from functools import cache
 
-__all__ = ["display_tokens", "visible"]
+__all__ = ["display_tokens", "readable_tokens", "visible"]
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -89,3 +89,20 @@ def display_tokens(tokenizer, ids) -> list[str]:
     if _byte_level(tokenizer):
         return [visible(_from_bytes(t)) for t in tokens]
     return [visible(t) for t in tokens]
+
+
+def readable_tokens(tokenizer, ids) -> list[str]:
+    """Each token of ``ids`` as the text it stands for (TransformerLens's ``to_str_tokens``): ``' cat'``, never
+    ``'Ġcat'`` or ``'▁cat'``; a byte-fallback token ``<0xNN>`` as its character, or ``\\xNN`` when it is not one on
+    its own, as are the bytes of an incomplete character."""
+    tokens = tokenizer.convert_ids_to_tokens([int(i) for i in ids])
+    if _byte_level(tokenizer):
+        return [_from_bytes(t) for t in tokens]
+    out = []
+    for token in map(str, tokens):
+        byte = _BYTE_TOKEN.match(token)
+        if byte:
+            value = int(byte.group(1), 16)
+            token = chr(value) if value < 0x80 else f"\\x{value:02x}"
+        out.append(token.replace("\u2581", " "))
+    return out

@@ -62,6 +62,13 @@ class Kind:
     pad_attrs: tuple[str, ...] = ("pad_token_id", "eos_token_id")
 
 
+class HookNames(list):
+    """A model's hook names: a list, and callable (``model.hook_names()``, the spelling before) for the same list."""
+
+    def __call__(self) -> HookNames:
+        return self
+
+
 def _replace_first(output, fn):
     """Apply fn to a module's output tensor, or to the first element of a tuple output."""
     if isinstance(output, torch.Tensor):
@@ -124,11 +131,17 @@ def studying(model):
     requires = [(name, p.requires_grad) for name, p in hf.named_parameters()]
     hooks = {name: list(point.fns) for name, point in registry.points.items()}
     devices = sorted({p.device.index or 0 for p in hf.parameters() if p.device.type == "cuda"})
+    return_type = model.__dict__.get("return_type")  # studies read the HF output, whatever the user's default
+    model.__dict__["return_type"] = "output"
     try:
         with torch.random.fork_rng(devices=devices):
             hf.eval()
             yield model
     finally:
+        if return_type is None:
+            model.__dict__.pop("return_type", None)
+        else:
+            model.__dict__["return_type"] = return_type
         for m, training in modes:
             m.training = training
         for name, flag in requires:
@@ -159,9 +172,16 @@ class _Wrapper:
         with self._registry.hooks(fwd_hooks):
             yield self
 
-    def reset_hooks(self) -> None:
-        """Remove every hook added through this model."""
+    def reset_hooks(self, including_permanent: bool = False, **_tl_options) -> None:
+        """Remove every hook added through this model (TransformerLens's ``reset_hooks``: hooks added with
+        ``add_hook(..., is_permanent=True)`` stay unless ``including_permanent``)."""
+        permanent = [] if including_permanent else self.__dict__.get("_permanent", [])
+        kept = [(h.point, h.fn) for h in permanent if any(f is h.fn for f in h.point.fns)]
         self._registry.clear()
+        for point, fn in kept:
+            point.fns.append(fn)
+        self.__dict__["_permanent"] = [h for h in permanent if any(h.point is p and h.fn is f for p, f in kept)]
+        self._sync_module_hooks()
 
     @property
     def device(self) -> torch.device:
@@ -172,8 +192,27 @@ class _Wrapper:
     def dtype(self) -> torch.dtype:
         return next(self.hf.parameters()).dtype
 
-    def hook_names(self) -> list[str]:
-        return self._registry.names()
+    @property
+    def hook_names(self) -> HookNames:
+        """Every hook name in firing order: a list (``len(model.hook_names)``, ``for name in model.hook_names``),
+        still callable as before (``model.hook_names()``)."""
+        return HookNames(self._registry.names())
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """TransformerLens's ``hook_dict``: hook name -> its HookPoint."""
+        return dict(self._registry.points)
+
+    def add_hook(self, name: NameFilter, hook: Callable, dir: str = "fwd", is_permanent: bool = False) -> list:  # noqa: A002
+        """Add ``hook(tensor, hook_point)`` on a name, a list of names or a name predicate until removed (the handles
+        returned, ``reset_hooks``); TransformerLens's ``add_hook``. A permanent hook outlives ``reset_hooks()``."""
+        if dir != "fwd":
+            raise ValueError(f"interp's hooks are forward hooks (dir='fwd'); got dir={dir!r}. For gradients use "
+                             "torch.autograd on the tensors a hook sees.")
+        handles = self._registry.add(name, hook)
+        if is_permanent:
+            self.__dict__.setdefault("_permanent", []).extend(handles)
+        return handles
 
     def _check_attached(self, key: bool = True) -> None:
         """Another HookedModel built on the same HF model takes over its attention hooks: refuse to run

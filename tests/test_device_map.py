@@ -175,7 +175,7 @@ def test_minilm_split_by_max_memory_scores_its_heads_as_before(minilm, tmp_path)
     size = sum(p.numel() * p.element_size() for p in minilm.hf.parameters())
     split = interp.load_model("minilm", device_map="auto", max_memory={"cpu": size // 2}, offload_folder=tmp_path)
     assert "disk" in split.hf.hf_device_map.values()
-    tokens = split.to_tokens(["The cat sat on the mat.", "Heads can be read and edited."])
+    tokens = split.to_batch(["The cat sat on the mat.", "Heads can be read and edited."])
     with torch.no_grad():
         assert (split(tokens).last_hidden_state - minilm(tokens).last_hidden_state).abs().max() <= TOL
     kwargs = dict(n_prompts=6, seq_len=24, n_bootstrap=20)

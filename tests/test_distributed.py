@@ -92,7 +92,7 @@ def minilm_studies(_folder=None) -> dict[str, pd.DataFrame]:
     texts = ["The cat sat on the mat.", "Heads can be read and edited.", "A short one.",
              "Attention heads move information between positions.", "Rain fell all day."]
     similarity = embedding_similarity(model, texts)
-    clean = model.to_tokens(["The cat sat on the mat.", "The dog ran in the park.", "A bird sang at dawn."])
+    clean = model.to_batch(["The cat sat on the mat.", "The dog ran in the park.", "A bird sang at dawn."])
     corrupted = {**clean, "input_ids": clean["input_ids"].clone()}
     corrupted["input_ids"][:, 2] = torch.tensor([2000, 3000, 4000])  # the second word, same padding
     return {

@@ -61,7 +61,7 @@ def test_tiny_models_match_hf_on_cuda(family, attn, padding, dtype):
 def test_minilm_matches_hf_on_cuda(minilm_folder, attn, dtype):
     hf = AutoModel.from_pretrained(minilm_folder, local_files_only=True).eval()
     ref, ours = _pair(hf, attn, dtype)
-    tokens = interp.load_model(minilm_folder, device="cpu").to_tokens(
+    tokens = interp.load_model(minilm_folder, device="cpu").to_batch(
         ["The cat sat on the mat.", "Attention heads can be read and edited on a GPU.", "Hi"])
     ids, mask = tokens["input_ids"].cuda(), tokens["attention_mask"].cuda()
     assert _err(ref, ours, ids, mask) <= _tol(dtype, attn)

@@ -174,7 +174,7 @@ def test_cache_shorthand_stack_and_head_results():
     assert torch.equal(cache["pattern", 1], cache["blocks.1.attn.hook_pattern"])
     assert torch.equal(cache["resid_pre", 0], cache["blocks.0.hook_resid_pre"])
     assert cache.stack("z").shape == (2, 1, 8, 4, 8)
-    results, labels = cache.stack_head_results()
+    results, labels = cache.stack_head_results(return_labels=True)  # TransformerLens: labels when asked
     assert results.shape == (8, 1, 8, 32) and labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "L1H3"
     # per-head results sum to the attention output minus the projection's bias
     bias = model._blocks[0].attn.c_proj.bias

@@ -41,8 +41,8 @@ assert (labels == "sink").sum() > len(labels) / 2, "the text says most heads are
 p16 = cache.pattern(16, heads=[0])[0, 0]
 assert p16.diagonal(-1).mean() > 0.5, "head 16.0 puts most of its weight on the previous token"
 assert change > 0.01, "zeroing a head's z must change the output"
-second = [i for i, t in enumerate(tokens) if t == "Ġlighthouse"][-1]
-assert cache.pattern(18, [6])[0, 0, second].argmax().item() == tokens.index("Ġkeeper"), "18.6's line goes to keeper"
+second = [i for i, t in enumerate(tokens) if t == " lighthouse"][-1]
+assert cache.pattern(18, [6])[0, 0, second].argmax().item() == tokens.index(" keeper"), "18.6's line goes to keeper"
 assert view.data["layers"] == [16, 18] and view.data["heads"] == [[0], [6]]
 """,
     "02_induction_heads": """

@@ -68,7 +68,7 @@ def test_eager_is_bit_identical_to_hf_eager_in_float64(family):
 def test_minilm_matches_hf(minilm, minilm_folder, attn, padding):
     hf = AutoModel.from_pretrained(minilm_folder, local_files_only=True).eval()
     ref, ours = reference_and_ours(hf, attn)
-    tokens = minilm.to_tokens(["The cat sat on the mat.", "Attention heads can be read and edited.", "Hi"])
+    tokens = minilm.to_batch(["The cat sat on the mat.", "Attention heads can be read and edited.", "Hi"])
     ids, mask = tokens["input_ids"], tokens["attention_mask"]
     if not padding:
         ids, mask = ids[:1, : int(mask[0].sum())], None

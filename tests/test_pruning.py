@@ -103,7 +103,7 @@ def test_pruned_model_round_trips_through_save_pretrained(family, tmp_path):
 
 
 def test_pruned_minilm_equals_zero_ablation_and_round_trips(minilm, tmp_path):
-    inputs = minilm.to_tokens(_sentences(8))
+    inputs = minilm.to_batch(_sentences(8))
     heads = [(l, h) for l in range(6) for h in range(12) if (l * 5 + h) % 2]  # half the heads, scattered
     with ablate_heads(minilm, heads):
         expected = _out(minilm, inputs)
@@ -383,7 +383,7 @@ def test_toy_induction_heads_carry_the_in_context_gain(toy):
 
 def test_minilm_importance_order_beats_random(minilm):
     """32 of the project's sentences, 20% steps up to half the heads: the fast version of the slow test below."""
-    inputs = minilm.to_tokens(_sentences(32))
+    inputs = minilm.to_batch(_sentences(32))
     metric = embedding_similarity(minilm, inputs)
     weights = _weights(minilm)
     curves = pd.concat([pruning_curve(minilm, inputs, metric, order="importance", step=0.2, max_fraction=0.5),
@@ -397,7 +397,7 @@ def test_minilm_importance_order_beats_random(minilm):
 @pytest.mark.slow
 def test_minilm_pruning_results(minilm):
     """The numbers reported in the README: all sentences, 10% steps, five random seeds."""
-    inputs = minilm.to_tokens(_sentences())
+    inputs = minilm.to_batch(_sentences())
     metric = embedding_similarity(minilm, inputs)
     raw = pruning_curve(minilm, inputs, metric, order="importance", normalize=False).assign(order="importance_raw")
     curves = pd.concat([pruning_curve(minilm, inputs, metric, order="importance"), raw,

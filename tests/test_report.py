@@ -179,7 +179,7 @@ def test_study_inputs_of_one_length_say_so_and_compute_no_padding():
     lengths = [len(tokenizer(s)["input_ids"]) for s in corpus_sentences()]
     assert lengths.count(length) == max(lengths.count(k) for k in set(lengths))
     expected = [s for s, k in zip(corpus_sentences(), lengths) if k == length][:4]
-    assert torch.equal(batch["input_ids"], model.to_tokens(expected)["input_ids"])
+    assert torch.equal(batch["input_ids"], model.to_batch(expected)["input_ids"])
     assert study_inputs(model, None, n=4)[2] == "the first 4 of the project's sentences"
     assert study_inputs(model, ["one text", "another"], same_length=True)[2] == "2 given prompts"
 

@@ -73,7 +73,7 @@ def test_logit_lens_and_views_show_the_display_form():
     from analyses.views.attention import model_tokens
 
     model = interp.load_model("smollm2")
-    tokens = model.to_tokens(["The cat sat on the mat. The cat"])
+    tokens = model.to_batch(["The cat sat on the mat. The cat"])
     lens = logit_lens(model, tokens, k=3)
     shown = [t for row in lens["top_tokens"] for t in row]
     assert shown and not any("Ġ" in t or "Ċ" in t for t in shown)

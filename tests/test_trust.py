@@ -110,11 +110,11 @@ def test_text_batches_are_positioned_like_texts_run_alone():
     """Through to_tokens the left-padded text row differed from the text alone by 0.74."""
     model = _text_causal_model()
     texts = ["A much longer sentence than the other one here.", "Short one."]
-    tokens = model.to_tokens(texts)
+    tokens = model.to_batch(texts)
     with torch.no_grad():
         batch = model(tokens).logits
         for row, text in enumerate(texts):
-            alone = model(model.to_tokens(text)).logits
+            alone = model(model.to_batch(text)).logits
             assert (batch[row, tokens["attention_mask"][row].bool()] - alone[0]).abs().max() <= TOL
 
 
@@ -302,7 +302,7 @@ def test_to_tokens_leaves_the_tokenizer_as_it_was():
     tok = model.tokenizer
     tok.padding_side = "right"
     before = (tok.padding_side, tok.pad_token, tok.truncation_side)
-    tokens = model.to_tokens(["one two three four", "one"])
+    tokens = model.to_batch(["one two three four", "one"])
     assert (tok.padding_side, tok.pad_token, tok.truncation_side) == before
     assert tokens["attention_mask"].tolist()[1][0] == 0  # causal: padded on the left all the same
 

@@ -272,7 +272,7 @@ def test_several_views_on_one_page_and_no_text_under_10px(browser, toy, tokens, 
 def test_smollm2_grid_of_270_heads_on_64_tokens_is_small_and_quick(browser, tmp_path):
     """The issue's numbers: at most 3 MB, interactive within 2 s (benchmarks/bench_views.py measures more)."""
     model = interp.load_model("smollm2")
-    ids = model.to_tokens(" ".join(["The old lighthouse keeper climbed the stairs at dusk and lit the lamp."] * 6),
+    ids = model.to_batch(" ".join(["The old lighthouse keeper climbed the stairs at dusk and lit the lamp."] * 6),
                           max_length=64)
     assert ids["input_ids"].shape[1] == 64
     grid = attention_grid(model, ids, scores=detect_heads(model, n_prompts=8, n_bootstrap=50))

@@ -176,7 +176,7 @@ def _text_or_ids(value: str, model):
 
     if model.tokenizer is None:
         return torch.tensor([_id_line(value, "the input")])
-    return model.to_tokens(value)
+    return model.to_batch(value)
 
 
 def _token(value: str):

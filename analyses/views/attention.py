@@ -48,7 +48,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     """bertviz's head view: query tokens on the left, key tokens on the right, a line per weight.
 
     source: a ``HookedModel`` with ``text_or_tokens`` (a text, token ids ``(p,)`` or ``(b, p)``, or
-      ``model.to_tokens`` output), run once capturing q and k; or an ``ActivationCache`` from ``run_with_cache``
+      ``model.to_batch`` output), run once capturing q and k; or an ``ActivationCache`` from ``run_with_cache``
       (either path) with ``text_or_tokens`` the token strings to label it with (default: positions).
     layers: a layer or layers to offer in the selector (default all), by number or site name (``"blocks.3.attn"``).
       heads: head indices shown in each of them (default all), or ``(layer, head)`` or ``(site, head)`` pairs

@@ -85,7 +85,7 @@ def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0,
 def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
     """The first ``n`` project sentences of the most common token count (ties: the longer), or None where fewer."""
     sentences = list(corpus_sentences())
-    lengths = model.to_tokens(sentences)["attention_mask"].sum(1).tolist()
+    lengths = model.to_batch(sentences)["attention_mask"].sum(1).tolist()
     counts = {k: lengths.count(k) for k in set(lengths)}
     common = max(counts, key=lambda k: (counts[k], k))
     if counts[common] < n:
@@ -97,7 +97,7 @@ def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
 def prompt_batch(model, prompts: list) -> dict:
     """Texts or token-id sequences as one padded batch ``{"input_ids", "attention_mask"}``."""
     if prompts and all(isinstance(p, str) for p in prompts):
-        return model.to_tokens(prompts)
+        return model.to_batch(prompts)
     if not prompts or any(isinstance(p, str) for p in prompts):
         raise ValueError("prompts must be a non-empty list of texts or of token-id sequences, not a mix.")
     ids, mask = pad_ids(prompts, left=model.cfg.causal, pad_id=model.pad_token_id)
@@ -383,7 +383,7 @@ def _earlier_files(out) -> tuple[str, ...]:
 
 def _ids_of(model, text):
     if isinstance(text, str):
-        return model.to_tokens(text)["input_ids"][0]
+        return model.to_batch(text)["input_ids"][0]
     return torch.as_tensor(text)
 
 

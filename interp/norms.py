@@ -1,0 +1,72 @@
+"""A norm module read as numbers: its epsilon, whether it centres (LayerNorm) or only rescales (RMSNorm), its
+effective weight and bias, and the scale it divides a residual stream by. Found by calling the module, not listed
+per family (Gemma's ``1 + w``, T5's ``T5LayerNorm`` that is an RMSNorm, OLMo's hard-coded epsilon)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["norm_bias", "norm_centres", "norm_eps", "norm_scale", "norm_weight"]
+
+
+def norm_eps(norm, d_model: int) -> float:
+    """The norm's epsilon: its attribute, or (OLMo's LayerNorm hard-codes it) solved from the module's output on a
+    small input, where the epsilon weighs as much as the input's own scale."""
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        value = getattr(norm, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    param = next(norm.parameters(), None)
+    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    sign = torch.ones(1, d_model, dtype=dtype, device=device)
+    sign[0, 1::2] = -1.0  # mean 0, mean square 1: LayerNorm and RMSNorm see the same scale
+    small = 1e-3
+    with torch.no_grad():
+        ratio = float((norm(sign * small).double() - norm(sign * 0).double()).abs().sum()
+                      / (norm(sign).double() - norm(sign * 0).double()).abs().sum()) / small
+    # ratio = sqrt(1 + eps) / sqrt(small^2 + eps)
+    return max(0.0, (1.0 - ratio**2 * small**2) / (ratio**2 - 1.0))
+
+
+def norm_centres(norm, d_model: int) -> bool:
+    """Whether the norm subtracts the mean (a LayerNorm) rather than only dividing by the root mean square (T5's
+    ``T5LayerNorm`` is an RMSNorm by another name): a LayerNorm's output ignores a constant added to the input."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return True
+    param = next(norm.parameters(), None)
+    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    x = torch.ones(1, d_model, dtype=dtype, device=device)
+    x[0, 1::2] = -1.0
+    with torch.no_grad():
+        return bool(torch.allclose(norm(x + 3.0).float(), norm(x).float(), atol=1e-3))
+
+
+def norm_weight(norm, d_model: int) -> torch.Tensor:
+    """The effective weight ``(m,)`` in float64 that multiplies the normalised stream (Gemma's ``1 + w`` included):
+    the module's output on a zero-mean, unit-scale input, less its bias."""
+    param = next(norm.parameters(), None)
+    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    eps = norm_eps(norm, d_model)
+    with torch.no_grad():
+        if norm_centres(norm, d_model):
+            weight = getattr(norm, "weight", None)
+            return (torch.ones(d_model, dtype=torch.float64, device=device) if weight is None
+                    else weight.detach().double())
+        ones = torch.ones(1, d_model, dtype=dtype, device=device)
+        return norm(ones).double()[0] * (1.0 + eps) ** 0.5
+
+
+def norm_bias(norm, d_model: int) -> torch.Tensor | None:
+    """The norm's additive bias ``(m,)`` in float64 (a LayerNorm's beta), or None."""
+    bias = getattr(norm, "bias", None)
+    return None if not isinstance(bias, torch.Tensor) or not norm_centres(norm, d_model) else bias.detach().double()
+
+
+def norm_scale(norm, x: torch.Tensor) -> torch.Tensor:
+    """What ``norm`` divides ``x: (..., m)`` by, ``(..., 1)`` (TransformerLens's ``hook_scale``): the standard
+    deviation of a LayerNorm, the root mean square of an RMSNorm, each with the norm's epsilon, in float32."""
+    eps = norm_eps(norm, x.shape[-1])
+    x = x.float()
+    if norm_centres(norm, x.shape[-1]):
+        return torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)

@@ -1,0 +1,332 @@
+"""TransformerLens's everyday surface (issue 37), each function against an independent computation on a tiny Llama
+(RMSNorm, rotary, GQA), a tiny GPT-2 (learned positions, LayerNorm with bias) and MiniLM's encoder."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import interp
+from interp import HookedTransformer, LowRank, utils
+from tests.conftest import tiny_hf
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return interp.load_model(tiny_hf("llama"), attn="eager")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return interp.load_model(tiny_hf("gpt2"), attn="flash")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return interp.load_model("smollm2", attn="flash", device="cpu")
+
+
+def _ids(b=2, p=9, seed=0):
+    return torch.randint(1, 99, (b, p), generator=torch.Generator().manual_seed(seed))
+
+
+# -- tokens -----------------------------------------------------------------------------------------------------
+def test_to_tokens_is_a_padded_long_tensor_with_bos_as_asked(smollm2):
+    tok = smollm2.tokenizer
+    ids = smollm2.to_tokens(["The cat sat", "Hi"])
+    assert ids.dtype == torch.long and ids.ndim == 2
+    assert ids[0].tolist() == tok("The cat sat")["input_ids"]  # the tokenizer's convention (SmolLM2: no BOS)
+    hi = tok("Hi")["input_ids"]
+    assert ids[1, :len(hi)].tolist() == hi and (ids[1, len(hi):] == smollm2.pad_token_id).all()  # right padding
+    assert smollm2.to_tokens("Hi", prepend_bos=True)[0].tolist() == [tok.bos_token_id, *hi]
+    assert smollm2.to_tokens("Hi", prepend_bos=False)[0].tolist() == hi
+    left = smollm2.to_tokens(["The cat sat", "Hi"], padding_side="left")
+    assert left[1, -len(hi):].tolist() == hi
+    batch = smollm2.to_batch(["The cat sat", "Hi"])  # the mapping to_tokens returned before: left padding for a causal LM
+    assert batch["input_ids"][1, -len(hi):].tolist() == hi and batch["attention_mask"][1].sum() == len(hi)
+
+
+def test_strings_single_tokens_and_positions(smollm2):
+    assert smollm2.to_str_tokens("The cat") == ["The", " cat"]  # not 'Ġcat'
+    assert smollm2.to_str_tokens(smollm2.to_tokens("The cat")) == ["The", " cat"]  # (1, p) gives one list
+    assert smollm2.to_str_tokens(["a b", "c"])[1] == ["c"]
+    cat = smollm2.to_single_token(" cat")
+    assert cat == smollm2.tokenizer(" cat", add_special_tokens=False)["input_ids"][0]
+    with pytest.raises(ValueError, match="3 tokens"):
+        smollm2.to_single_token(" catapulting")
+    text = "The cat saw the cat"
+    assert smollm2.to_string(smollm2.to_tokens(text)[0]) == text
+    assert smollm2.to_string(smollm2.to_tokens([text, "x"]))[0].startswith(text)
+    assert smollm2.get_token_position(" cat", text) == 1 and smollm2.get_token_position(" cat", text, "last") == 4
+    directions = smollm2.tokens_to_residual_directions(torch.tensor([[cat, cat]]))
+    assert directions.shape == (1, 2, 576) and torch.equal(directions[0, 0], smollm2.W_U[:, cat])
+    assert torch.equal(smollm2.tokens_to_residual_directions(" cat"), smollm2.W_U[:, cat])
+
+
+def test_an_encoders_right_padded_tensor_masks_its_pad_tokens(minilm):
+    texts = ["The cat sat on the mat.", "Hi"]
+    ids = minilm.to_tokens(texts)
+    assert ids[1, -1] == minilm.tokenizer.pad_token_id
+    ours = minilm(ids).last_hidden_state
+    with torch.no_grad():
+        ref = minilm.hf(input_ids=ids, attention_mask=(ids != 0).long()).last_hidden_state  # HF with the true mask
+    real = ids != 0
+    torch.testing.assert_close(ours[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+def test_hook_names_is_a_list_and_still_callable(llama):
+    names = llama.hook_names
+    assert len(names) == len(llama.hook_names()) and names == llama.hook_names() and "hook_embed" in names
+    assert set(llama.hook_dict) == set(names) and llama.hook_dict["blocks.1.attn.hook_z"].name == "blocks.1.attn.hook_z"
+    assert llama.mod_dict["blocks.1.attn"] is llama._site_modules["blocks.1.attn"]
+    assert utils.get_act_name("attn", 1) == "blocks.1.attn.hook_pattern" == utils.get_act_name("pattern1")
+    assert utils.get_act_name("resid_pre", 0) == "blocks.0.hook_resid_pre" and utils.get_act_name("embed") == "hook_embed"
+    with pytest.raises(ValueError, match="no hook of kind 'pre'"):
+        utils.get_act_name("pre", 2)
+
+
+# -- forward and generation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_return_types_against_hf(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    with torch.no_grad():
+        logits = model.hf(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, 99), ids[:, 1:].reshape(-1))
+        assert torch.allclose(model(ids, return_type="logits"), logits, atol=ATOL)
+        assert torch.allclose(model(ids, return_type="loss"), loss, atol=ATOL)
+        per = model(ids, return_type="loss", loss_per_token=True)
+        assert per.shape == (2, 8) and torch.allclose(per.mean(), loss, atol=ATOL)
+        both = model(ids, return_type="both")
+        assert torch.allclose(both[1], loss, atol=ATOL) and model(ids, return_type=None) is None
+        assert hasattr(model(ids), "logits")  # the default is still the HF output
+        out, cache = model.run_with_cache(ids, return_type="loss")
+        assert torch.allclose(out, loss, atol=ATOL) and "blocks.0.hook_resid_pre" in cache
+
+
+def test_from_pretrained_answers_with_logits_and_studies_still_get_the_output():
+    model = HookedTransformer.from_pretrained(tiny_hf("llama"))
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.allclose(model(ids), model.hf(input_ids=ids).logits, atol=ATOL)
+        with model.studying():
+            assert hasattr(model(ids), "logits")
+    assert model.return_type == "logits" and copy.deepcopy(model).return_type == "logits"
+
+
+def test_generate_is_greedy_hfs_and_runs_the_hooks(llama):
+    ids = _ids(1, 4)
+    ours = llama.generate(ids, max_new_tokens=5, do_sample=False, stop_at_eos=False)
+    with torch.no_grad():
+        ref = llama.hf.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5, pad_token_id=0)
+    assert torch.equal(ours, ref)
+    seen = []
+    with llama.hooks([("blocks.0.attn.hook_z", lambda z, hook: seen.append(z.shape[1]) or z * 0)]):
+        edited = llama.generate(ids, max_new_tokens=3, do_sample=False, stop_at_eos=False)
+    assert seen == [4, 5, 6] and not torch.equal(edited, ours[:, :7])
+
+
+def test_generate_returns_a_string_for_a_string(smollm2):
+    out = smollm2.generate("The capital of France is", max_new_tokens=3, do_sample=False)
+    ids = smollm2.to_tokens("The capital of France is")
+    with torch.no_grad():
+        ref = smollm2.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert isinstance(out, str) and out == smollm2.tokenizer.decode(ref[0])
+
+
+# -- weights ----------------------------------------------------------------------------------------------------
+def test_llama_weights_are_the_projections_per_head(llama):
+    llama.fold_ln = False
+    try:
+        attn = llama.hf.model.layers[1].self_attn
+        d = 8
+        assert torch.equal(llama.W_Q[1, 3], attn.q_proj.weight[3 * d:4 * d].T)
+        assert torch.equal(llama._W_K[1, 1], attn.k_proj.weight[d:2 * d].T)
+        assert torch.equal(llama.W_K[1, 3], llama._W_K[1, 1]) and llama.W_K.shape == (2, 4, 32, 8)  # GQA repeated
+        assert torch.equal(llama.W_O[1, 2], attn.o_proj.weight[:, 2 * d:3 * d].T)
+        assert torch.equal(llama.W_U, llama.hf.lm_head.weight.T) and torch.equal(llama.W_E, llama.hf.model.embed_tokens.weight)
+        assert not llama.b_Q.any() and llama.b_O.shape == (2, 32)
+        with pytest.raises(NotImplementedError, match="no learned position table"):
+            llama.W_pos
+    finally:
+        llama.fold_ln = True
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_folded_weights_read_the_normalised_stream_as_the_norm_does(name, request):
+    """fold_ln: norm(x) @ W + b == (x centred if LayerNorm) / scale(x) @ W_folded + b_folded."""
+    model = request.getfixturevalue(name)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    norm = model.in_norm_of(model.cfg.sites[0])
+    model.fold_ln = False
+    raw = {k: getattr(model, k)[0] for k in ("W_Q", "W_V", "b_Q", "b_V")}
+    model.fold_ln = True
+    folded = {k: getattr(model, k)[0] for k in ("W_Q", "W_V", "b_Q", "b_V")}
+    xhat = x - x.mean(-1, keepdim=True) if name == "gpt2" else x
+    xhat = xhat / utils_scale(norm, x)
+    with torch.no_grad():
+        for w, b in (("W_Q", "b_Q"), ("W_V", "b_V")):
+            want = torch.einsum("pm,hmd->phd", norm(x), raw[w]) + raw[b]
+            got = torch.einsum("pm,hmd->phd", xhat, folded[w]) + folded[b]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def utils_scale(norm, x):
+    from interp.norms import norm_scale
+    return norm_scale(norm, x)
+
+
+def test_gpt2_learned_positions_and_biases(gpt2):
+    gpt2.fold_ln = False
+    try:
+        attn = gpt2.hf.transformer.h[0].attn
+        assert torch.equal(gpt2.W_pos, gpt2.hf.transformer.wpe.weight)
+        assert torch.equal(gpt2.b_Q[0, 1], attn.c_attn.bias[8:16]) and torch.equal(gpt2.b_V[0, 0], attn.c_attn.bias[64:72])
+        assert torch.equal(gpt2.W_K[0, 0], attn.c_attn.weight[:, 32:40]) and torch.equal(gpt2.b_O[0], attn.c_proj.bias)
+    finally:
+        gpt2.fold_ln = True
+
+
+def test_ov_qk_are_factored_matrices_with_factoredmatrix_api(gpt2):
+    ov, qk = gpt2.OV, gpt2.QK
+    assert ov.shape == (2, 4, 32, 32) and isinstance(ov, LowRank)
+    full = gpt2.W_V[1, 2] @ gpt2.W_O[1, 2]
+    head = ov[1, 2]
+    torch.testing.assert_close(head.AB, full)
+    torch.testing.assert_close(qk[0, 1].AB, gpt2.W_Q[0, 1] @ gpt2.W_K[0, 1].T)
+    torch.testing.assert_close(head.T.AB, full.T)
+    torch.testing.assert_close(head.norm(), full.norm(), atol=1e-5, rtol=1e-5)
+    u, s, v = head.svd()
+    torch.testing.assert_close(u @ torch.diag(s) @ v.T, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, torch.linalg.svdvals(full)[:8], atol=1e-5, rtol=1e-5)
+    eig = torch.linalg.eigvals(full)
+    ours = head.eigenvalues
+    assert ours.shape == (8,)
+    for value in ours:  # every eigenvalue of BA is one of AB's
+        assert (eig - value).abs().min() < 1e-4
+    torch.testing.assert_close((head @ head).AB, full @ full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((gpt2.W_E[:3] @ head).AB, gpt2.W_E[:3] @ full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(head[:5].AB, full[:5])
+    from analyses.composition import LowRank as from_analyses
+    assert from_analyses is LowRank
+
+
+def test_an_encoder_has_weights_and_refuses_an_unembedding(minilm):
+    layer = minilm.hf.encoder.layer[1].attention.self
+    assert torch.equal(minilm.W_Q[1, 0], layer.query.weight[:32].T)  # post-norm: no norm to fold before attention
+    assert minilm.W_pos.shape == (512, 384)
+    with pytest.raises(NotImplementedError, match="no output layer"):
+        minilm.W_U
+    with pytest.raises(NotImplementedError, match="no output layer"):
+        minilm(minilm.to_tokens("a b"), return_type="loss")
+
+
+# -- the cache --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_residual_decompositions_sum_to_the_stream_and_read_the_logits(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    logits, cache = model.run_with_cache(ids, return_type="logits")
+    acc, labels = cache.accumulated_resid(incl_mid=True, return_labels=True)
+    assert labels[:3] == ["0_pre", "0_mid", "1_pre"] and labels[-1] == "final_post"
+    assert torch.equal(acc[2], cache["resid_pre", 1]) and torch.equal(acc[-1], cache["resid_post", -1])
+    lens = cache.accumulated_resid(apply_ln=True, pos_slice=-1)  # (3, b, m)
+    torch.testing.assert_close(lens[-1] @ model.W_U + model.b_U, logits[:, -1], atol=1e-4, rtol=1e-4)
+    parts, labels = cache.decompose_resid(return_labels=True)
+    assert labels[-1] == "1_mlp_out" and ("pos_embed" in labels) == (name == "gpt2")
+    torch.testing.assert_close(parts.sum(0), cache["resid_post", 1], atol=1e-5, rtol=1e-5)
+    answer = ids[:, -1]
+    attrs = cache.logit_attrs(parts[:, :, -1], answer, pos_slice=-1)  # (components, b)
+    torch.testing.assert_close(attrs.sum(0) + model.b_U[answer], logits[torch.arange(2), -1, answer],
+                               atol=1e-4, rtol=1e-4)
+    diff = cache.logit_attrs(parts[:, :, -1], answer, ids[:, 0], pos_slice=-1)
+    torch.testing.assert_close(diff, attrs - cache.logit_attrs(parts[:, :, -1], ids[:, 0], pos_slice=-1))
+    full, labels = cache.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
+    assert labels[:2] == ["L0H0", "L0H1"] and labels[-1] == "bias"
+    torch.testing.assert_close(full.sum(0), cache["resid_post", 1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="no hook on MLP neurons"):
+        cache.get_full_resid_decomposition()
+
+
+def test_head_results_from_z_equal_the_result_hook(gpt2):
+    ids = _ids()
+    _, cache = gpt2.run_with_cache(ids, names=lambda n: "pattern" not in n and "scores" not in n)
+    _, default = gpt2.run_with_cache(ids)
+    with_hook = cache.stack_head_results(pos_slice=(2, 5))
+    from_z = default.stack_head_results(pos_slice=(2, 5))
+    assert with_hook.shape == (8, 2, 3, 32)
+    torch.testing.assert_close(from_z, with_hook, atol=1e-6, rtol=1e-6)
+    stack, labels = default.stack_head_results(1, return_labels=True, incl_remainder=True)
+    assert labels[-1] == "remainder" and torch.allclose(stack.sum(0), default["resid_post", 0], atol=1e-6)
+    assert default.stack_activation("z").shape == (2, 2, 9, 4, 8)
+
+
+def test_remove_batch_dim_and_the_mlp_input_norm(llama):
+    _, eager = llama.run_with_cache(_ids(1))
+    assert torch.equal(eager["attn", -1, "attn"], eager["blocks.1.attn.hook_pattern"])  # TransformerLens's key forms
+    assert torch.equal(eager["k1"], eager["blocks.1.attn.hook_k"])
+    _, cache = llama.run_with_cache(_ids(1), remove_batch_dim=True)
+    assert cache["resid_pre", 0].shape == (9, 32) and not cache.has_batch_dim
+    ln2 = llama.blocks[1].ln2
+    mid = cache["resid_mid", 1]
+    scaled = cache.apply_ln_to_stack(mid[None], layer=1, mlp_input=True)[0]
+    torch.testing.assert_close(scaled * llama.blocks[1].ln2.weight, ln2(mid).detach(), atol=1e-5, rtol=1e-5)
+    moved = cache.to("cpu")
+    assert moved.model is llama and torch.equal(moved["resid_pre", 0], cache["resid_pre", 0])
+    with pytest.raises(ValueError, match="one sequence"):
+        llama.run_with_cache(_ids(2))[1].to("cpu").remove_batch_dim()
+
+
+def test_an_encoder_cache_accumulates_and_refuses_a_split(minilm):
+    _, cache = minilm.run_with_cache(minilm.to_tokens("The cat sat on the mat."))
+    acc = cache.accumulated_resid()
+    assert acc.shape[0] == minilm.cfg.n_layers + 1 and torch.equal(acc[-1], cache["resid_post", -1])
+    with pytest.raises(NotImplementedError, match="post-norm"):
+        cache.decompose_resid()
+    with pytest.raises(NotImplementedError, match="Post-norm"):
+        cache.accumulated_resid(layer=2, apply_ln=True)
+
+
+def test_an_encoder_decoder_cache_reads_each_stack_and_refuses_the_rest():
+    from tests.test_seq2seq import _tiny
+
+    t5 = interp.load_model(_tiny("t5"), attn="eager")
+    ids, dec = _ids(2, 6) % 50, _ids(2, 4, seed=1) % 50
+    _, cache = t5.run_with_cache(ids, decoder_input_ids=dec)
+    encoder, labels = cache.accumulated_resid(stack="encoder", return_labels=True)
+    assert labels[-1] == "final_post" and torch.equal(encoder[-1], cache["encoder.blocks.1.hook_resid_post"])
+    assert torch.equal(cache.accumulated_resid(stack="decoder")[0], cache["decoder.blocks.0.hook_resid_pre"])
+    with pytest.raises(ValueError, match="stack='encoder' or stack='decoder'"):
+        cache.accumulated_resid()
+    with pytest.raises(NotImplementedError, match="encoder-decoder model has two"):
+        cache.decompose_resid()
+    with pytest.raises(NotImplementedError, match="head_weights"):
+        t5.W_Q
+    with pytest.raises(NotImplementedError, match="model.hf.generate"):
+        t5.generate(ids)
+    assert t5(ids, decoder_input_ids=dec, return_type="logits").shape == (2, 4, t5.cfg.vocab_size)
+
+
+def test_add_hook_reset_hooks_and_hook_layer(llama):
+    ids = _ids()
+    seen = []
+    llama.add_hook("blocks.1.attn.hook_z", lambda z, hook: seen.append(hook.layer()))
+    llama.add_hook(lambda n: n.endswith("hook_resid_post"), lambda x, hook: seen.append(("post", hook.layer)),
+                   is_permanent=True)
+    llama(ids)
+    assert seen == [("post", 0), 1, ("post", 1)]
+    llama.reset_hooks()  # the permanent hook stays
+    seen.clear()
+    llama(ids)
+    assert seen == [("post", 0), ("post", 1)]
+    llama.reset_hooks(including_permanent=True)
+    seen.clear()
+    llama(ids)
+    assert seen == [] and not llama._registry.active()
+    with pytest.raises(ValueError, match="forward hooks"):
+        llama.add_hook("blocks.0.attn.hook_z", lambda z, hook: None, dir="bwd")
