@@ -16,6 +16,7 @@ from analyses import (ablate_heads, ablation_scan, activation_patching, attribut
 from analyses.seq2seq import copy_task, is_seq2seq, target_loss
 from hooks import ActivationCache
 from interp.sites import FRONT, check_heads, head_columns
+from interp.resid import ModelCache
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,9 @@ def test_one_cache_class_rebuilds_any_sites_pattern_the_same_way_on_every_model(
     for model, batch in ((llama, {"input_ids": ids, "attention_mask": mask}), (t5, copy_task(t5, 3, 6))):
         _, eager = model.run_with_cache(batch)
         _, qk = model.run_with_cache(batch, names=lambda n: n.endswith(("hook_q", "hook_k")))
-        assert type(eager) is type(qk) is ActivationCache and is_seq2seq(qk) == is_seq2seq(model)
+        # one class on every model: ModelCache, the ActivationCache that knows its model (TransformerLens's methods)
+        assert type(eager) is type(qk) is ModelCache and isinstance(qk, ActivationCache)
+        assert is_seq2seq(qk) == is_seq2seq(model)
         assert [s.name for s in qk.sites] == [s.name for s in model.cfg.sites]
         for site in model.cfg.sites:
             heads = [0, site.n_heads - 1]
