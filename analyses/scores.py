@@ -1,48 +1,40 @@
-"""Head scores: one definition per score, read either from a pattern or from q, k and the logsumexp.
+"""Head scores read from attention: target rules and row argmaxes, summed per prompt over one per-site pass.
 
-Every weight score is a set of (prompt, query, key) index triples, its *pairs*: a query row's score is
-the sum of its weights on its keys, and a head's score is the mean over the rows that have at least one
-pair, pooled over prompts (rows without a target are left out rather than counted as 0). The weights
-come from an n x n pattern (eager path, or a pattern given by hand) or, on the flash path, one at a
-time as ``exp(scale * q_i . k_j - lse_i)``: O(number of pairs) memory, never n x n.
+A target-rule score (``analyses.registry``, ``how="target"``) turns into a set of ``(prompt, query, key)`` index
+triples, its *pairs*: a query row's score is the sum of its weights on its keys, and a head's score is the mean
+over the rows that have at least one pair, pooled over prompts (rows without a target are left out rather than
+counted as 0). The weights come from the site's pattern (eager) or are rebuilt one pair at a time from q, k and the
+logsumexp (flash: ``interp.site_pass.SiteRead.weights``), so memory is O(number of pairs), never n x n. An
+``how="argmax"`` score (positional heads, Voita et al. 2019) histograms the offset of each row's top-1 key from its
+query: ``{name}_offset`` is the commonest offset, ``{name}_fraction`` the share of rows whose top-1 key sits there.
 
-Scores (definitions in shared/REFERENCE.md):
-
-- ``previous_token`` (Olsson et al. 2022): weight i -> i-1; ``next_token`` i -> i+1 (encoders only).
-- ``self``: weight i -> i. ``sink`` (Gu et al. 2024): weight on the first token of the sequence.
-- ``duplicate_token``: total weight on earlier occurrences of the query's token.
-- ``induction`` (Olsson et al. 2022): total weight on the tokens right after earlier occurrences of
-  the query's token; rows whose token did not occur earlier have no target and are not counted.
-- ``positional`` (Voita et al. 2019): ``positional_offset`` is the key - query offset that holds the
-  row's largest weight most often, ``positional_fraction`` the fraction of rows where it does.
-
-The rows of a causal model's first real position are left out of ``self``, ``sink`` and
-``positional``: that row can only attend to itself.
+The rule runs row by row on each prompt's unpadded tokens (positions count from its first real token); pairs
+whose query or key is padding are dropped. The row of a causal site's first real position is left out of every
+score: it can only attend to itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 
-from interp.stats import attention_stats
+from interp.sites import FRONT
 
-from .labels import (DEFAULT_THRESHOLDS, KINDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES,  # noqa: F401
-                     WEIGHT_SCORES, choose_scores, head_labels, label_heads, resolve_thresholds, strongest_heads)
+from . import registry
+from .labels import head_labels, label_heads, site_kind
+from .registry import HeadScore
 from .taxonomy_base import check_n_bootstrap
 
-__all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
-           "label_heads", "head_labels", "strongest_heads"]
-
-_PAIR_CHUNK = 1 << 22  # elements of one gathered (pairs, head, d_head) block on the flash path
+__all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs"]
 
 
 @dataclass
 class Pairs:
-    """Index triples ``(b, q, k)``, each ``(n_pairs,)``, and the rows they cover per prompt: ``(batch,)``."""
+    """Index triples ``(b, q, k)``, each ``(n_pairs,)``, in padded coordinates, and the rows they cover per prompt
+    of the batch: ``(batch,)``."""
 
     b: torch.Tensor
     q: torch.Tensor
@@ -50,233 +42,175 @@ class Pairs:
     rows: torch.Tensor
 
 
-@dataclass
-class Targets:
-    """What each score reads in one padded batch; built from the tokens alone, shared by all layers.
+def _as_triple(record: HeadScore, out, n_batch: int, n_q: int, n_k: int):
+    """A rule's output as ``(b, q, k)`` with every -1 dropped, after checking its form."""
+    form = (f"the target rule of {record.name!r} must return a (batch, pos) LongTensor of key positions (-1: none) "
+            f"or a (batch, query, key) triple of 1-D LongTensors")
+    if isinstance(out, torch.Tensor):
+        if out.shape != (n_batch, n_q) or out.is_floating_point() or out.dtype == torch.bool:
+            raise ValueError(f"{form}; for ids of shape {(n_batch, n_q)} it returned a {out.dtype} tensor of shape "
+                             f"{tuple(out.shape)}.")
+        b, q = (out >= 0).nonzero(as_tuple=True)
+        triple = b, q, out[b, q].long()
+    elif isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out):
+        triple = tuple(t.reshape(-1).long() for t in out)
+        if len({len(t) for t in triple}) != 1:
+            raise ValueError(f"{form}; its triple has lengths {[len(t) for t in triple]}.")
+        keep = triple[2] >= 0
+        triple = tuple(t[keep] for t in triple)
+    else:
+        raise ValueError(f"{form}; it returned {type(out).__name__}.")
+    b, q, k = (t.cpu() for t in triple)
+    if len(b) and (b.min() < 0 or b.max() >= n_batch or q.min() < 0 or q.max() >= n_q or k.max() >= n_k):
+        raise ValueError(f"The target rule of {record.name!r} returned positions outside the prompt: batch rows "
+                         f"0..{n_batch - 1}, queries 0..{n_q - 1} and keys -1..{n_k - 1} are possible.")
+    return b, q, k
 
-    valid: (b, p) real tokens. pairs: score -> Pairs. positional_rows: (b, p) rows of the argmax.
-    """
 
-    valid: torch.Tensor
-    causal: bool
-    pairs: dict[str, Pairs]
-    positional_rows: torch.Tensor | None
-
-
-def _pairs(b, q, k, n_batch: int, n_pos: int) -> Pairs:
-    row_ids = torch.unique(b * n_pos + q)
-    rows = torch.bincount(row_ids // n_pos, minlength=n_batch)
+def rule_pairs(record: HeadScore, ids, valid, key_ids, key_valid, causal: bool, tokenizer=None) -> Pairs:
+    """The pairs of one target-rule score on a padded batch: query side ``ids``/``valid`` ``(b, q)``, key side
+    ``key_ids``/``key_valid`` ``(b, k)`` (the same tensors on a self-attention site)."""
+    ids, valid, key_ids, key_valid = (t.cpu() for t in (ids, valid, key_ids, key_valid))
+    n_batch = ids.shape[0]
+    same = key_ids is ids
+    if bool(valid.all()) and bool(key_valid.all()):  # no padding: one call for the whole batch
+        parts = [(torch.arange(n_batch), torch.arange(ids.shape[1]), torch.arange(key_ids.shape[1]),
+                  _as_triple(record, record.call_rule(ids=ids, key_ids=key_ids, tokenizer=tokenizer), n_batch,
+                             ids.shape[1], key_ids.shape[1]))]
+    else:
+        parts = []
+        for row in range(n_batch):
+            q_at, k_at = valid[row].nonzero().squeeze(1), key_valid[row].nonzero().squeeze(1)
+            mine, theirs = ids[row, q_at][None], key_ids[row, k_at][None]
+            out = record.call_rule(ids=mine, key_ids=mine if same else theirs, tokenizer=tokenizer)
+            parts.append((torch.tensor([row]), q_at, k_at, _as_triple(record, out, 1, len(q_at), len(k_at))))
+    bs, qs, ks = [], [], []
+    for rows_at, q_at, k_at, (b, q, k) in parts:
+        keep = q != 0 if causal else torch.ones_like(q, dtype=torch.bool)  # the forced first row of a causal site
+        bs.append(rows_at[b[keep]]), qs.append(q_at[q[keep]]), ks.append(k_at[k[keep]])
+    b, q, k = torch.cat(bs), torch.cat(qs), torch.cat(ks)
+    n_pos = ids.shape[1]
+    rows = torch.bincount(torch.unique(b * n_pos + q) // n_pos, minlength=n_batch)
     return Pairs(b, q, k, rows)
 
 
-def _earlier_occurrences(input_ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Every (b, i, j) with j < i, both real and ``input_ids[b, j] == input_ids[b, i]``.
-
-    Sorting groups equal tokens, so memory is O(number of such pairs), not O(p^2).
-    """
-    n_batch, n_pos = input_ids.shape
-    flat = valid.flatten().nonzero().squeeze(1)  # (r,) real positions in (b, p) order
-    key = (flat // n_pos) * (int(input_ids.max()) + 1) + input_ids.flatten()[flat]
-    order = torch.argsort(key, stable=True)  # groups of equal (b, token), positions ascending inside
-    _, counts = torch.unique_consecutive(key[order], return_counts=True)
-    start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)  # (r,) group start per rank
-    n_earlier = torch.arange(len(order)) - start
-    query_rank = torch.repeat_interleave(torch.arange(len(order)), n_earlier)  # (n_pairs,)
-    first_pair = torch.cumsum(n_earlier, 0) - n_earlier
-    key_rank = start[query_rank] + torch.arange(len(query_rank)) - first_pair[query_rank]
-    query_pos, key_pos = flat[order[query_rank]], flat[order[key_rank]]
-    return query_pos // n_pos, query_pos % n_pos, key_pos % n_pos
+def argmax_rows(valid: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(b, q): the rows an argmax score counts (real, and not a causal site's forced first row)."""
+    valid = valid.cpu()
+    first = valid.int().argmax(dim=1)
+    return valid & ~(causal & (torch.arange(valid.shape[1])[None] == first[:, None]))
 
 
-def build_targets(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool,
-                  kinds: Iterable[str]) -> Targets:
-    """The pairs of each score in ``kinds`` for a batch ``input_ids: (b, p)`` with padding mask ``(b, p)``."""
-    input_ids = input_ids.cpu()
-    n_batch, n_pos = input_ids.shape
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.cpu().bool()
-    pos = torch.arange(n_pos)
-    first = valid.int().argmax(dim=1)  # (b,) first real position
-    rows = valid & ~(causal & (pos[None] == first[:, None]))  # rows that are not forced
-    kinds = set(kinds)
-    pairs: dict[str, Pairs] = {}
-
-    def shifted(shift: int) -> Pairs:
-        ok = torch.zeros_like(valid)
-        if shift < 0:
-            ok[:, -shift:] = valid[:, -shift:] & valid[:, :shift]
-        else:
-            ok[:, :-shift] = valid[:, :-shift] & valid[:, shift:]
-        b, q = ok.nonzero(as_tuple=True)
-        return _pairs(b, q, q + shift, n_batch, n_pos)
-
-    if "previous_token" in kinds:
-        pairs["previous_token"] = shifted(-1)
-    if "next_token" in kinds:
-        pairs["next_token"] = shifted(1)
-    b, q = rows.nonzero(as_tuple=True)
-    if "self" in kinds:
-        pairs["self"] = _pairs(b, q, q, n_batch, n_pos)
-    if "sink" in kinds:
-        pairs["sink"] = _pairs(b, q, first[b], n_batch, n_pos)
-    if kinds & {"duplicate_token", "induction"}:
-        b, q, k = _earlier_occurrences(input_ids, valid)
-        if "duplicate_token" in kinds:
-            pairs["duplicate_token"] = _pairs(b, q, k, n_batch, n_pos)
-        if "induction" in kinds:
-            nxt = k + 1
-            keep = (nxt < n_pos) & valid[b, nxt.clamp(max=n_pos - 1)]  # causal: nxt <= q since k < q
-            pairs["induction"] = _pairs(b[keep], q[keep], nxt[keep], n_batch, n_pos)
-    return Targets(valid, causal, pairs, rows if "positional" in kinds else None)
-
-
-# -- reading weights -------------------------------------------------------------------------------------
-def weights_from_pattern(pattern: torch.Tensor, pairs: Pairs) -> torch.Tensor:
-    """pattern: (b, h, q, k) -> the weight of every pair in every head: (n_pairs, h)."""
-    return pattern[pairs.b, :, pairs.q, pairs.k]
-
-
-def weights_from_qk(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float, pairs: Pairs,
-                    softcap: float | None = None, window: tuple[int | None, int | None] = (None, None)) -> torch.Tensor:
-    """``exp(cap(scaling * q_i . k_j) - lse_i)`` for every pair, in fp32: (n_pairs, h).
-
-    q: (b, p, h, d) after RoPE; k: (b, p, g, d) with head h reading key/value head h // (h / g);
-    lse: (b, h, q) logsumexp of the scaled, capped, masked scores (a sink included). softcap: the layer's logit
-    soft-cap; window: (keys before, keys after) the query the layer may see: pairs outside it weigh 0.
-    """
-    n_heads, n_kv, d_head = q.shape[2], k.shape[2], q.shape[3]
-    b, qi, kj = pairs.b.to(q.device), pairs.q.to(q.device), pairs.k.to(q.device)
-    step = max(1, _PAIR_CHUNK // (n_heads * d_head))
-    out = []
-    for s in range(0, len(b), step):
-        bb, ii, jj = b[s:s + step], qi[s:s + step], kj[s:s + step]
-        qs = q[bb, ii].float().unflatten(1, (n_kv, n_heads // n_kv))  # (n, g, r, d)
-        dots = torch.einsum("ngrd,ngd->ngr", qs, k[bb, jj].float()).flatten(1) * scaling  # (n, h)
-        if softcap is not None:
-            dots = torch.tanh(dots / softcap) * softcap
-        w = torch.exp(dots - lse[bb, :, ii].float())
-        out.append(w * _in_window(ii, jj, window)[:, None])
-    return torch.cat(out) if out else torch.zeros(0, n_heads, device=q.device)
-
-
-def _in_window(qi: torch.Tensor, kj: torch.Tensor, window: tuple[int | None, int | None]) -> torch.Tensor:
-    """1.0 where key kj lies inside query qi's window of keys, else 0.0."""
-    before, after = window
-    inside = torch.ones_like(qi, dtype=torch.bool)
-    if before is not None:
-        inside &= kj >= qi - before
-    if after is not None:
-        inside &= kj <= qi + after
-    return inside.float()
-
-
-def argmax_from_pattern(pattern: torch.Tensor, targets: Targets, window=(None, None)) -> torch.Tensor:
-    """Key index of each row's largest allowed weight: (b, h, q)."""
-    allowed = _allowed(targets, 0, pattern.shape[2], pattern.device, window)
-    return pattern.masked_fill(~allowed, -1.0).argmax(dim=-1)
-
-
-def argmax_from_qk(q: torch.Tensor, k: torch.Tensor, targets: Targets, window=(None, None)) -> torch.Tensor:
-    """The same from q (b, p, h, d) and k (b, p, g, d): ``interp.stats``'s top-1 key, one tile of the scores at a
-    time (O(p) memory). The scale, the soft-cap and the logsumexp do not move a row's argmax, so raw dot products
-    suffice."""
-    stats = attention_stats(q.transpose(1, 2), k.transpose(1, 2), 1.0, causal=targets.causal, window=window,
-                            key_valid=targets.valid, fields=("top_index",))
-    return stats.top_index.clamp(min=0)  # a row with no key to see (padding) is never a positional row
-
-
-def _band(start: int, end: int, n_keys: int, causal: bool, window, device) -> torch.Tensor:
-    """(end - start, n_keys): keys that rows start..end-1 may see (causal, and within the layer's window)."""
-    offset = torch.arange(n_keys, device=device)[None] - torch.arange(start, end, device=device)[:, None]
-    before, after = window
-    after = 0 if causal and after is None else after
-    inside = torch.ones_like(offset, dtype=torch.bool)
-    if before is not None:
-        inside &= offset >= -before
-    if after is not None:
-        inside &= offset <= after
-    return inside
-
-
-def _allowed(targets: Targets, start: int, end: int, device, window=(None, None)) -> torch.Tensor:
-    """(b, 1, end - start, p): which keys the query rows start..end-1 may attend to."""
-    valid = targets.valid.to(device)
-    n_pos = valid.shape[1]
-    allowed = valid[:, None, None, :].expand(-1, 1, end - start, n_pos)
-    return allowed & _band(start, end, n_pos, targets.causal, window, device)
-
-
-# -- accumulating over batches and layers ----------------------------------------------------------------
+# -- accumulating over batches and sites -------------------------------------------------------------------------
 class Tally:
-    """Per-prompt sums ``(prompt, layer, head)`` and row counts ``(prompt,)`` of each weight score, and the
-    positional histogram ``(layer, head, 2 * max_len - 1)`` of row-argmax offsets.
+    """Per-prompt sums ``(prompt, site, head)`` and row counts ``(prompt, site)`` of each target-rule score, and
+    each argmax score's histogram ``(site, head, offsets)`` of top-1 key offsets, for the sites of ``model``."""
 
-    heads_per_layer: each layer's head count (a pruned model has fewer heads in some layers).
-    """
-
-    def __init__(self, kinds: Iterable[str], n_prompts: int, heads_per_layer: tuple[int, ...], max_len: int):
-        self.kinds = [k for k in KINDS if k in set(kinds)]
+    def __init__(self, model, records: Iterable[HeadScore], n_prompts: int, max_len: int):
+        self.model = model
+        self.sites = model.cfg.sites
+        self.records = list(records)
+        n_sites, n_heads = len(self.sites), max(s.n_heads for s in self.sites)
+        self.width = 2 * max_len - 1
         self.max_len = max_len
-        self.heads_per_layer = tuple(heads_per_layer)
-        n_layers, n_heads = len(self.heads_per_layer), max(self.heads_per_layer)
-        self.sums = {s: torch.zeros(n_prompts, n_layers, n_heads, dtype=torch.float64)
-                     for s in self.kinds if s in WEIGHT_SCORES}
-        self.rows = {s: torch.zeros(n_prompts, dtype=torch.int64) for s in self.sums}
-        self.hist = torch.zeros(n_layers, n_heads, 2 * max_len - 1, dtype=torch.int64) if "positional" in self.kinds else None
+        self.sums = {r.name: torch.zeros(n_prompts, n_sites, n_heads, dtype=torch.float64)
+                     for r in self.records if r.how == "target"}
+        self.rows = {name: torch.zeros(n_prompts, n_sites, dtype=torch.int64) for name in self.sums}
+        self.hist = {r.name: torch.zeros(n_sites, n_heads, self.width, dtype=torch.int64)
+                     for r in self.records if r.how == "argmax"}
+        self.nonfinite = torch.zeros(n_sites, n_heads, dtype=torch.int64)
 
-    def add_rows(self, index: torch.Tensor, targets: Targets) -> None:
-        """Count the rows of one batch whose prompts sit at ``index: (b,)``; once per batch."""
-        for s in self.sums:
-            self.rows[s][index] = targets.pairs[s].rows
+    def applies(self, record: HeadScore, index: int) -> bool:
+        return record.applies_to(site_kind(self.sites[index]))
 
-    def add_layer(self, layer: int, index: torch.Tensor, targets: Targets,
-                  weights: Callable[[Pairs], torch.Tensor], argmax: Callable[[], torch.Tensor]) -> None:
-        """Add one layer of one batch: ``weights(pairs) -> (n_pairs, h)``, ``argmax() -> (b, h, q)``."""
-        if self.sums:  # one gather for the pairs of every score, then split
-            scores = list(self.sums)
-            parts = [targets.pairs[s] for s in scores]
-            joined = Pairs(*(torch.cat([getattr(p, f) for p in parts]) for f in ("b", "q", "k")), rows=None)
-            w = weights(joined).double().cpu()  # (n_pairs, h)
-            for s, p, ws in zip(scores, parts, w.split([len(p.b) for p in parts])):
+    def add_site(self, read, index: torch.Tensor, pairs: dict[str, Pairs]) -> None:
+        """Add one site of one batch whose prompts sit at ``index: (b,)``: ``pairs`` maps each target-rule score
+        that applies to the site to its pairs on this batch."""
+        i = read.index
+        named = [name for name in self.sums if name in pairs]
+        if named:  # one gather for the pairs of every score, then split
+            parts = [pairs[name] for name in named]
+            w = read.weights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("b", "q", "k"))).double().cpu()
+            for name, p, ws in zip(named, parts, w.split([len(p.b) for p in parts])):
                 per_prompt = torch.zeros(len(index), w.shape[1], dtype=torch.float64).index_add_(0, p.b, ws)
-                self.sums[s][index, layer, : w.shape[1]] = per_prompt
-        if self.hist is not None:
-            key = argmax().cpu()  # (b, h, q)
-            b, q = targets.positional_rows.nonzero(as_tuple=True)
-            offset = key[b, :, q] - q[:, None] + self.max_len - 1  # (rows, h)
-            n_heads, width = key.shape[1], self.hist.shape[2]
-            flat = (torch.arange(n_heads)[None] * width + offset).flatten()
-            self.hist[layer, :n_heads] += torch.bincount(flat, minlength=n_heads * width).view(n_heads, width)
+                self.sums[name][index, i, : w.shape[1]] = per_prompt
+                self.rows[name][index, i] = p.rows
+        argmax = [r for r in self.records if r.how == "argmax" and self.applies(r, i)]
+        if argmax:
+            key = read.top_keys().cpu()  # (b, h, q)
+            b, q = argmax_rows(read.query_valid, read.site.causal).nonzero(as_tuple=True)
+            offset = (key[b, :, q] - q[:, None] + self.max_len - 1).clamp(0, self.width - 1)  # (rows, h)
+            seen = key[b, :, q] >= 0
+            n_heads = key.shape[1]
+            flat = (torch.arange(n_heads)[None] * self.width + offset)[seen]
+            counts = torch.bincount(flat, minlength=n_heads * self.width).view(n_heads, self.width)
+            for r in argmax:
+                self.hist[r.name][i, :n_heads] += counts
+
+    def mark_nonfinite(self, index: int, bad: torch.Tensor) -> None:
+        self.nonfinite[index, : bad.shape[0]] += bad.cpu().long()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every accumulated tensor, in a fixed order (for summing over ranks)."""
+        return [*self.sums.values(), *self.rows.values(), *self.hist.values(), self.nonfinite]
+
+    def set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        for group in (self.sums, self.rows, self.hist):
+            for name in group:
+                group[name] = next(it)
+        self.nonfinite = next(it)
 
     def frame(self, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
-        """One row per (layer, head): each score, positional offset and fraction, and bootstrap 95% intervals
-        over prompts (percentile method, prompts resampled with replacement) for the weight scores."""
+        """One row per real head of every site that a score applies to: the scores (NaN where one does not apply),
+        each argmax score's ``_offset`` and ``_fraction``, and bootstrap 95% intervals over prompts (percentile
+        method, prompts resampled with replacement) for the target-rule scores."""
         check_n_bootstrap(n_bootstrap)
-        n_heads = max(self.heads_per_layer)
-        exists = torch.tensor([[h < n for h in range(n_heads)] for n in self.heads_per_layer]).flatten()
-        layer = torch.tensor([l for l, n in enumerate(self.heads_per_layer) for _ in range(n)])
-        head = torch.tensor([h for n in self.heads_per_layer for h in range(n)])
-        columns: dict[str, object] = {"layer": layer.numpy(), "head": head.numpy()}
+        heads = [(i, h) for i, h in _real_heads(self.model)
+                 if any(self.applies(r, i) for r in self.records)]
+        site_at, head_at = torch.tensor([i for i, _ in heads], dtype=torch.long), \
+            torch.tensor([h for _, h in heads], dtype=torch.long)
+        columns: dict[str, object] = {c: [getattr(self.sites[i], "name" if c == "site" else "block" if c == "layer"
+                                                  else c) for i, _ in heads] for c in FRONT[:-1]}
+        columns["head"] = head_at.numpy()
         intervals = {}
-        weights = None
-        for s, sums in self.sums.items():
-            n_prompts = sums.shape[0]
-            if weights is None:
-                g = torch.Generator().manual_seed(seed)
-                draws = torch.randint(n_prompts, (n_bootstrap, n_prompts), generator=g)
-                weights = torch.zeros(n_bootstrap, n_prompts, dtype=torch.float64).scatter_add_(
-                    1, draws, torch.ones(n_bootstrap, n_prompts, dtype=torch.float64))
-            flat, rows = sums.flatten(1)[:, exists], self.rows[s].double()
-            columns[s] = _ratio(flat.sum(0), rows.sum()).numpy()
-            boot = _ratio(weights @ flat, (weights @ rows)[:, None])  # (n_bootstrap, l * h)
+        draws = None
+        for r in self.records:
+            ok = torch.tensor([self.applies(r, i) for i, _ in heads], dtype=torch.bool)
+            if r.how == "argmax":
+                hist = self.hist[r.name][site_at, head_at].double()
+                best = hist.max(-1)
+                offsets = (best.indices - (self.max_len - 1)).tolist()
+                columns[f"{r.name}_offset"] = pd.array([o if k else None for o, k in zip(offsets, ok.tolist())],
+                                                       dtype="Int64")
+                columns[f"{r.name}_fraction"] = torch.where(ok, _ratio(best.values, hist.sum(-1)), torch.nan).numpy()
+                continue
+            sums, rows = self.sums[r.name][:, site_at, head_at], self.rows[r.name][:, site_at].double()
+            if draws is None:
+                draws = _draws(sums.shape[0], n_bootstrap, seed)
+            columns[r.name] = torch.where(ok, _ratio(sums.sum(0), rows.sum(0)), torch.nan).numpy()
+            boot = _ratio(draws @ sums, draws @ rows)  # (n_bootstrap, heads)
             lo_hi = torch.nanquantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
-            intervals[f"{s}_lo"], intervals[f"{s}_hi"] = lo_hi[0].numpy(), lo_hi[1].numpy()
-        if self.hist is not None:
-            hist = self.hist.flatten(0, 1)[exists]
-            total = hist.sum(-1).double()
-            best = hist.max(-1)
-            columns["positional_offset"] = (best.indices - (self.max_len - 1)).numpy()
-            columns["positional_fraction"] = _ratio(best.values.double(), total).numpy()
-        return pd.DataFrame({**columns, **intervals})
+            intervals[f"{r.name}_lo"] = torch.where(ok, lo_hi[0], torch.nan).numpy()
+            intervals[f"{r.name}_hi"] = torch.where(ok, lo_hi[1], torch.nan).numpy()
+        df = pd.DataFrame({**columns, **intervals})
+        df.attrs["nonfinite"] = [(int(i), int(h)) for i, h in heads if self.nonfinite[i, h] > 0]
+        return df
+
+
+def _real_heads(model) -> list[tuple[int, int]]:
+    """(site index, head) of every real head: a pruned model's placeholder head of an emptied site is not one."""
+    empty = {model.cfg.sites[l].name for l in getattr(model.cfg, "empty_layers", ())} | \
+        set(getattr(model.cfg, "empty_sites", ()))
+    return [(i, h) for i, s in enumerate(model.cfg.sites) if s.name not in empty for h in range(s.n_heads)]
+
+
+def _draws(n_prompts: int, n_bootstrap: int, seed: int) -> torch.Tensor:
+    """(n_bootstrap, n_prompts): how often each prompt is drawn in each resample."""
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(n_prompts, (n_bootstrap, n_prompts), generator=g)
+    return torch.zeros(n_bootstrap, n_prompts, dtype=torch.float64).scatter_add_(
+        1, picks, torch.ones(n_bootstrap, n_prompts, dtype=torch.float64))
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -284,14 +218,36 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=1), torch.nan)
 
 
-# -- scores of a given pattern ---------------------------------------------------------------------------
+def labelled(df: pd.DataFrame, thresholds: dict | None) -> pd.DataFrame:
+    """The table with its ``label`` and ``labels`` columns, in ``order_columns``'s order."""
+    attrs = dict(df.attrs)
+    df = df.assign(label=label_heads(df, thresholds), labels=head_labels(df, thresholds))
+    df = order_columns(df)
+    df.attrs.update(attrs)
+    return df
+
+
+def order_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """The head columns, the scores in registry order (an argmax score's offset and fraction), label, labels, then
+    the interval columns and anything else."""
+    main = [c for c in FRONT if c in df]
+    for r in registry.scores():
+        main += [f"{r.name}_offset", f"{r.name}_fraction"] if r.how == "argmax" else [r.name]
+    main += ["label", "labels"]
+    intervals = [f"{r.name}_{end}" for r in registry.scores() for end in ("lo", "hi")]
+    main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
+    return df[main + intervals + [c for c in df if c not in main + intervals]]
+
+
+# -- scores of a given pattern ---------------------------------------------------------------------------------
 def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   causal: bool = True, kinds: Iterable[str] | None = None,
+                   causal: bool = True, scores: Iterable[str] | None = None,
                    thresholds: dict[str, float] | None = None, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Scores of a given attention pattern, one row per head (``layer`` is 0), as ``detect_heads`` reports them.
 
-    pattern: (batch, head, query, key); input_ids and attention_mask: (batch, pos), the tokens the
-    pattern was computed on (they define the previous token, earlier occurrences and padding).
+    pattern: (batch, head, query, key); input_ids and attention_mask: (batch, pos), the tokens the pattern was
+    computed on (they define the previous token, earlier occurrences and padding). scores: registered
+    target-rule and argmax scores of self-attention heads (None: the defaults).
 
     >>> ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
     >>> shifted = torch.eye(6).roll(-1, dims=1).tril()[None, None]  # row i -> i-1 (row 0 -> itself)
@@ -300,37 +256,30 @@ def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mas
     >>> float(df.previous_token[0]), float(df.induction[0]), df.label[0]
     (1.0, 0.0, 'previous_token')
     """
-    kinds = check_kinds(kinds, causal)
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from interp.site_pass import SiteRead  # noqa: PLC0415
+    from interp.sites import Site  # noqa: PLC0415
+
     if pattern.ndim != 4 or pattern.shape[0] != input_ids.shape[0] or pattern.shape[2:] != (input_ids.shape[1],) * 2:
-        raise ValueError(
-            f"pattern must be (batch, head, pos, pos) matching input_ids {tuple(input_ids.shape)}; got {tuple(pattern.shape)}."
-        )
-    targets = build_targets(input_ids, attention_mask, causal, kinds)
-    tally = Tally(kinds, input_ids.shape[0], (pattern.shape[1],), input_ids.shape[1])
-    index = torch.arange(input_ids.shape[0])
-    tally.add_rows(index, targets)
-    tally.add_layer(0, index, targets, lambda pairs: weights_from_pattern(pattern, pairs),
-                    lambda: argmax_from_pattern(pattern, targets))
+        raise ValueError(f"pattern must be (batch, head, pos, pos) matching input_ids {tuple(input_ids.shape)}; got "
+                         f"{tuple(pattern.shape)}.")
+    n_heads = pattern.shape[1]
+    site = Site("blocks.0.attn", "decoder" if causal else "encoder", 0, "self", n_heads, n_heads, 1, 1, 1.0, causal)
+    model = SimpleNamespace(cfg=SimpleNamespace(sites=(site,), causal=causal, empty_layers=()), tokenizer=None)
+    kind = site_kind(site)
+    if scores is None:
+        records = [r for r in registry.scores(("target", "argmax"), kind) if r.default]
+    else:
+        records = [registry.score(n) for n in ([scores] if isinstance(scores, str) else scores)]
+        wrong = [r.name for r in records if r.how not in ("target", "argmax") or not r.applies_to(kind)]
+        if wrong:
+            raise ValueError(f"The score(s) {wrong} cannot be read from a {kind} pattern; a pattern's scores are "
+                             f"{list(registry.names(('target', 'argmax'), kind))}.")
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    tally = Tally(model, records, input_ids.shape[0], input_ids.shape[1])
+    pairs = {r.name: rule_pairs(r, input_ids, valid, input_ids, valid, causal) for r in records if r.how == "target"}
+    tally.add_site(SiteRead(0, site, valid, valid, pattern=pattern), torch.arange(input_ids.shape[0]), pairs)
     df = tally.frame(n_bootstrap, seed)
-    return order_columns(df.assign(label=label_heads(df, thresholds), labels=head_labels(df, thresholds)))
-
-
-def check_kinds(kinds: Iterable[str] | None, causal: bool) -> list[str]:
-    """The requested attention-pattern score kinds in canonical order; None means all that apply to the model.
-    Unknown names are refused with the closest valid ones (``labels.choose_scores``)."""
-    chosen = choose_scores(kinds, "causal" if causal else "bidirectional")
-    other = chosen["taxonomy"] + chosen["retrieval"]
-    if other:
-        raise ValueError(f"The score(s) {other} are read from the model, not from a given pattern: ask "
-                         f"detect_heads(model, scores=...) for them; a pattern's scores are {list(KINDS)}.")
-    return chosen["pattern"]
-
-
-def order_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """layer, head, the scores, positional_offset/fraction, label, then the interval columns."""
-    scores = WEIGHT_SCORES + TAXONOMY_SCORES
-    main = ["layer", "head", *[s for s in scores if s in df], "positional_offset", "positional_fraction", "retrieval",
-            "label", "labels"]
-    intervals = [f"{s}_{end}" for s in (*scores, "retrieval") for end in ("lo", "hi")]
-    main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
-    return df[main + intervals + [c for c in df if c not in main + intervals]]
+    df.attrs.pop("nonfinite")
+    return labelled(df, thresholds)

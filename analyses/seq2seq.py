@@ -1,18 +1,11 @@
-"""Head analyses of encoder-decoder models (a ``HookedModel`` with encoder and decoder sites, ``is_seq2seq``).
+"""Encoder-decoder models (a ``HookedModel`` with encoder and decoder sites, ``is_seq2seq``): their batches and
+tasks.
 
-- Self-attention heads of each stack get the scores of ``analyses.scores`` (the encoder's as a bidirectional
-  model's, with next-token; the decoder's as a causal model's).
-- Cross-attention heads (queries from the decoder, keys from the encoder's output) get:
-
-  - **alignment**: the mean weight a target position i puts on source position i, over target positions that
-    have one. On a copy task (the decoder reproduces the source, teacher-forced: target i is source i), this is
-    the weight on the token being copied.
-  - **source_sink**: the mean weight on source position 0.
-  - **source_positional**: Voita et al.'s positional score over source positions: the fraction of rows whose
-    largest weight falls on one fixed offset from the aligned position (``source_positional_offset``), and
-    the mean of that largest weight as the score.
-
-Every score has a 95% bootstrap interval over prompts.
+Their heads are scored by ``detect_heads`` like every model's, over one pass across the sites: the encoder's
+self-attention heads as a bidirectional model's (with next-token), the decoder's as a causal model's, and the
+cross-attention heads (decoder queries on the encoder's output) with the registry's cross-attention scores
+(``alignment``, ``source_sink``, ``source_positional``; ``analyses.registry``). On the copy task here (the decoder
+reproduces the source, teacher-forced: target i is source i) alignment is the weight on the token being copied.
 
 The circuit studies (ablation, patching, attribution, importance, pruning curves) are the same functions on every
 model (``analyses.ablation_scan`` ...; heads are ``(site, head)``, ``interp.sites``); the teacher-forced metrics
@@ -21,33 +14,12 @@ are ``analyses.metrics.target_loss`` and ``target_accuracy``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
-import numpy as np
-import pandas as pd
 import torch
 
-from interp.progress import progress
-
-from .engine import Shard
-from .labels import CROSS_KINDS, CROSS_THRESHOLDS, DEFAULT_THRESHOLDS, choose_scores, resolve_thresholds
-from .scores import pattern_scores
-
-__all__ = ["CROSS_DEFINITIONS", "CROSS_KINDS", "CROSS_SCORES", "copy_accuracy", "copy_patching_task",
-           "copy_study_inputs", "copy_task", "is_seq2seq", "pair_batch", "seq2seq_heads", "train_copy_model"]
-
-
-# CROSS_KINDS and CROSS_THRESHOLDS live with every score's name and threshold (analyses.labels). The score columns of cross-attention heads a grid is coloured by (source_positional reads its fraction), and each
-# kind's one-line definition, as above.
-CROSS_SCORES = ("alignment", "source_positional_fraction", "source_sink")
-CROSS_DEFINITIONS = {
-    "alignment": "cross-attention: the weight a target position i puts on source position i (on the copy task, "
-                 "the token being copied)",
-    "source_sink": "cross-attention: the weight a target position puts on source position 0",
-    "source_positional": "cross-attention: the share of target rows whose largest weight sits at one fixed offset "
-                         "from the aligned source position (Voita et al. 2019); the offset is source_positional_offset",
-}
+__all__ = ["copy_accuracy", "copy_patching_task", "copy_study_inputs", "copy_task", "is_seq2seq", "pair_batch",
+           "train_copy_model"]
 
 
 def is_seq2seq(model) -> bool:
@@ -151,164 +123,6 @@ def copy_accuracy(model, batch: dict) -> float:
     with model.studying(), torch.no_grad():
         logits = model(batch["input_ids"], batch["attention_mask"], decoder_input_ids=batch["decoder_input_ids"]).logits
     return float((logits.argmax(-1) == batch["labels"]).float().mean())
-
-
-def _bootstrap(per_prompt: np.ndarray, n_bootstrap: int, seed: int) -> tuple[float, float]:
-    if n_bootstrap <= 0 or len(per_prompt) < 2:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = per_prompt[rng.integers(0, len(per_prompt), (n_bootstrap, len(per_prompt)))].mean(1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
-
-
-def _cross_scores(pattern: torch.Tensor, source_mask: torch.Tensor | None, target_mask: torch.Tensor | None,
-                  n_bootstrap: int, seed: int) -> list[dict]:
-    """pattern: (b, h, t, s) of one cross-attention site; one dict per head."""
-    b, h, t, s = pattern.shape
-    pattern = pattern.float()
-    rows = torch.ones(b, t, dtype=torch.bool) if target_mask is None else target_mask.bool().cpu()
-    src_len = torch.full((b,), s) if source_mask is None else source_mask.sum(1).cpu()
-    i = torch.arange(t)
-    aligned = rows & (i[None] < src_len[:, None])  # (b, t): rows with a source position to align to
-    diag = pattern.cpu()[:, :, i, i.clamp(max=s - 1)]  # (b, h, t): weight on the aligned source position
-    first = pattern.cpu()[..., 0]  # (b, h, t)
-    top, where = pattern.cpu().max(-1)  # (b, h, t)
-    offset = where - i[None, None]
-    out = []
-    for head in range(h):
-        def per_prompt(values, mask):
-            counts = mask.sum(1).clamp(min=1)
-            return ((values * mask).sum(1) / counts).numpy().astype(np.float64), mask.sum(1).numpy() > 0
-
-        align, has = per_prompt(diag[:, head], aligned.float())
-        sink, has_row = per_prompt(first[:, head], rows.float())
-        offs = offset[:, head][rows]
-        common = int(offs.mode().values) if offs.numel() else 0
-        hits = (offset[:, head] == common) & rows
-        fraction = float(hits.sum() / rows.sum().clamp(min=1))
-        positional, _ = per_prompt(top[:, head], rows.float())
-        row = {"head": head, "alignment": float(align[has].mean()) if has.any() else float("nan"),
-               "source_sink": float(sink[has_row].mean()), "source_positional": float(positional[has_row].mean()),
-               "source_positional_offset": common, "source_positional_fraction": fraction}
-        for name, values, valid in (("alignment", align, has), ("source_sink", sink, has_row),
-                                    ("source_positional", positional, has_row)):
-            row[f"{name}_lo"], row[f"{name}_hi"] = _bootstrap(values[valid], n_bootstrap, seed)
-        out.append(row)
-    return out
-
-
-def _cross_label(row: dict, thresholds: dict, kinds=CROSS_KINDS) -> str:
-    found = [k for k in ("alignment", "source_positional", "source_sink") if k in kinds
-             and (row["source_positional_fraction"] if k == "source_positional" else row[k]) >= thresholds[k]]
-    return "+".join(found) if found else "none"
-
-
-def _cross_columns(kind: str) -> tuple[str, ...]:
-    """The columns of one cross-attention score (dropped where it was not asked for)."""
-    extra = ("source_positional_offset", "source_positional_fraction") if kind == "source_positional" else ()
-    return (kind, *extra, f"{kind}_lo", f"{kind}_hi")
-
-
-def seq2seq_heads(model, batch: dict | None = None, n_prompts: int = 64, seq_len: int = 12, seed: int = 0,
-                  thresholds: dict | None = None, n_bootstrap: int = 1000, kinds=None,
-                  batch_size: int | None = None) -> pd.DataFrame:
-    """Score every head of an encoder-decoder model; one row per (site, head).
-
-    batch: ``{"input_ids", "attention_mask", "decoder_input_ids"[, "decoder_attention_mask"]}``; default: the
-    copy task (``copy_task(model, n_prompts, seq_len, seed)``: sources of ``seq_len`` random tokens), where target i
-    aligns to source i. kinds: the scores to compute (None: all): the attention-pattern kinds of
-    ``analyses.scores`` for the self-attention heads (``next_token`` on the encoder's only) and ``alignment``,
-    ``source_sink``, ``source_positional`` for the cross-attention heads; a site that none of them applies to has
-    no rows. thresholds: per kind, either family. batch_size: pairs per forward pass (None: all at once).
-    Columns: ``stack``, ``kind`` (``self``/``cross``), ``site`` (the hook prefix), ``layer`` (the block in its
-    stack), ``head``, the self-attention scores (NaN for cross heads), the cross-attention scores (NaN for self
-    heads), ``label`` and the bootstrap interval columns.
-    """
-    if not is_seq2seq(model):
-        raise TypeError("seq2seq_heads takes an encoder-decoder model (interp.load_model of T5, BART, ...); use "
-                        "detect_heads for decoder-only and encoder models.")
-    chosen = choose_scores(kinds, "encoder-decoder")
-    for name, value in (("n_prompts", n_prompts), ("seq_len", seq_len), ("n_bootstrap", n_bootstrap),
-                        ("batch_size", 1 if batch_size is None else batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    limits = resolve_thresholds(thresholds, {**DEFAULT_THRESHOLDS, **CROSS_THRESHOLDS})
-    own = {k: v for k, v in (thresholds or {}).items() if k in DEFAULT_THRESHOLDS}  # the self heads' labels
-    what = f"{n_prompts} copy-task pairs of {seq_len} random tokens" if batch is None else "the given batch"
-    batch = copy_task(model, n_prompts, seq_len, seed) if batch is None else batch
-    if not isinstance(batch, Mapping) or "input_ids" not in batch or "decoder_input_ids" not in batch:
-        raise ValueError("An encoder-decoder model's heads are scored on a batch {input_ids, attention_mask, "
-                         "decoder_input_ids, decoder_attention_mask} (the teacher-forced targets as well as the "
-                         "sources; default: copy_task(model)); got "
-                         f"{sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__}.")
-    src, src_mask = batch["input_ids"], batch.get("attention_mask")
-    tgt, tgt_mask = batch["decoder_input_ids"], batch.get("decoder_attention_mask")
-    patterns = _patterns(model, {"input_ids": src, "attention_mask": src_mask, "decoder_input_ids": tgt,
-                                 "decoder_attention_mask": tgt_mask}, batch_size)
-    frames, nonfinite = [], {}
-    for site in model.cfg.sites:
-        site_kinds = chosen["cross"] if site.kind == "cross" else \
-            [k for k in chosen["pattern"] if not (site.causal and k == "next_token")]
-        if not site_kinds:  # no score asked for applies to this site's heads
-            continue
-        pattern = patterns[site.name]
-        head = {"stack": site.stack, "kind": site.kind, "site": site.name, "layer": site.block}
-        query_mask = src_mask if site.stack == "encoder" else tgt_mask
-        real = torch.ones(pattern.shape[0], pattern.shape[2], dtype=torch.bool) if query_mask is None \
-            else torch.as_tensor(query_mask).bool().cpu()
-        bad = ~torch.isfinite(pattern.transpose(1, 2)[real.to(pattern.device)]).flatten(2).all(-1).all(0)  # (h,)
-        if bool(bad.any()):
-            nonfinite[site.name] = bad.nonzero().flatten().tolist()
-        if site.kind == "cross":
-            rows = [{**head, **r} for r in _cross_scores(pattern, src_mask, tgt_mask, n_bootstrap, seed)]
-            for r in rows:  # one class per cross head; labels as for self heads ("" when none)
-                r["label"] = _cross_label(r, limits, site_kinds)
-                r["labels"] = "" if r["label"] == "none" else r["label"]
-            unasked = [c for k in CROSS_KINDS if k not in site_kinds for c in _cross_columns(k)]
-            frames.append(pd.DataFrame(rows).drop(columns=unasked))
-        else:
-            ids, mask = (src, src_mask) if site.stack == "encoder" else (tgt, tgt_mask)
-            df = pattern_scores(pattern, ids.cpu(), None if mask is None else mask.cpu(), causal=site.causal,
-                                kinds=site_kinds, thresholds=own, n_bootstrap=n_bootstrap, seed=seed)
-            frames.append(df.drop(columns=["layer"]).assign(**head))
-    df = pd.concat(frames, ignore_index=True)
-    if nonfinite:  # not data: NaN scores, label "nan", and a warning naming the heads
-        bad = pd.Series([h in nonfinite.get(s, ()) for s, h in zip(df["site"], df["head"])], index=df.index)
-        keep = ("stack", "kind", "site", "layer", "head", "label", "labels", "positional_offset")
-        df.loc[bad, [c for c in df.columns if c not in keep]] = float("nan")
-        df.loc[bad, [c for c in ("label", "labels") if c in df]] = "nan"
-        where = "; ".join(f"{s}: heads {hs}" for s, hs in nonfinite.items())
-        warnings.warn(f"detect_heads: the attention of {int(bad.sum())} head(s) held NaN or inf ({where}); their "
-                      "scores are set to NaN and their label to 'nan', not 'none'. Check the model's weights and "
-                      "inputs for non-finite values or the dtype's range (fp16 overflows).", RuntimeWarning,
-                      stacklevel=3)
-    front = ["stack", "kind", "site", "layer", "head"]
-    df = df[front + [c for c in df.columns if c not in front]]
-    df.attrs.update(attn=model.attn, thresholds=limits, n_prompts=int(src.shape[0]),
-                    inputs={k: what for k in chosen["pattern"] + chosen["cross"]})
-    return df
-
-
-def _patterns(model, batch: dict, batch_size: int | None = None) -> dict[str, torch.Tensor]:
-    """Every site's pattern ``(b, h, q, k)`` on the batch, ``batch_size`` pairs per forward pass (None: all). Under
-    torch.distributed each rank runs its share of the pairs and the patterns are gathered in the original order
-    (exact: one contributor per row), so every rank scores what one process scores."""
-    names = [n for n in model.hook_names() if n.endswith(("hook_q", "hook_k"))
-             or (model.attn == "eager" and n.endswith("hook_pattern"))]
-    with Shard(batch) as shard:
-        part = shard.rows(batch)
-        n = part["input_ids"].shape[0]
-        step = n if batch_size is None else batch_size
-        parts: dict[str, list[torch.Tensor]] = {site.name: [] for site in model.cfg.sites}
-        with model.studying(), torch.no_grad():
-            for start in progress(range(0, n, step), total=-(-n // step), desc=f"heads: {n} pairs", unit="batch"):
-                rows = {k: None if v is None else v[start:start + step] for k, v in part.items()}
-                _, cache = model.run_with_cache(rows["input_ids"], rows["attention_mask"], names=names,
-                                                decoder_input_ids=rows["decoder_input_ids"],
-                                                decoder_attention_mask=rows["decoder_attention_mask"])
-                for site in model.cfg.sites:
-                    parts[site.name].append(cache.pattern(site.name))
-        return {name: shard.gather(torch.cat(p)) for name, p in parts.items()}
 
 
 def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: int = 24, d_model: int = 64,

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FIELDS", "HeadStats", "attention_stats", "offset_buckets", "bucket_labels"]
+__all__ = ["FIELDS", "HeadStats", "attention_stats", "capped", "offset_buckets", "bucket_labels", "pair_weights"]
 
 FIELDS = ("top_index", "top_weight", "sink", "offsets", "entropy", "total")
 _BUDGET = 1 << 22  # elements of one (b, h, query tile, key tile) block: 16 MiB in fp32
 _TOP_BUDGET = 1 << 20  # the same when only the top-1 key is asked for (4 MiB)
+_PAIR_BUDGET = 1 << 22  # elements of one gathered (pairs, head, d_head) block in pair_weights
 
 
 @dataclass
@@ -51,6 +52,34 @@ class HeadStats:
     pairs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """A layer's logit soft-cap, ``tanh(s / cap) * cap`` (Gemma 2), or the scores as they are."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def pair_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float, b: torch.Tensor,
+                 qi: torch.Tensor, kj: torch.Tensor, softcap: float | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight ``exp(cap(scale * q_i . k_j) + bias_ij - lse_i)`` of each ``(batch, query, key)`` pair in every
+    head, float32 ``(n_pairs, h)``, a block of pairs at a time: O(pairs) memory, never n x n. The one formula of a
+    weight rebuilt from the flash path's q, k and logsumexp.
+
+    q: (b, q, h, d) and k: (b, k, g, d) as the hooks give them (head h reads key/value head h // (h / g));
+    lse: (b, h, q); bias: the position bias, broadcastable to (b, h, q, k). Masks are the caller's: a pair the
+    layer cannot see gets a meaningless weight here."""
+    n_heads, n_kv, d_head = q.shape[2], k.shape[2], q.shape[3]
+    step = max(1, _PAIR_BUDGET // (n_heads * d_head))
+    out = []
+    for s in range(0, len(b), step):
+        bb, ii, jj = b[s:s + step], qi[s:s + step], kj[s:s + step]
+        qs = q[bb, ii].float().unflatten(1, (n_kv, n_heads // n_kv))  # (n, g, r, d)
+        dots = capped(torch.einsum("ngrd,ngd->ngr", qs, k[bb, jj].float()).flatten(1) * scale, softcap)  # (n, h)
+        if bias is not None:
+            dots = dots + bias[bb if bias.shape[0] > 1 else torch.zeros_like(bb), :, ii, jj].float()
+        out.append(torch.exp(dots - lse[bb, :, ii].float()))
+    return torch.cat(out) if out else torch.zeros(0, n_heads, device=q.device)
+
+
 def offset_buckets(distance: torch.Tensor, n_buckets: int) -> torch.Tensor:
     """Bucket of each distance ``|q - k|``: 0 -> 0, 1 -> 1, 2-3 -> 2, 4-7 -> 3, ..., capped at ``n_buckets - 1``."""
     d = distance.abs()
@@ -70,7 +99,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                     sinks: torch.Tensor | None = None, bias: torch.Tensor | None = None, n_sink: int = 1,
                     n_buckets: int = 16, key_sets: dict[str, torch.Tensor] | None = None,
                     pairs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                    fields: tuple[str, ...] = FIELDS, budget: int | None = None) -> HeadStats:
+                    fields: tuple[str, ...] = FIELDS, budget: int | None = None,
+                    query_offset: int | None = None) -> HeadStats:
     """Statistics of ``softmax(cap(scale * q k^T) + bias + mask)`` (a sink column joining the softmax) per row.
 
     query: (b, h, q, d); key: (b, g, k, d). lse: (b, h, q) the rows' logsumexp as the flash path's ``hook_lse``
@@ -82,6 +112,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     index tensors, query indices counted among the ``q`` rows. fields: which of ``FIELDS`` to compute (the others
     are None); ``("top_index",)`` alone needs no logsumexp, so it is one pass over the scores. budget: elements of one
     block (default ``_BUDGET``, 2^22; for ``("top_index",)`` alone at most 2^20, with power-of-two query tiles).
+    query_offset: the key position of query row 0 (default ``k - q``: the queries are the last of the keys); 0 for
+    a cross-attention site, whose queries and keys are different sequences.
     """
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
@@ -93,10 +125,10 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     if h % g or key.shape[0] != b or key.shape[3] != d:
         raise ValueError(f"attention_stats expects query (b, h, q, d) and key (b, g, k, d) with h a multiple of g; "
                          f"got {tuple(query.shape)} and {tuple(key.shape)}.")
-    if n_q > n_k:
+    if n_q > n_k and query_offset is None:
         raise ValueError(f"queries are the last q of the k key positions; got q={n_q} > k={n_k}.")
     device = query.device
-    offset = n_k - n_q
+    offset = n_k - n_q if query_offset is None else query_offset
     valid = torch.ones(b, n_k, dtype=torch.bool, device=device) if key_valid is None else key_valid.to(device).bool()
     first = valid.int().argmax(dim=1)  # (b,) first real key
     sets = {name: s.to(device).bool() for name, s in (key_sets or {}).items()}

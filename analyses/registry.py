@@ -1,0 +1,300 @@
+"""The registry of head scores: every score a head can get, ours or a user's, is one record here, and every list of
+score names in the package (``detect_heads``'s choices, the labels and their order, the thresholds, the CLI's help,
+the report's grid, the views, the docs' table) is read from it.
+
+A score is computed one of four ways (``HeadScore.how``):
+
+- ``"target"``: a *target rule* says, for each query position, the key position it should attend to (or a set
+  of them); the head's score is the mean weight on the targets over the rows that have one. Computed from the
+  pattern on the eager path and from q, k and the logsumexp on the flash path (O(number of targets), never n x n),
+  on every attention site it applies to, at any context length (``analyses.scores``).
+- ``"argmax"``: the offset of each row's top-1 key from its query (Voita et al.'s positional heads), from the
+  flash path's tiled statistics or the pattern.
+- ``"weights"`` and ``"behaviour"``: read from the weights, or from forward passes of their own (retrieval,
+  function vectors, the IOI classes); ``runner`` names the function that computes them.
+
+A user adds a target-rule score from their own file, without touching the package:
+
+    import torch, analyses
+
+    @analyses.head_score("punctuation", threshold=0.3, sites=("causal", "bidirectional", "cross"),
+                         definition="the weight on the most recent punctuation token")
+    def punctuation(ids, key_ids, tokenizer):
+        ...  # (batch, pos) LongTensor: each query's target key position, -1 where it has none
+
+after which ``detect_heads(model, scores=["punctuation"])``, ``interp heads --score-module FILE --scores
+punctuation``, the report and the views take it like ours.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import rules
+
+__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "labelled", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
+           "names", "register", "score", "scores", "unregister"]
+
+SITE_KINDS = ("causal", "bidirectional", "cross")  # the kinds of attention site a score can apply to
+_HOWS = ("target", "argmax", "weights", "behaviour")
+_PROMPTS = ("repeated", "corpus", "task", "needle", "weights")
+_RULE_ARGS = ("ids", "key_ids", "tokenizer")
+
+
+@dataclass(frozen=True)
+class HeadScore:
+    """One head score.
+
+    name: the column it fills. definition: one line, shown wherever the score is. citation: where it comes from.
+    threshold: the score a head needs for its label (None: a measure without a label). label: the class it gives
+    (default: its name). precedence: lower is more specific; a head's primary label is the most specific class it
+    clears. how: ``"target"``, ``"argmax"``, ``"weights"`` or ``"behaviour"``. sites: the site kinds it applies to
+    (``SITE_KINDS``). prompts: what it is computed on when ``detect_heads`` generates the prompts: ``"repeated"``
+    (repeated random tokens), ``"corpus"`` (plain English; random tokens on a model without a tokenizer),
+    ``"task"``, ``"needle"`` or ``"weights"``. needs: what it needs of the model (``"tokenizer"``,
+    ``"unembedding"``). rule: the target rule (``how="target"``). column: the column its label reads (default:
+    its name). runner: ``"module:function"`` computing a weights or behaviour score. default: computed when no
+    scores are named. builtin: ours (a user's score cannot take its name)."""
+
+    name: str
+    definition: str
+    how: str = "target"
+    citation: str = ""
+    threshold: float | None = 0.4
+    label: str | None = None
+    precedence: int = 50
+    sites: tuple[str, ...] = ("causal", "bidirectional")
+    prompts: str = "corpus"
+    needs: tuple[str, ...] = ()
+    rule: Callable | None = field(default=None, compare=False)
+    column: str | None = None
+    runner: str | None = None
+    default: bool = False
+    builtin: bool = False
+
+    @property
+    def label_column(self) -> str:
+        return self.column or self.name
+
+    @property
+    def gives(self) -> str:
+        return self.label or self.name
+
+    def applies_to(self, site_kind: str) -> bool:
+        return site_kind in self.sites
+
+    def call_rule(self, **available):
+        """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``)."""
+        wanted = inspect.signature(self.rule).parameters
+        return self.rule(**{k: v for k, v in available.items() if k in wanted})
+
+
+_REGISTRY: dict[str, HeadScore] = {}
+
+
+def register(record: HeadScore, replace: bool = False) -> HeadScore:
+    """Add a score. A user's score may replace a user's score of the same name (a notebook cell run again); ours
+    cannot be replaced."""
+    _check(record)
+    old = _REGISTRY.get(record.name)
+    if old is not None and old.builtin:
+        raise ValueError(f"{record.name!r} is one of interp's own scores; give your score another name.")
+    if old is not None and not replace:
+        raise ValueError(f"A score named {record.name!r} is registered already; pass replace=True to replace it.")
+    _REGISTRY[record.name] = record
+    return record
+
+
+def unregister(name: str) -> None:
+    """Remove a user's score (ours stay)."""
+    record = score(name)
+    if record.builtin:
+        raise ValueError(f"{name!r} is one of interp's own scores and cannot be removed.")
+    del _REGISTRY[name]
+
+
+def head_score(name: str, *, threshold: float | None = 0.4, definition: str = "", citation: str = "",
+               sites: tuple[str, ...] = ("causal", "bidirectional"), prompts: str = "corpus",
+               needs: tuple[str, ...] = (), precedence: int = 19, label: str | None = None):
+    """Register a target-rule head score from outside the package (a decorator).
+
+    The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the
+    key side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the
+    model's, or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key
+    position, -1 where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several
+    targets. It is called row by row on the unpadded tokens, so positions count from each prompt's first real
+    token. A head's score is its mean weight on the targets over the rows that have one, with a 95% bootstrap
+    interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
+    sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
+    ``"repeated"`` (repeated random tokens) when detect_heads generates them; ``precedence`` places its label
+    among the classes (lower: more specific; the pattern classes are 20-26)."""
+    def decorate(rule: Callable) -> Callable:
+        register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
+                           citation=citation, threshold=threshold, label=label, precedence=precedence,
+                           sites=tuple(sites), prompts=prompts, needs=tuple(needs), rule=rule), replace=True)
+        return rule
+    return decorate
+
+
+def score(name: str) -> HeadScore:
+    """The record of one score; an unknown name is refused with the closest ones and the full list."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(f"Unknown score {name!r}.{hint} Scores are {', '.join(_REGISTRY)} (a score of your own: "
+                         "analyses.head_score; on the command line, --score-module).")
+    return _REGISTRY[name]
+
+
+def scores(how: tuple[str, ...] | None = None, site_kind: str | None = None) -> list[HeadScore]:
+    """Every registered score (of the ``how`` kinds and applying to ``site_kind``, when given), in registration
+    order: ours first."""
+    return [r for r in _REGISTRY.values() if (how is None or r.how in how)
+            and (site_kind is None or r.applies_to(site_kind))]
+
+
+def names(how: tuple[str, ...] | None = None, site_kind: str | None = None) -> tuple[str, ...]:
+    return tuple(r.name for r in scores(how, site_kind))
+
+
+class _LiveMap(Mapping):
+    """A read-only mapping over the registry, current whenever it is read (a user's score included)."""
+
+    def __init__(self, read: Callable[[], dict]):
+        self._read = read
+
+    def __getitem__(self, key):
+        return self._read()[key]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+
+class _LiveSequence(Sequence):
+    """A read-only sequence over the registry, current whenever it is read."""
+
+    def __init__(self, read: Callable[[], tuple]):
+        self._read = read
+
+    def __getitem__(self, index):
+        return self._read()[index]
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __add__(self, other) -> tuple:
+        return tuple(self._read()) + tuple(other)
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+
+def labelled() -> list[HeadScore]:
+    """The scores that give a label (a threshold), most specific first (by precedence, then registration)."""
+    return sorted((r for r in _REGISTRY.values() if r.threshold is not None), key=lambda r: r.precedence)
+
+
+def _label_order() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.gives for r in labelled()))
+
+
+# Each score's default threshold, each score's one-line definition, and the classes most specific first (a real
+# induction head also puts most of its attention on the first token, and a previous-token head is positional too:
+# the primary label names what is special about the head). Read live from the registry.
+DEFAULT_THRESHOLDS = _LiveMap(lambda: {r.name: r.threshold for r in _REGISTRY.values() if r.threshold is not None})
+SCORE_DEFINITIONS = _LiveMap(lambda: {r.name: r.definition for r in _REGISTRY.values()})
+LABEL_ORDER = _LiveSequence(_label_order)
+
+
+def _check(record: HeadScore) -> None:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"head score {record.name!r}: {what}.")
+
+    if not isinstance(record.name, str) or not record.name.isidentifier():
+        raise bad(f"its name must be an identifier (a column name such as 'punctuation'); got {record.name!r}")
+    if record.how not in _HOWS:
+        raise bad(f"how is one of {_HOWS}; got {record.how!r}")
+    unknown = [s for s in record.sites if s not in SITE_KINDS]
+    if unknown or not record.sites:
+        raise bad(f"sites are some of {SITE_KINDS}; got {record.sites!r}")
+    if record.prompts not in _PROMPTS:
+        raise bad(f"prompts is one of {_PROMPTS}; got {record.prompts!r}")
+    if record.threshold is not None and not (isinstance(record.threshold, (int, float)) and 0 < record.threshold <= 1):
+        raise bad(f"threshold is a fraction in (0, 1] or None (no label); got {record.threshold!r}")
+    if record.how == "target":
+        if not callable(record.rule):
+            raise bad("a target-rule score needs a function (rule=)")
+        params = inspect.signature(record.rule).parameters
+        if not set(params) & set(_RULE_ARGS) or any(p not in _RULE_ARGS and v.default is inspect.Parameter.empty
+                                                   for p, v in params.items()):
+            raise bad(f"its function takes some of {_RULE_ARGS} by name; it takes {list(params)}")
+
+
+
+
+# -- interp's own scores ------------------------------------------------------------------------------------------
+_SELF = ("causal", "bidirectional")
+_TAXONOMY = "analyses.taxonomy:taxonomy_frame"
+_OURS = (
+    # the literature's classes, computed only on request (analyses.taxonomy, taxonomy_ioi, function_vectors)
+    HeadScore("name_mover", "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also "
+              "attends END->IO more than END->S (io_attention > 0)", "behaviour", "Wang et al. 2022", 0.1,
+              precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("s_inhibition", "on IOI prompts, the share of the clean-corrupted logit difference the head carries "
+              "through the name movers' queries (path patching)", "behaviour", "Wang et al. 2022", 0.1,
+              precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("function_vector", "the rise in P(answer) when the head's mean few-shot output replaces its output on "
+              "shuffled-label prompts, averaged over ICL tasks", "behaviour", "Todd et al. 2024", 0.02,
+              precedence=12, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("successor", "the share of ordinal items whose effective embedding the head's OV maps to the next "
+              "item's logit, highest among its list", "weights", "Gould et al. 2023", 0.4, precedence=13,
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("copy_suppression", "the share of tokens whose effective embedding the head's OV maps to that token "
+              "among the 10 most negative logits", "weights", "McDougall et al. 2023", 0.4, precedence=14,
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
+              "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
+              "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
+              needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+    HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the share of generated "
+              "tokens for which the head's top-1 key is the needle token being copied", "behaviour",
+              "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
+              runner="analyses.retrieval:retrieval_heads"),
+    # the attention-pattern classes of self-attention heads
+    HeadScore("induction", "the weight a token puts on the token right after an earlier occurrence of itself, on "
+              "repeated random tokens; rows without an earlier occurrence are left out", citation="Olsson et al. 2022",
+              precedence=20, prompts="repeated", rule=rules.induction, default=True),
+    HeadScore("duplicate_token", "the weight a token puts on earlier occurrences of itself", precedence=21,
+              prompts="repeated", rule=rules.duplicate_token, default=True),
+    HeadScore("previous_token", "the weight a token puts on the token just before it", citation="Olsson et al. 2022",
+              precedence=22, rule=rules.previous_token, default=True),
+    HeadScore("next_token", "the weight a token puts on the token just after it (bidirectional models only)",
+              precedence=23, sites=("bidirectional",), rule=rules.next_token, default=True),
+    HeadScore("positional", "the share of rows whose largest weight sits at one fixed offset from the query; the "
+              "offset is positional_offset", "argmax", "Voita et al. 2019", 0.9, precedence=24,
+              column="positional_fraction", default=True),
+    HeadScore("self", "the weight a token puts on itself", precedence=25, rule=rules.self_target, default=True),
+    HeadScore("sink", "the weight a token puts on the first token of the sequence", citation="Gu et al. 2024",
+              threshold=0.3, precedence=26, rule=rules.sink, default=True),
+    # cross-attention heads of encoder-decoder models (decoder queries on the encoder's output)
+    HeadScore("alignment", "cross-attention: the weight a target position i puts on source position i (on the copy "
+              "task, the token being copied)", precedence=30, sites=("cross",), prompts="task",
+              rule=rules.alignment, default=True),
+    HeadScore("source_positional", "cross-attention: the share of target rows whose largest weight sits at one fixed "
+              "offset from the aligned source position; the offset is source_positional_offset", "argmax",
+              "Voita et al. 2019", 0.9, precedence=31, sites=("cross",), prompts="task",
+              column="source_positional_fraction", default=True),
+    HeadScore("source_sink", "cross-attention: the weight a target position puts on source position 0", threshold=0.3,
+              precedence=32, sites=("cross",), prompts="task", rule=rules.source_sink, default=True),
+)
+for _record in _OURS:
+    register(HeadScore(**{**_record.__dict__, "builtin": True}))
