@@ -29,13 +29,14 @@ punctuation``, the report and the views take it like ours.
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import rules
 
-__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "labelled", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
+__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "columns", "is_fraction", "labelled",
+           "of_column", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
            "names", "register", "score", "scores", "unregister"]
 
 SITE_KINDS = ("causal", "bidirectional", "cross")  # the kinds of attention site a score can apply to
@@ -57,7 +58,8 @@ class HeadScore:
     ``"task"``, ``"needle"`` or ``"weights"``. needs: what it needs of the model (``"tokenizer"``,
     ``"unembedding"``). rule: the target rule (``how="target"``). column: the column its label reads (default:
     its name). runner: ``"module:function"`` computing a weights or behaviour score. default: computed when no
-    scores are named. builtin: ours (a user's score cannot take its name)."""
+    scores are named. builtin: ours (a user's score cannot take its name). fraction: whether the score is a share
+    in [0, 1] (None: so for target-rule and argmax scores)."""
 
     name: str
     definition: str
@@ -69,11 +71,12 @@ class HeadScore:
     sites: tuple[str, ...] = ("causal", "bidirectional")
     prompts: str = "corpus"
     needs: tuple[str, ...] = ()
-    rule: Callable | None = field(default=None, compare=False)
+    rule: Callable | str | None = field(default=None, compare=False)  # a function, or "module:function" (ours)
     column: str | None = None
     runner: str | None = None
     default: bool = False
     builtin: bool = False
+    fraction: bool | None = None  # a share in [0, 1]; None: true of target-rule and argmax scores
 
     @property
     def label_column(self) -> str:
@@ -86,10 +89,19 @@ class HeadScore:
     def applies_to(self, site_kind: str) -> bool:
         return site_kind in self.sites
 
+    @property
+    def function(self) -> Callable:
+        """The target rule (ours are named as ``"module:function"`` so that reading the registry imports no torch)."""
+        if isinstance(self.rule, str):
+            module, name = self.rule.split(":")
+            return getattr(importlib.import_module(module), name)
+        return self.rule
+
     def call_rule(self, **available):
         """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``)."""
-        wanted = inspect.signature(self.rule).parameters
-        return self.rule(**{k: v for k, v in available.items() if k in wanted})
+        rule = self.function
+        wanted = inspect.signature(rule).parameters
+        return rule(**{k: v for k, v in available.items() if k in wanted})
 
 
 _REGISTRY: dict[str, HeadScore] = {}
@@ -118,7 +130,7 @@ def unregister(name: str) -> None:
 
 def head_score(name: str, *, threshold: float | None = 0.4, definition: str = "", citation: str = "",
                sites: tuple[str, ...] = ("causal", "bidirectional"), prompts: str = "corpus",
-               needs: tuple[str, ...] = (), precedence: int = 19, label: str | None = None):
+               needs: tuple[str, ...] = (), precedence: int = 19, label: str | None = None, default: bool = True):
     """Register a target-rule head score from outside the package (a decorator).
 
     The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the
@@ -130,11 +142,13 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
     interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
     sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
     ``"repeated"`` (repeated random tokens) when detect_heads generates them; ``precedence`` places its label
-    among the classes (lower: more specific; the pattern classes are 20-26)."""
+    among the classes (lower: more specific; the pattern classes are 20-26). default: computed when
+    ``detect_heads`` (and ``interp heads``, the report) is given no score names, beside ours."""
     def decorate(rule: Callable) -> Callable:
         register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
                            citation=citation, threshold=threshold, label=label, precedence=precedence,
-                           sites=tuple(sites), prompts=prompts, needs=tuple(needs), rule=rule), replace=True)
+                           sites=tuple(sites), prompts=prompts, needs=tuple(needs), rule=rule, default=default),
+                 replace=True)
         return rule
     return decorate
 
@@ -203,6 +217,25 @@ def labelled() -> list[HeadScore]:
     return sorted((r for r in _REGISTRY.values() if r.threshold is not None), key=lambda r: r.precedence)
 
 
+def columns() -> tuple[str, ...]:
+    """The column each score is read from in a head table (``positional_fraction`` for ``positional``), most specific
+    first: what a grid can be coloured by."""
+    ranked = sorted(_REGISTRY.values(), key=lambda r: r.precedence)
+    return tuple(r.label_column for r in ranked)
+
+
+def of_column(column: str) -> HeadScore | None:
+    """The score a head table's column holds (its value or its label column), or None."""
+    return next((r for r in _REGISTRY.values() if column in (r.name, r.label_column)), None)
+
+
+def is_fraction(column: str) -> bool:
+    """Whether a score column is a share in [0, 1] (a grid's colour scale is then 0..1, comparable across models)."""
+    record = of_column(column)
+    return record is not None and (record.fraction if record.fraction is not None
+                                   else record.how in ("target", "argmax"))
+
+
 def _label_order() -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.gives for r in labelled()))
 
@@ -230,7 +263,7 @@ def _check(record: HeadScore) -> None:
         raise bad(f"prompts is one of {_PROMPTS}; got {record.prompts!r}")
     if record.threshold is not None and not (isinstance(record.threshold, (int, float)) and 0 < record.threshold <= 1):
         raise bad(f"threshold is a fraction in (0, 1] or None (no label); got {record.threshold!r}")
-    if record.how == "target":
+    if record.how == "target" and not isinstance(record.rule, str):
         if not callable(record.rule):
             raise bad("a target-rule score needs a function (rule=)")
         params = inspect.signature(record.rule).parameters
@@ -257,44 +290,44 @@ _OURS = (
               precedence=12, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
     HeadScore("successor", "the share of ordinal items whose effective embedding the head's OV maps to the next "
               "item's logit, highest among its list", "weights", "Gould et al. 2023", 0.4, precedence=13,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
     HeadScore("copy_suppression", "the share of tokens whose effective embedding the head's OV maps to that token "
               "among the 10 most negative logits", "weights", "McDougall et al. 2023", 0.4, precedence=14,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
     HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
               "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
-              needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
     HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the share of generated "
               "tokens for which the head's top-1 key is the needle token being copied", "behaviour",
               "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
-              runner="analyses.retrieval:retrieval_heads"),
+              runner="analyses.retrieval:retrieval_heads", fraction=True),
     # the attention-pattern classes of self-attention heads
     HeadScore("induction", "the weight a token puts on the token right after an earlier occurrence of itself, on "
               "repeated random tokens; rows without an earlier occurrence are left out", citation="Olsson et al. 2022",
-              precedence=20, prompts="repeated", rule=rules.induction, default=True),
+              precedence=20, prompts="repeated", rule="analyses.rules:induction", default=True),
     HeadScore("duplicate_token", "the weight a token puts on earlier occurrences of itself", precedence=21,
-              prompts="repeated", rule=rules.duplicate_token, default=True),
+              prompts="repeated", rule="analyses.rules:duplicate_token", default=True),
     HeadScore("previous_token", "the weight a token puts on the token just before it", citation="Olsson et al. 2022",
-              precedence=22, rule=rules.previous_token, default=True),
+              precedence=22, rule="analyses.rules:previous_token", default=True),
     HeadScore("next_token", "the weight a token puts on the token just after it (bidirectional models only)",
-              precedence=23, sites=("bidirectional",), rule=rules.next_token, default=True),
+              precedence=23, sites=("bidirectional",), rule="analyses.rules:next_token", default=True),
     HeadScore("positional", "the share of rows whose largest weight sits at one fixed offset from the query; the "
               "offset is positional_offset", "argmax", "Voita et al. 2019", 0.9, precedence=24,
               column="positional_fraction", default=True),
-    HeadScore("self", "the weight a token puts on itself", precedence=25, rule=rules.self_target, default=True),
+    HeadScore("self", "the weight a token puts on itself", precedence=25, rule="analyses.rules:self_target", default=True),
     HeadScore("sink", "the weight a token puts on the first token of the sequence", citation="Gu et al. 2024",
-              threshold=0.3, precedence=26, rule=rules.sink, default=True),
+              threshold=0.3, precedence=26, rule="analyses.rules:sink", default=True),
     # cross-attention heads of encoder-decoder models (decoder queries on the encoder's output)
     HeadScore("alignment", "cross-attention: the weight a target position i puts on source position i (on the copy "
               "task, the token being copied)", precedence=30, sites=("cross",), prompts="task",
-              rule=rules.alignment, default=True),
+              rule="analyses.rules:alignment", default=True),
     HeadScore("source_positional", "cross-attention: the share of target rows whose largest weight sits at one fixed "
               "offset from the aligned source position; the offset is source_positional_offset", "argmax",
               "Voita et al. 2019", 0.9, precedence=31, sites=("cross",), prompts="task",
               column="source_positional_fraction", default=True),
     HeadScore("source_sink", "cross-attention: the weight a target position puts on source position 0", threshold=0.3,
-              precedence=32, sites=("cross",), prompts="task", rule=rules.source_sink, default=True),
+              precedence=32, sites=("cross",), prompts="task", rule="analyses.rules:source_sink", default=True),
 )
 for _record in _OURS:
     register(HeadScore(**{**_record.__dict__, "builtin": True}))

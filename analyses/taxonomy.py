@@ -40,11 +40,9 @@ from interp.distributed import onloaded
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
-from .labels import TAXONOMY_SCORES
 from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm, refuse_stacks
 
-__all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",
-           "TAXONOMY_SCORES"]
+__all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS"]
 
 ORDINAL_LISTS = Path(__file__).resolve().parent / "data" / "ordinal_lists.json"
 
@@ -235,16 +233,6 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
 # -- detect_heads's dispatch -------------------------------------------------------------------------------------
 CHEAP_SCORES = ("successor", "copy_suppression")  # weights only: seconds on a 135M model
 TASK_SCORES = ("copy_suppression_behaviour", "name_mover", "s_inhibition", "function_vector")  # forward passes
-
-
-def split_scores(names) -> tuple[object, list[str]]:
-    """``names`` (detect_heads's ``scores``/``kinds``) as (the attention-pattern kinds, or None for their default
-    when no name was given; the taxonomy scores asked for, in canonical order)."""
-    if names is None:
-        return None, []
-    names = [names] if isinstance(names, str) else list(names)
-    extra = [n for n in TAXONOMY_SCORES if n in names]
-    return [n for n in names if n not in TAXONOMY_SCORES], extra
 
 
 def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 1000,

@@ -306,3 +306,49 @@ def _rank_zero_path(path: Path) -> Path:
         return path
     _SCRATCH.append(tempfile.mkdtemp(prefix="interp-rank"))
     return Path(_SCRATCH[-1]) / path.name
+
+
+# -- head scores of the user's own --------------------------------------------------------------------------------
+def score_help() -> str:
+    """The registered scores, for an option's help (the registry imports no torch)."""
+    from .. import registry
+
+    ours = [r for r in registry.scores() if r.builtin]
+    default = ", ".join(r.name for r in ours if r.default)
+    asked = ", ".join(r.name for r in ours if not r.default)
+    return (f"by default those that apply of {default}; on request {asked} (decoder-only and encoder models); a "
+            "score of your own from --score-module")
+
+
+def score_module_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--score-module", action="append", default=[], metavar="MODULE",
+                   help="a Python module (an importable name, or a path to a .py file) that registers head scores "
+                        "of your own with analyses.head_score; they run beside ours (repeatable)")
+
+
+def load_score_modules(args) -> None:
+    """Import each ``--score-module``: a file path, or a module name importable from the working directory."""
+    import importlib
+    import importlib.util
+
+    for name in getattr(args, "score_module", None) or ():
+        path = Path(name)
+        try:
+            if path.suffix == ".py" or path.exists():
+                if not path.is_file():
+                    raise UserError(f"--score-module {name}: no such file; give a .py file that registers scores "
+                                    "with analyses.head_score, or an importable module name.")
+                spec = importlib.util.spec_from_file_location(f"interp_scores_{path.stem}", path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[spec.name] = module
+                spec.loader.exec_module(module)
+            else:
+                sys.path.insert(0, str(Path.cwd()))
+                try:
+                    importlib.import_module(name)
+                finally:
+                    sys.path.remove(str(Path.cwd()))
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001  the user's module: say which one failed and how
+            raise UserError(f"--score-module {name}: importing it failed: {type(err).__name__}: {err}") from err

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .common import (_Progress, _emit, _format_option, _load, _model_options, _nonnegative_int, _positive_int,
-                     _prompts)
+                     _prompts, load_score_modules, score_help, score_module_option)
 
 _TOP = 20  # rows of the table when --top is not given
 
@@ -13,13 +13,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("heads", help="classify every head (previous-token, induction, ...)")
     _model_options(p)
     _format_option(p)
-    p.add_argument("--kinds", "--scores", dest="kinds", default=None,
-                   help="comma-separated scores: the attention-pattern kinds previous_token, next_token "
-                        "(bidirectional heads), self, sink, duplicate_token, induction, positional and an "
-                        "encoder-decoder model's cross-attention kinds alignment, source_sink, source_positional "
-                        "(default: all that apply); on request also successor, copy_suppression, "
-                        "copy_suppression_behaviour, name_mover, s_inhibition, function_vector, retrieval "
-                        "(decoder-only models). The table is sorted by the first one")
+    p.add_argument("--scores", default=None,
+                   help=f"comma-separated registered scores: {score_help()}. The table is sorted by the first one")
+    score_module_option(p)
     p.add_argument("--context", type=_positive_int, default=None, metavar="TOKENS",
                    help="the length in tokens of the prompts generated for every score that has one: the "
                         "attention-pattern scores' repeated random tokens and corpus prompts (default 64; an "
@@ -39,12 +35,13 @@ def cmd_heads(args) -> int:
 
     from ..heads import detect_heads
 
-    kinds = [k.strip() for k in args.kinds.split(",")] if args.kinds else None
+    load_score_modules(args)
+    kinds = [k.strip() for k in args.scores.split(",")] if args.scores else None
     with _Progress(["load", "heads"]) as progress, progress_lines_off_a_terminal():
         progress("load")
         model = _load(args)
         progress("heads")
-        df = detect_heads(model, kinds=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
+        df = detect_heads(model, scores=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
                           context=args.context)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
@@ -69,21 +66,24 @@ def _labels_first(df):
 
 
 def _score_column(kind: str) -> str:
-    return f"{kind}_fraction" if kind.endswith("positional") else kind
+    from .. import registry
+
+    record = registry.of_column(kind)
+    return record.label_column if record is not None else kind
 
 
 def _ranked(df, kinds: list[str] | None):
     """The rows sorted for reading, and what they are sorted by: by the first score asked for, highest first (NaN
-    last); with no score asked for, labelled heads first, the most specific class first (``LABEL_ORDER``, then the
-    cross-attention classes), each by its score."""
+    last); with no score asked for, labelled heads first, the most specific class first (``LABEL_ORDER``), each by
+    its score."""
     import pandas as pd
 
-    from ..labels import CROSS_KINDS, LABEL_ORDER
+    from ..labels import LABEL_ORDER
 
     if kinds and _score_column(kinds[0]) in df:
         column = _score_column(kinds[0])
         return df.sort_values(column, ascending=False, na_position="last", kind="stable"), column
-    order = {k: i for i, k in enumerate((*LABEL_ORDER, *CROSS_KINDS))}
+    order = {k: i for i, k in enumerate(LABEL_ORDER)}
     rank = df["label"].map(lambda label: order.get(label, len(order)))
     score = [row[_score_column(label)] if label in order else float("nan")
              for label, (_, row) in zip(df["label"], df.iterrows())]

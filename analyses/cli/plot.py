@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (UserError, _id_line, _load, _model_options, _positive_int, _prompts, _rank_zero_path, _read_csv,
-                     _refuse_seq2seq, _check_out_file)
+from .common import (load_score_modules, score_module_option, UserError, _check_out_file, _id_line, _load,
+                     _model_options, _positive_int, _prompts, _rank_zero_path, _read_csv, _refuse_seq2seq)
 from .prune import _pruning_curves
 
 
@@ -28,10 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--step", type=float, default=0.1, help="pruning without --csv: share pruned per step")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--force", action="store_true")
+    score_module_option(p)
     p.set_defaults(func=cmd_plot)
 
 
 def cmd_plot(args) -> int:
+    load_score_modules(args)
     import matplotlib
 
     matplotlib.use("Agg")

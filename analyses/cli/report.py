@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .common import _Progress, _check_out, _load, _model_options, _positive_int, _prompts, _rank_zero_path
+from .common import (_Progress, _check_out, _load, _model_options, _positive_int, _prompts, _rank_zero_path,
+                     load_score_modules, score_module_option)
 
 
 def add_parser(sub) -> None:
@@ -21,6 +22,7 @@ def add_parser(sub) -> None:
                    "report there are replaced, other files (also in figures/) stay")
     p.add_argument("--streaming", action="store_true", help="add a streaming-heads section (sinks + a recent window, "
                    "in order of the induction score against random orders; causal decoders only)")
+    score_module_option(p)
     p.set_defaults(func=cmd_report)
 
 
@@ -32,6 +34,7 @@ def cmd_report(args) -> int:
     from ..views.report_streaming import check_streaming
 
     _check_out(args.out, args.force)
+    load_score_modules(args)
     fmt = _formats([f.strip() for f in args.fmt.split(",") if f.strip()])
     t0 = time.perf_counter()
     stages = ["load", "heads", "attention maps", "ablation", "circuits", "classes", "pruning"]

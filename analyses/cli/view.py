@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (UserError, _check_out_file, _id_line, _load, _model_options, _parse_heads, _prompts,
-                     _rank_zero_path, _read_csv)
+from .common import (load_score_modules, score_module_option, UserError, _check_out_file, _id_line, _load,
+                     _model_options, _parse_heads, _prompts, _rank_zero_path, _read_csv)
 
 
 def add_parser(sub) -> None:
@@ -26,10 +26,12 @@ def add_parser(sub) -> None:
                    "instead of running detect_heads")
     p.add_argument("--out", type=Path, required=True, help="the .html page to write")
     p.add_argument("--force", action="store_true")
+    score_module_option(p)
     p.set_defaults(func=cmd_view)
 
 
 def cmd_view(args) -> int:
+    load_score_modules(args)
     from ..views import attention_grid, head_view
     from ..views.report import example_prompt
 

@@ -30,16 +30,13 @@ import numpy as np
 from interp.sites import one_site_per_layer
 
 from ..labels import NO_CLASS
-from ..seq2seq import CROSS_DEFINITIONS, CROSS_SCORES
+from .. import registry
 from .common import MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens, visible_token
 from .runs import SIDES, _Run, places_of, site_indices
 
 __all__ = ["head_view", "attention_grid", "HeadView", "AttentionGrid", "visible_token", "model_tokens"]
 
 LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines need a row per token)
-# Score columns of detect_heads a grid can be coloured by, in LABEL_ORDER; positional reads its fraction.
-GRID_SCORES = ("induction", "duplicate_token", "previous_token", "next_token", "positional_fraction", "self", "sink")
-_SCORE_KIND = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
 
 
 # -- public functions ------------------------------------------------------------------------------------
@@ -230,26 +227,25 @@ def _score_table(df, sites=None) -> dict:
     """Scores, intervals and labels of every head in a detect_heads table, with each score's one-line
     definition and threshold. sites: an encoder-decoder model's sites; its table's ``site`` column places a row
     at that site's index."""
-    from ..labels import DEFAULT_THRESHOLDS, SCORE_DEFINITIONS
-
     where = "site" if sites is not None else "layer"
     missing = [c for c in (where, "head") if c not in df]
-    columns = [c for c in (CROSS_SCORES + GRID_SCORES if sites is not None else GRID_SCORES) if c in df]
+    every = [c for c in registry.columns() if registry.of_column(c).how in ("target", "argmax")]
+    columns = [c for c in registry.columns() if c in df]  # every registered score the table has, ours or a user's
     if missing or not columns:
-        table = "seq2seq_heads (detect_heads of this encoder-decoder model)" if sites is not None else "detect_heads"
+        table = "detect_heads (of this encoder-decoder model)" if sites is not None else "detect_heads"
         raise ValueError(f"scores must be a {table} table with {where}, head and score columns "
-                         f"{columns or GRID_SCORES}; got columns {list(df.columns)}.")
+                         f"{columns or every}; got columns {list(df.columns)}.")
     if sites is None and not one_site_per_layer(df):
         raise ValueError("These scores are an encoder-decoder model's (they have a site column); this view is of a "
                          "decoder-only or encoder model.")
     index = None if sites is None else {s.name: i for i, s in enumerate(sites)}
-    thresholds = {**DEFAULT_THRESHOLDS, **df.attrs.get("thresholds", {})}
-    kind = {c: _SCORE_KIND.get(c, c) for c in columns}
-    definitions = {**SCORE_DEFINITIONS, **CROSS_DEFINITIONS}
+    thresholds = {**registry.DEFAULT_THRESHOLDS, **df.attrs.get("thresholds", {})}
+    kind = {c: registry.of_column(c).name for c in columns}
+    definitions = dict(registry.SCORE_DEFINITIONS)
     values = {}
     for r in df.to_dict(orient="records"):
         entry = {c: [_num(r[c]), _num(r.get(f"{c}_lo")), _num(r.get(f"{c}_hi"))] for c in columns}
-        for offset in ("positional_offset", "source_positional_offset"):
+        for offset in (f"{registry.of_column(c).name}_offset" for c in columns):
             if offset in r and _num(r[offset]) is not None:  # NaN on heads of the other kind
                 entry[offset] = int(r[offset])
         labels = r.get("labels", r.get("label"))

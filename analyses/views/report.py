@@ -29,10 +29,11 @@ from interp.structure import describe  # noqa: E402
 
 from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
 from ..heads import detect_heads  # noqa: E402
-from ..labels import LABEL_ORDER, strongest_heads  # noqa: E402
+from ..labels import strongest_heads  # noqa: E402
 from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
-from ..seq2seq import COPY_LENGTH, CROSS_KINDS, CROSS_SCORES, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
+from ..seq2seq import COPY_LENGTH, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
+from .. import registry  # noqa: E402
 from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
@@ -47,7 +48,6 @@ from .study_plots import head_score_grid  # noqa: E402
 __all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "write_seq2seq_report", "REPORT_FILES"]
 
 REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
-_SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
 
 
 def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12,
@@ -187,7 +187,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     heads = detect_heads(model, prompts=copy_study_inputs(model, prompts, n_prompts)[0] if copied else prompts,
                          n_prompts=n_prompts, seed=seed)
     heads.to_csv(out / "heads.csv", index=False)
-    scores = [s for s in (*CROSS_SCORES, *_SCORES) if s in heads and heads[s].notna().any()]
+    scores = [s for s in registry.columns() if s in heads and heads[s].notna().any()]  # ours and a user's
     width = max(s.n_heads for s in sites)
     grid_size = (1.2 + 0.55 * width, 1.0 + 0.32 * len(sites))
     # score grids carry each value's interval below it: wider, taller cells
@@ -199,7 +199,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         if any("–" in t.get_text() for t in ax.texts):
             with_intervals.append(score)
         figures.add(f"grid_{score}", fig)
-    strongest = strongest_heads(heads, order=(*CROSS_KINDS, *LABEL_ORDER))
+    strongest = strongest_heads(heads)
 
     timed("attention maps")
     maps, shown = _attention_maps(model, strongest, prompts, seed, figures)

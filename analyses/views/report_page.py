@@ -10,8 +10,8 @@ import time
 
 import pandas as pd
 
-from ..labels import NO_CLASS, SCORE_DEFINITIONS
-from ..seq2seq import CROSS_DEFINITIONS
+from .. import registry
+from ..labels import NO_CLASS
 from .report_story import head_name
 from .report_streaming import streaming_html
 
@@ -56,13 +56,13 @@ def _inputs_text(inputs: dict | None) -> str:
     return "; ".join(f"{what} ({', '.join(kinds)})" for what, kinds in groups.items())
 
 
-_DEFINITIONS = {**SCORE_DEFINITIONS, **CROSS_DEFINITIONS}
+_DEFINITIONS = registry.SCORE_DEFINITIONS
 
 
 def _column(kind: str) -> str:
     """The score column of a class (of a label's primary class): a positional class reads its fraction."""
-    kind = kind.split("+")[0]
-    return f"{kind}_fraction" if kind.endswith("positional") else kind
+    record = registry.of_column(kind.split("+")[0])
+    return record.label_column if record is not None else kind.split("+")[0]
 
 
 def _skipped(summary, section: str, title: str, anchor: str) -> str:
@@ -111,7 +111,7 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
     thresholds = summary["thresholds"] or {}
     counts = ", ".join(f"{k} {v}" for k, v in summary["label_counts"].items())
     n_labelled = int((~heads["label"].isin(NO_CLASS)).sum())
-    kind_of = {"positional_fraction": "positional", "source_positional_fraction": "source_positional"}
+    kind_of = {s: registry.of_column(s).name for s in scores if registry.of_column(s) is not None}
     intervals = "each cell: the score and, below it, its 95% bootstrap interval over prompts"
     grids = "".join(
         f"<figure>{figures.img(f'grid_{s}', f'{s} score per head')}<figcaption><b>{esc(s)}</b>: "

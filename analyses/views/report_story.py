@@ -18,8 +18,8 @@ from interp.sites import one_site_per_layer
 from ..ablation import _ablation_hooks, _Replacement, _site_masks
 from ..engine import scan
 from ..metrics import first_copy_loss, second_copy_loss
+from .. import registry
 from ..labels import LABEL_ORDER
-from ..seq2seq import CROSS_KINDS
 from ..toy import repeated_sequences
 from .report_streaming import streaming_finding
 
@@ -90,7 +90,7 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
     for kind in LABEL_ORDER:
         if kind == _PROPERTY:
             continue
-        column = "positional_fraction" if kind == "positional" else kind
+        column = registry.of_column(kind).label_column
         members = heads[heads["label"] == kind]
         if not len(members) or column not in members:
             continue
@@ -157,7 +157,7 @@ def findings(summary: dict, heads) -> list[str]:
     for r in summary["strongest_heads"]:
         strongest.setdefault(r["class"], r)
     layered = one_site_per_layer(heads)
-    for kind in (*CROSS_KINDS, *LABEL_ORDER):
+    for kind in LABEL_ORDER:
         if kind == _PROPERTY:
             continue
         members = heads[heads["label"].astype(str).str.split("+").str[0] == kind]  # primary label

@@ -15,12 +15,9 @@ from matplotlib.patches import Rectangle
 
 from interp.sites import one_site_per_layer
 
+from .. import registry
 from .common import MIN_FONT
 
-_FRACTION_SCORES = {"previous_token", "next_token", "self", "sink", "duplicate_token", "induction",
-                    "positional_fraction", "alignment", "source_sink", "source_positional", "source_positional_fraction"}
-_LABEL_OF = {"positional_fraction": "positional",  # score column -> the label it supports
-             "source_positional_fraction": "source_positional"}
 _SITE = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.(attn|cross_attn)")
 
 
@@ -86,11 +83,12 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
     intervals: below each value, its 95% bootstrap interval (``<score>_lo`` to ``<score>_hi``), both written with
     ``interval_fmt``, when the table has them and the cells are wide enough (about 0.7 inch); else values only.
     """
-    column = "positional_fraction" if score == "positional" else score
+    record = registry.of_column(score)
+    column = record.label_column if record is not None else score
     grid = _grid(df, column)
     if ax is None:
         ax = _new_axes(grid)
-    fraction = column in _FRACTION_SCORES
+    fraction = registry.is_fraction(column)
     annot, size = _annotates(grid, annotate), _annotation_size(grid)
     if annot and intervals and f"{column}_lo" in df and f"{column}_hi" in df and \
             _cell_points(ax, grid) >= 0.6 * MIN_FONT * len(f"{0:{interval_fmt}}–{0:{interval_fmt}}"):
@@ -103,7 +101,7 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
     sns.heatmap(grid, ax=ax, cmap=cmap, vmin=0.0 if fraction else None, vmax=1.0 if fraction else None,
                 annot=annot, fmt=fmt if isinstance(annot, bool) else "", annot_kws={"fontsize": size},
                 linewidths=0.5, linecolor="white", cbar_kws={"label": column})
-    kind = _LABEL_OF.get(column, column)
+    kind = record.gives if record is not None else column
     if mark and "label" in df:
         cols = list(grid.columns)
         # a cross-attention head of seq2seq_heads names every class it clears in label ("alignment+source_sink")
