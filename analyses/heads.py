@@ -90,10 +90,11 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     runners = [r for r in records if r.how in ("weights", "behaviour")]
     retrieval = any(r.name == "retrieval" for r in runners)
     extra = [r.name for r in runners if r.name != "retrieval"]
+    what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
     df, inputs = None, {}
     if attention:
-        sets = prompt_sets(model, attention, prompts, n_prompts, seq_len, seed)
+        sets = prompt_sets(model, attention, prompts, n_prompts, seq_len, seed, what)
         frames, nonfinite = [], set()
         with model.studying():
             for set_records, rows, what in sets:
@@ -149,9 +150,11 @@ def _retrieval(model, context, seed, n_bootstrap) -> pd.DataFrame:
 
 
 # -- the prompts ---------------------------------------------------------------------------------------------------
-def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, seed: int) -> list[tuple]:
+def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, seed: int,
+                what: str = "seq_len") -> list[tuple]:
     """``[(records, rows, description)]``: which scores run on which prompts. A row is one prompt as a dict of 1-D
-    id tensors (``input_ids``, and on an encoder-decoder model ``decoder_input_ids``), unpadded."""
+    id tensors (``input_ids``, and on an encoder-decoder model ``decoder_input_ids``), unpadded. what: the name the
+    caller gave the length (``seq_len`` or ``context``), for an error."""
     if not is_layered(model):
         from .seq2seq import copy_task, pair_batch  # noqa: PLC0415
 
@@ -167,14 +170,14 @@ def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, se
     cfg = model.cfg
     seq_len = min(64, cfg.max_positions) if seq_len is None else seq_len
     if not isinstance(seq_len, int) or seq_len > cfg.max_positions:
-        raise ValueError(f"seq_len (or context) must be an integer of at most {cfg.max_positions} (the model's "
-                         f"positions); got {seq_len!r}.")
+        raise ValueError(f"{what} must be an integer of at most {cfg.max_positions} (the model's positions); got "
+                         f"{seq_len!r}.")
     generator = torch.Generator().manual_seed(seed)
     repeated = [r for r in records if r.prompts == "repeated" or model.tokenizer is None]
     text = [r for r in records if r not in repeated]
     sets = []
     if repeated:
-        ids = repeated_random_tokens(model, n_prompts, seq_len, generator)
+        ids = repeated_random_tokens(model, n_prompts, seq_len, generator, what)
         sets.append((repeated, [{"input_ids": i} for i in ids],
                      f"{n_prompts} repeated random token sequences of {seq_len} tokens"))
     if text:

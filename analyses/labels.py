@@ -49,9 +49,6 @@ def choose_scores(names, model) -> list[registry.HeadScore]:
         if r.how in ("weights", "behaviour") and not is_layered(model):
             raise TypeError(f"The score {r.name!r} is read from one residual stream and its unembedding (or the "
                             f"model's own generation); an encoder-decoder model has two stacks. {_takes(model)}")
-        if "tokenizer" in r.needs and getattr(model, "tokenizer", None) is None:
-            raise ValueError(f"The score {r.name!r} needs the model's tokenizer, and this model has none; load it "
-                             "with one (interp.load_model(hf_model, tokenizer=...)).")
     chosen = {r.name for r in records}
     return [r for r in registry.scores() if r.name in chosen]
 

@@ -180,9 +180,9 @@ class Tally:
             if r.how == "argmax":
                 hist = self.hist[r.name][site_at, head_at].double()
                 best = hist.max(-1)
-                offsets = (best.indices - (self.max_len - 1)).tolist()
-                columns[f"{r.name}_offset"] = pd.array([o if k else None for o, k in zip(offsets, ok.tolist())],
-                                                       dtype="Int64")
+                offsets = best.indices - (self.max_len - 1)
+                columns[f"{r.name}_offset"] = offsets.numpy() if bool(ok.all()) else pd.array(
+                    [o if k else None for o, k in zip(offsets.tolist(), ok.tolist())], dtype="Int64")
                 columns[f"{r.name}_fraction"] = torch.where(ok, _ratio(best.values, hist.sum(-1)), torch.nan).numpy()
                 continue
             sums, rows = self.sums[r.name][:, site_at, head_at], self.rows[r.name][:, site_at].double()

@@ -17,9 +17,11 @@ from transformers import AutoModel
 
 import interp
 from analyses.heads import corpus_sentences, detect_heads, repeated_random_tokens
-from analyses.scores import (argmax_from_pattern, argmax_from_qk, build_targets, head_labels, label_heads,
-                             pattern_scores, weights_from_pattern,
-                             weights_from_qk)
+from analyses import registry
+from analyses.labels import head_labels, label_heads
+from analyses.scores import argmax_rows, pattern_scores, rule_pairs
+from interp.site_pass import SiteRead
+from interp.sites import Site
 
 FLASH_TOL = 1e-5
 WEIGHT_SCORES = ["previous_token", "next_token", "self", "sink", "duplicate_token", "induction"]
@@ -99,12 +101,12 @@ def test_labels_list_every_class_and_the_most_specific_is_primary():
     row = pattern_scores(mixed, ids, thresholds={"previous_token": 0.6}).iloc[0]
     assert (row.label, row.labels) == ("positional", "positional+self")  # positional before self
     no_positional = ["previous_token", "self", "sink", "duplicate_token", "induction"]
-    assert pattern_scores(mixed, ids, kinds=no_positional, thresholds={"previous_token": 0.6}).label[0] == "self"
+    assert pattern_scores(mixed, ids, scores=no_positional, thresholds={"previous_token": 0.6}).label[0] == "self"
     # an induction head that also attends to the first token is labelled induction, not sink
     induction_and_sink = pd.DataFrame({"induction": [0.5], "sink": [0.95], "previous_token": [0.0]})
     assert label_heads(induction_and_sink)[0] == "induction"
     assert head_labels(induction_and_sink)[0] == "induction+sink"
-    df = pattern_scores(mixed, ids, kinds=no_positional, thresholds={"previous_token": 0.6, "self": 0.5})
+    df = pattern_scores(mixed, ids, scores=no_positional, thresholds={"previous_token": 0.6, "self": 0.5})
     assert df.label[0] == "none" and "positional_fraction" not in df
 
 
@@ -142,7 +144,7 @@ def test_padded_random_patterns_match_plain_loops(causal, seed):
     allowed = mask[:, None, None, :] & (torch.ones(n, n).tril().bool() if causal else True)
     pattern = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
     kinds = None if not causal else [k for k in WEIGHT_SCORES if k != "next_token"] + ["positional"]
-    df = pattern_scores(pattern, ids, mask.long(), causal=causal, kinds=kinds)
+    df = pattern_scores(pattern, ids, mask.long(), causal=causal, scores=kinds)
     expected = _brute_force(pattern, ids, mask, causal)
     for s in WEIGHT_SCORES:
         if s in df:
@@ -152,7 +154,8 @@ def test_padded_random_patterns_match_plain_loops(causal, seed):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
-    """The flash-path reading, exp(scale q.k - lse) and the tiled argmax, equals the pattern's (GQA, padding)."""
+    """The flash-path reading of a site, exp(scale q.k - lse) and the tiled argmax, equals the pattern's (GQA,
+    padding), for the pairs of every target-rule score."""
     g = torch.Generator().manual_seed(0)
     b, n, h, kv, d, scale = 3, 40, 6, 2, 8, 0.3
     q, k = torch.randn(b, n, h, d, generator=g), torch.randn(b, n, kv, d, generator=g)
@@ -160,25 +163,30 @@ def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
     for row, n_pad in ((1, 9), (2, 13)):  # left padding for causal models, right for encoders
         mask[row, slice(0, n_pad) if causal else slice(n - n_pad, n)] = 0
     ids = torch.randint(1, 6, (b, n), generator=g)
-    kinds = [k for k in WEIGHT_SCORES if not (causal and k == "next_token")] + ["positional"]
-    targets = build_targets(ids, mask, causal, kinds)
+    site = Site("blocks.0.attn", "decoder", 0, "self", h, kv, d, d, scale, causal)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // kv, dim=2)) * scale
     allowed = mask.bool()[:, None, None, :] & (torch.ones(n, n).tril().bool() if causal else True)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse, pattern = scores.logsumexp(-1), scores.softmax(-1)
-    for s, pairs in targets.pairs.items():
-        torch.testing.assert_close(weights_from_qk(q, k, lse, scale, pairs), weights_from_pattern(pattern, pairs),
-                                   atol=1e-6, rtol=0, msg=s)
+    valid = mask.bool()
+    flash = SiteRead(0, site, valid, valid, q=q, k=k, lse=lse)
+    eager = SiteRead(0, site, valid, valid, pattern=pattern)
+    kind = "causal" if causal else "bidirectional"
+    for record in registry.scores(("target",), kind):
+        pairs = rule_pairs(record, ids, valid, ids, valid, causal)
+        assert len(pairs.b), record.name
+        torch.testing.assert_close(flash.weights(pairs.b, pairs.q, pairs.k), eager.weights(pairs.b, pairs.q, pairs.k),
+                                   atol=1e-6, rtol=0, msg=record.name)
     import interp.stats as stats_module
 
-    budget = stats_module._BUDGET
-    stats_module._BUDGET = b * h * 7 * 5  # tiles of 7 query rows by 5 keys
+    budget = stats_module._TOP_BUDGET
+    stats_module._TOP_BUDGET = b * h * 4 * 8  # tiles of 4 query rows by 8 keys
     try:
-        tiled = argmax_from_qk(q, k, targets)
+        tiled = flash.top_keys()
     finally:
-        stats_module._BUDGET = budget
-    rows = targets.positional_rows
-    assert torch.equal(tiled.transpose(1, 2)[rows], argmax_from_pattern(pattern, targets).transpose(1, 2)[rows])
+        stats_module._TOP_BUDGET = budget
+    rows = argmax_rows(valid, causal)
+    assert torch.equal(tiled.transpose(1, 2)[rows], eager.top_keys().transpose(1, 2)[rows])
 
 
 # -- flash == eager on real and random models ---------------------------------------------------------------
@@ -254,7 +262,7 @@ def test_minilm_has_previous_and_next_token_heads(minilm_scores):
 def test_minilm_previous_token_score_equals_hf_output_attentions(minilm, minilm_folder):
     """The top previous-token head's score is the mean of A[i, i-1] over i >= 1 in HF's own eager weights."""
     texts = list(corpus_sentences()[:16])
-    df = detect_heads(minilm, kinds=["previous_token"], prompts=texts, batch_size=5)
+    df = detect_heads(minilm, scores=["previous_token"], prompts=texts, batch_size=5)
     top = df.loc[df.previous_token.idxmax()]
     hf = AutoModel.from_pretrained(minilm_folder, attn_implementation="eager", local_files_only=True).eval()
     total, rows = 0.0, 0
@@ -347,9 +355,8 @@ def tiny_llama():
     [
         (dict(prompts=[]), "prompts is empty"),
         (dict(prompts=[list(range(1, 66))]), "prompt 0 has 65 tokens but the model takes at most 64"),
-        (dict(kinds=["induction", "inductoin"]), "Unknown score kind 'inductoin'. Did you mean 'induction'"),
-        (dict(kinds=["next_token"]), "next_token needs a bidirectional model"),
-        (dict(kinds=[]), "kinds is empty"),
+        (dict(scores=["induction", "inductoin"]), "Unknown score 'inductoin'. Did you mean 'induction'"),
+        (dict(scores=[]), "scores is empty"),
         (dict(prompts=["some text"]), "no tokenizer"),
         (dict(prompts=[[1, 2], []]), "prompt 1 has no tokens"),
         (dict(prompts=[[1, 2, 120]]), "outside [0, 99)"),
@@ -363,6 +370,12 @@ def test_bad_input_is_a_clear_error(tiny_llama, kwargs, message):
     with pytest.raises(ValueError) as err:
         detect_heads(tiny_llama, **kwargs)
     assert message in str(err.value)
+
+
+def test_a_score_the_model_cannot_take_is_refused_with_why(tiny_llama):
+    with pytest.raises(TypeError, match="'next_token' applies to bidirectional attention sites; this model's sites "
+                                        "are causal"):
+        detect_heads(tiny_llama, scores=["next_token"])
 
 
 def test_generated_prompts_fit_short_models_and_carry_the_start_token():

@@ -354,7 +354,7 @@ def _toy_batch(toy, n=64, length=20):
 def _induction_heads(toy) -> list[tuple[int, int]]:
     from analyses.heads import detect_heads
 
-    df = detect_heads(toy, kinds=["induction"], seq_len=61)  # [BOS, x, x] with |x| = 30, as in training
+    df = detect_heads(toy, scores=["induction"], seq_len=61)  # [BOS, x, x] with |x| = 30, as in training
     labelled = df[df.label == "induction"]
     return list(zip(labelled["layer"].astype(int), labelled["head"].astype(int)))
 

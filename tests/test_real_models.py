@@ -162,7 +162,7 @@ def _repeats(model, n: int, length: int, seed: int) -> torch.Tensor:
 
 def test_smollm2_induction_heads_agree_with_hf_attention_weights(smollm2):
     tokens = _repeats(smollm2, 16, 25, seed=123)
-    ours = detect_heads(smollm2, prompts=tokens, kinds=["induction"], n_bootstrap=100)
+    ours = detect_heads(smollm2, prompts=tokens, scores=["induction"], n_bootstrap=100)
     reference = _hf("smollm2", "eager")
     with torch.no_grad():
         attentions = reference(input_ids=tokens, output_attentions=True, use_cache=False).attentions
@@ -186,7 +186,7 @@ def test_smollm2_induction_heads_agree_with_hf_attention_weights(smollm2):
 
 
 def test_smollm2_induction_heads_carry_the_in_context_gain(smollm2):
-    heads = detect_heads(smollm2, kinds=["induction"], n_prompts=40, n_bootstrap=10)
+    heads = detect_heads(smollm2, scores=["induction"], n_prompts=40, n_bootstrap=10)
     induction = [(int(r.layer), int(r.head)) for r in heads.itertuples() if r.induction > 0.4]
     tokens = _repeats(smollm2, 20, 50, seed=7)
     batch = {"input_ids": tokens, "attention_mask": None}

@@ -65,8 +65,6 @@ def test_detect_heads_takes_scores_and_context(toy):
     assert df.set_index(["layer", "head"]).loc[(1, 1), "label"] == "retrieval"
     only = detect_heads(toy, scores="retrieval", context=48, n_bootstrap=50)
     assert list(only.columns[:6]) == ["stack", "kind", "site", "layer", "head", "retrieval"] and "induction" not in only
-    with pytest.raises(ValueError, match="not both"):
-        detect_heads(toy, kinds=["sink"], scores=["sink"])
 
 
 def test_bad_arguments_are_refused(toy):

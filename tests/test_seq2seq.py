@@ -13,7 +13,7 @@ from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig
 import interp
 from interp.structure import set_attention_key
 from analyses import ablate_heads, detect_heads
-from analyses.seq2seq import copy_accuracy, copy_task, seq2seq_heads, train_copy_model
+from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
 from hooks import spec_for
 
 _BART_LIKE = dict(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -275,7 +275,7 @@ def test_head_scores_of_every_kind_on_both_paths():
     model = interp.load_model(_tiny("t5"), attn="flash")
     flash = detect_heads(model, n_prompts=8, seq_len=8, n_bootstrap=50)
     model.set_attn("eager")
-    eager = seq2seq_heads(model, n_prompts=8, seq_len=8, n_bootstrap=50)
+    eager = detect_heads(model, n_prompts=8, seq_len=8, n_bootstrap=50)
     assert len(flash) == 6 * 4 and set(flash["kind"]) == {"self", "cross"}
     assert flash[flash.kind == "cross"]["alignment"].notna().all()
     assert flash[(flash.kind == "self") & (flash.stack == "encoder")]["next_token"].notna().all()

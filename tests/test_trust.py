@@ -86,7 +86,7 @@ def test_studies_on_a_padded_batch_equal_the_rows_run_alone(family):
 def test_head_scores_do_not_depend_on_batch_size(family, attn):
     """detect_heads on tiny GPT-2 gave scores that moved by 6.7e-4 between batch_size 1 and 8."""
     model = interp.load_model(tiny_hf(family), attn=attn)
-    common = dict(n_prompts=8, seq_len=20, n_bootstrap=10, kinds=["previous_token", "induction", "sink"])
+    common = dict(n_prompts=8, seq_len=20, n_bootstrap=10, scores=["previous_token", "induction", "sink"])
     prompts = [torch.randint(1, 99, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14, 20)]
     for kwargs in (common, {**common, "prompts": prompts}):
         one = detect_heads(model, batch_size=1, **kwargs)
@@ -458,7 +458,7 @@ def test_ci_runs_exactly_the_readmes_test_command():
 
 def _trained_heads(folder):
     model = interp.load_model(folder)
-    return detect_heads(model, kinds=["previous_token", "induction"], n_prompts=50, n_bootstrap=10)
+    return detect_heads(model, scores=["previous_token", "induction"], n_prompts=50, n_bootstrap=10)
 
 
 @pytest.mark.slow  # a full training run (~70 s quiet); test_cli.py::test_train_toy_small covers the verb

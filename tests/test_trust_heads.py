@@ -12,7 +12,7 @@ import pytest
 import interp
 from analyses import detect_heads
 from analyses.cli import main
-from analyses.labels import CROSS_KINDS, KINDS, RETRIEVAL_SCORES, TAXONOMY_SCORES
+from analyses import registry
 from interp import progress as progress_module
 from interp.testing import model_class, tiny_model
 from test_progress import restore  # noqa: F401  (the fixture that puts the progress setting back)
@@ -63,38 +63,36 @@ def test_encoder_decoder_computes_the_scores_asked_for(bart):
     assert not {"previous_token", "sink", "source_sink", "source_positional"} & set(df.columns)
     assert df.loc[df["kind"] == "cross", "alignment"].notna().all()
     assert df.loc[df["kind"] == "self", "induction"].notna().all()
-    cross = detect_heads(bart, kinds=["alignment"], n_prompts=6, n_bootstrap=10)
+    cross = detect_heads(bart, scores=["alignment"], n_prompts=6, n_bootstrap=10)
     assert set(cross["kind"]) == {"cross"}  # no score asked for applies to the self-attention sites
     assert cross["alignment"].tolist() == df.loc[df["kind"] == "cross", "alignment"].tolist()
-    low = detect_heads(bart, kinds=["alignment"], n_prompts=6, n_bootstrap=10, thresholds={"alignment": 0.01})
+    low = detect_heads(bart, scores=["alignment"], n_prompts=6, n_bootstrap=10, thresholds={"alignment": 0.01})
     assert (low["label"] == "alignment").all()  # the cross heads' threshold is honoured, not refused
 
 
 def test_encoder_decoder_refuses_what_it_cannot_compute_as_decoders_do(bart, llama):
     with pytest.raises(ValueError) as on_bart:
-        detect_heads(bart, kinds=["bogus"])
+        detect_heads(bart, scores=["bogus"])
     with pytest.raises(ValueError) as on_llama:
-        detect_heads(llama, kinds=["bogus"])
-    assert str(on_bart.value) == str(on_llama.value) and "Unknown score kind 'bogus'" in str(on_bart.value)
-    with pytest.raises(TypeError, match="not implemented for encoder-decoder models"):
+        detect_heads(llama, scores=["bogus"])
+    assert str(on_bart.value) == str(on_llama.value) and "Unknown score 'bogus'" in str(on_bart.value)
+    with pytest.raises(TypeError, match="an encoder-decoder model has two stacks"):
         detect_heads(bart, scores=["retrieval"])
-    with pytest.raises(TypeError, match="only encoder-decoder models"):
+    with pytest.raises(TypeError, match="applies to cross attention sites"):
         detect_heads(llama, scores=["source_sink"])
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         detect_heads(bart, batch_size=0)
 
 
-def test_encoder_decoder_runs_batch_size_pairs_per_forward(bart, monkeypatch):
+def test_encoder_decoder_runs_batch_size_pairs_per_forward(bart):
     rows = []
-    real = bart.run_with_cache
-
-    def counting(input_ids, *args, **kwargs):
-        rows.append(input_ids.shape[0])
-        return real(input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(bart, "run_with_cache", counting)
-    split = detect_heads(bart, n_prompts=8, batch_size=3, n_bootstrap=10)
-    assert rows == [3, 3, 2]
+    handle = bart.hf.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                               with_kwargs=True)
+    try:
+        split = detect_heads(bart, n_prompts=8, batch_size=3, n_bootstrap=10)
+    finally:
+        handle.remove()
+    assert sorted(rows) == [2, 3, 3]
     whole = detect_heads(bart, n_prompts=8, batch_size=8, n_bootstrap=10)
     numbers = [c for c in whole.columns if whole[c].dtype.kind == "f"]
     assert ((split[numbers] - whole[numbers]).abs().max().max()) < 1e-6
@@ -123,13 +121,13 @@ def test_unknown_score_lists_every_score_and_the_closest(llama):
         detect_heads(llama, scores=["retreival"])
     message = str(err.value)
     assert "Did you mean 'retrieval'?" in message
-    assert all(name in message for name in (*KINDS, *TAXONOMY_SCORES, *RETRIEVAL_SCORES, *CROSS_KINDS))
+    assert all(name in message for name in registry.names())
 
 
 # -- 1, 3: the command line ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model, score, says", [("t5", "retrieval", "not implemented for encoder-decoder"),
+@pytest.mark.parametrize("model, score, says", [("t5", "retrieval", "encoder-decoder model has two stacks"),
                                                 ("bart", "successor", "encoder-decoder model has two stacks"),
-                                                ("llama", "alignment", "only encoder-decoder models")])
+                                                ("llama", "alignment", "applies to cross attention sites")])
 def test_scores_a_model_cannot_take_are_one_line_and_exit_2(folders, model, score, says):
     code, out, err = run("heads", "--model", folders / model, "--scores", score)
     assert code == 2 and out == "" and says in _one_line(err)
@@ -142,7 +140,7 @@ def test_the_help_names_every_score(monkeypatch):
     with redirect_stdout(out), pytest.raises(SystemExit):
         main(["heads", "--help"])
     text = " ".join(out.getvalue().split())
-    missing = [n for n in (*KINDS, *TAXONOMY_SCORES, *RETRIEVAL_SCORES, *CROSS_KINDS) if n not in text]
+    missing = [n for n in registry.names() if n not in text]
     assert missing == [], text
 
 
@@ -152,7 +150,8 @@ def test_table_is_sorted_cut_to_top_and_labels_come_first(folders):
     lines = out.strip().splitlines()
     assert code == 0 and lines[-1] == "# 4 more heads not shown (sorted by sink); --top 0 shows all"
     assert lines[0].split()[:7] == ["stack", "kind", "site", "layer", "head", "label", "labels"] and len(lines) == 22
-    sinks = [float(line.split()[-2]) for line in lines[1:-1]]  # the columns end with sink, induction
+    at = lines[0].split().index("sink") - len(lines[0].split())  # from the end: labels may be empty
+    sinks = [float(line.split()[at]) for line in lines[1:-1]]
     assert sinks == sorted(sinks, reverse=True)
     code, out, _ = run("heads", "--model", folders / "llama", "--n-prompts", "4", "--scores", "sink", "--top", "0")
     assert code == 0 and len(out.strip().splitlines()) == 25 and "more heads" not in out

@@ -160,7 +160,7 @@ def test_every_tokenizer_use_leaves_the_backend_as_the_user_set_it(text_model, u
         ids = model.to_tokens(["one two three four five six seven eight nine", "one"])
         assert ids.shape[1] > 7  # the user's backend truncation did not apply to our tokenization either
     elif use == "detect_heads":
-        detect_heads(model, kinds=["previous_token"], n_prompts=3, seq_len=16, n_bootstrap=10)
+        detect_heads(model, scores=["previous_token"], n_prompts=3, seq_len=16, n_bootstrap=10)
     elif use == "ioi_task":
         try:
             ioi_task(model, n=2)
@@ -269,7 +269,7 @@ def test_score_grids_mark_heads_with_non_finite_attention():
     from matplotlib.patches import Rectangle
 
     with pytest.warns(RuntimeWarning):
-        df = detect_heads(_planted("eager"), kinds=["previous_token"], n_prompts=3, seq_len=12, n_bootstrap=10)
+        df = detect_heads(_planted("eager"), scores=["previous_token"], n_prompts=3, seq_len=12, n_bootstrap=10)
     ax = head_score_grid(df, "previous_token")
     marked = [(p.get_x(), p.get_y()) for p in ax.patches if isinstance(p, Rectangle) and p.get_gid() == "nan-head"]
     assert marked == [(2, 1)]  # head 2 of layer 1

@@ -12,26 +12,12 @@ inline vanilla JavaScript; elements carry ``data-role`` and ``data-head`` attrib
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from interp.stats import attention_stats, bucket_labels
-
 __all__ = ["long_view", "LongView"]
-
-_BANDS = 64  # bands of query rows for the distance histograms
-_MAX_ZOOM = 256  # rows (and keys) of the exact zoom window
-
-
-class _Stop(Exception):
-    """Raised from the layer's hook: nothing after it is needed."""
-
 
 @dataclass
 class LongView:
@@ -53,7 +39,8 @@ class LongView:
                 f'<span>top-1 key of each row (query across, key down)</span><span>weight by distance |q - k| '
                 f'(across) for bands of rows (down)</span><span>exact weights: rows {self.data["zoom"]["rows"][0]}-'
                 f'{self.data["zoom"]["rows"][1] - 1} (down), keys {self.data["zoom"]["keys"][0]}-'
-                f'{self.data["zoom"]["keys"][1] - 1} (across)</span></div><p data-role="info"></p></div>'
+                f'{self.data["zoom"]["keys"][1] - 1} (across)</span></div><p data-role="info"></p><p data-role="scores" title="'
+                f'{html.escape("; ".join(f"{k}: {v}" for k, v in self.data.get("definitions", {}).items()))}"></p></div>'
                 f'<script type="application/json" id="long-data">{payload}</script><script>{_JS}</script>'
                 f"</body></html>")
 
@@ -67,115 +54,14 @@ class LongView:
         return atomic_write(Path(path), self.html, overwrite=overwrite)
 
 
-def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None) -> LongView:
-    """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path.
+def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None,
+              scores=None) -> LongView:
+    """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path: the page of
+    ``analyses.long_context.long_stats`` (arguments there), with each registered head score of the layer's heads
+    on this prompt (ours and a user's, ``scores``: names, default every target-rule score that applies)."""
+    from ..long_context import long_stats
 
-    A batch of several rows is refused (the view shows one sequence: pick one with ``ids[i:i+1]``), and so is a
-    model with encoder and decoder stacks (``head_view`` shows its sites).
-
-    zoom: (start, stop) query rows shown exactly, at most 256 (default: the last 64 rows). n_buckets: distance
-    buckets (default: enough for the prompt's length).
-    """
-    ids, layer, n_buckets = _checked(model, ids, layer, n_buckets)
-    n = len(ids)
-    start, stop = zoom if zoom is not None else (max(0, n - 64), n)
-    if not 0 <= start < stop <= n or stop - start > _MAX_ZOOM:
-        raise ValueError(f"zoom is (start, stop) with 0 <= start < stop <= {n} and at most {_MAX_ZOOM} rows; "
-                         f"got {zoom}.")
-    attn = model.structure.layer_attn[layer]
-    held, out = {}, {}
-
-    def hold(t, hook):
-        held[hook.name.rsplit("_", 1)[1]] = t
-
-    def on_lse(lse, hook):  # (b, h, q)
-        q, k = held["q"].transpose(1, 2), held["k"].transpose(1, 2)  # (b, h, p, d), (b, g, p, d)
-        sinks = None
-        if attn.sinks is not None:
-            sinks = model.attention_meta().sinks[layer]
-        out["stats"] = attention_stats(q, k, attn.scale, lse, causal=attn.causal, window=attn.window,
-                                       softcap=attn.softcap, sinks=sinks, n_buckets=n_buckets,
-                                       fields=("top_index", "top_weight", "offsets", "entropy", "sink"))
-        lo = start if attn.window[0] is None else max(0, start - attn.window[0])
-        lo = max(0, min(lo, stop - _MAX_ZOOM))  # keys from lo: up to 256 before the window's last row
-        rep = q.shape[1] // k.shape[1]
-        s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, start:stop].float(),
-                         k.repeat_interleave(rep, 1)[:, :, lo:stop].float()) * attn.scale
-        if attn.softcap is not None:
-            s = torch.tanh(s / attn.softcap) * attn.softcap
-        dist = torch.arange(lo, stop)[None] - torch.arange(start, stop)[:, None]
-        allowed = (dist <= 0) if attn.causal else torch.ones_like(dist, dtype=torch.bool)
-        if attn.window[0] is not None:
-            allowed &= dist >= -attn.window[0]
-        w = torch.exp(s.masked_fill(~allowed, float("-inf")) - lse[:, :, start:stop, None].float())
-        out["zoom"], out["zoom_keys"] = w[0], lo
-        raise _Stop
-
-    names = [f"blocks.{layer}.attn.hook_{kind}" for kind in ("q", "k")]
-    with model.studying(), torch.no_grad(), model.hooks([(names, hold), (f"blocks.{layer}.attn.hook_lse", on_lse)]):
-        if model.attn != "flash":
-            raise ValueError("long_view reads the flash path's logsumexp; call model.set_attn('flash') first.")
-        try:
-            model(ids[None].to(model.device))
-        except _Stop:
-            pass
-    st = out["stats"]
-    h = st.top_index.shape[1]
-    bands = torch.linspace(0, n, _BANDS + 1).long()
-    band_hist = torch.stack([st.offsets[0, :, a:b].mean(1) if b > a else torch.zeros(h, n_buckets)
-                             for a, b in zip(bands[:-1], bands[1:])], 1)  # (h, bands, buckets)
-    data = {
-        "layer": layer, "n": n, "n_heads": h, "title": f"layer {layer}, {n} tokens: top-1 key per row, weight by "
-                                                        f"distance, exact zoom on rows {start}-{stop - 1}",
-        "top": [_b64(st.top_index[0, i].clamp(min=0).numpy().astype("<u4")) for i in range(h)],
-        "weight": [_b64((st.top_weight[0, i] * 255).round().clamp(0, 255).numpy().astype("u1")) for i in range(h)],
-        "buckets": bucket_labels(n_buckets),
-        "bands": [[[round(float(x), 4) for x in row] for row in band_hist[i]] for i in range(h)],
-        "mean_offsets": [[round(float(x), 4) for x in st.offsets[0, i].mean(0)] for i in range(h)],
-        "entropy": [round(float(st.entropy[0, i].mean()), 4) for i in range(h)],
-        "sink": [round(float(st.sink[0, i].mean()), 4) for i in range(h)],
-        "zoom": {"rows": [start, stop], "keys": [out["zoom_keys"], stop],
-                 "weights": [_b64((out["zoom"][i] * 255).round().clamp(0, 255).numpy().astype("u1"))
-                             for i in range(h)]},
-    }
-    return LongView(data)
-
-
-def _checked(model, ids, layer, n_buckets) -> tuple[torch.Tensor, int, int]:
-    """One prompt's ids ``(p,)``, the layer and the number of distance buckets, after checking what was given."""
-    from ..seq2seq import is_seq2seq
-
-    if is_seq2seq(model):
-        raise ValueError("long_view shows one layer of a model with one self-attention site per layer (decoder-only "
-                         "or encoder); this model has encoder and decoder stacks. Use head_view(model, (source, "
-                         "target)) to see its sites.")
-    try:
-        ids = torch.as_tensor(ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"long_view takes one prompt's token ids, (p,) or (1, p); got {type(ids).__name__}.") from None
-    if ids.numel() == 0:
-        raise ValueError(f"long_view was given no tokens (the ids are empty, shape {tuple(ids.shape)}); give the ids "
-                         "of a prompt of at least one token.")
-    if ids.ndim == 2 and ids.shape[0] != 1:
-        raise ValueError(f"long_view shows one prompt: give one row of ids, (p,) or (1, p); got {ids.shape[0]} rows "
-                         f"{tuple(ids.shape)}. Pick one with ids[i:i+1].")
-    if ids.ndim not in (1, 2) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"long_view takes integer token ids of one prompt, (p,) or (1, p); got a {ids.dtype} tensor "
-                        f"of shape {tuple(ids.shape)}.")
-    ids = ids.reshape(-1)
-    n_layers = model.cfg.n_layers
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n_layers:
-        raise ValueError(f"layer must be a whole number in 0..{n_layers - 1}; got {layer!r}.")
-    if n_buckets is None:
-        return ids, int(layer), max(2, len(ids) - 1).bit_length() + 1
-    if isinstance(n_buckets, bool) or not isinstance(n_buckets, (int, np.integer)) or n_buckets < 2:
-        raise ValueError(f"n_buckets is a whole number of distance buckets, at least 2 (distance 0 and the rest), "
-                         f"or None (enough for the prompt's length); got {n_buckets!r}.")
-    return ids, int(layer), int(n_buckets)
-
-
-def _b64(array: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+    return LongView(long_stats(model, ids, layer, zoom=zoom, n_buckets=n_buckets, scores=scores))
 
 
 _CSS = """body{font:13px sans-serif;margin:12px}.row{display:flex;gap:8px;flex-wrap:wrap}
@@ -228,6 +114,8 @@ _JS = r"""
     root.querySelector('[data-role="info"]').textContent =
       `head ${h}: mean entropy ${data.entropy[h]} nats, weight on the first token ${data.sink[h]}, ` +
       `weight by distance ${data.mean_offsets[h].map((v, i) => data.buckets[i] + ": " + v).join(", ")}`;
+    root.querySelector('[data-role="scores"]').textContent = "head scores on this prompt: " +
+      Object.entries(data.scores || {}).map(([name, v]) => `${name} ${v[h] === null ? "n/a" : v[h]}`).join(", ");
   }
   root.querySelectorAll('[data-role="head"]').forEach((b) => b.addEventListener("click", () => show(+b.dataset.head)));
   show(0);
