@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["alignment", "duplicate_token", "earlier_occurrences", "induction", "next_token", "previous_token",
-           "self_target", "sink", "source_sink"]
-
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)

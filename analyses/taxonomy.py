@@ -231,10 +231,6 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
 
 
 # -- detect_heads's dispatch -------------------------------------------------------------------------------------
-CHEAP_SCORES = ("successor", "copy_suppression")  # weights only: seconds on a 135M model
-TASK_SCORES = ("copy_suppression_behaviour", "name_mover", "s_inhibition", "function_vector")  # forward passes
-
-
 def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 1000,
                    thresholds: dict[str, float] | None = None) -> pd.DataFrame:
     """The taxonomy scores ``names`` of every head, merged on (layer, head); ``io_attention`` comes with

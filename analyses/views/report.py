@@ -285,7 +285,8 @@ _TEXT = "the example text"
 
 def _prompt_of(kind: str) -> str:
     """Induction and duplicate-token heads need an earlier occurrence: repeated random tokens; others the text."""
-    return _REPEATED if kind in ("induction", "duplicate_token") else _TEXT
+    record = registry.of_column(kind)
+    return _REPEATED if record is not None and record.prompts == "repeated" else _TEXT
 
 
 def _attention_maps(model, strongest, prompts, seed, figures) -> tuple[list[tuple], dict]:
