@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from interp.progress import progress
-from interp.stats import attention_stats
+from interp.site_pass import each_site
 from interp.streaming_cache import cache_kwarg, output_cache
 
 from .corpus import _ordinary_ids, _special_frame, corpus_sentences, refuse_unreadable
@@ -161,30 +161,20 @@ def run_needle(model, prompt: NeedlePrompt, n_steps: int | None = None) -> tuple
     model's missing heads)."""
     cfg = model.cfg
     n_steps = len(prompt.answer) if n_steps is None else n_steps
-    n_layers, n_heads = cfg.n_layers, max(cfg.heads_per_layer)
-    top = torch.full((n_steps, n_layers, n_heads), -1, dtype=torch.long)
-    held: dict[int, torch.Tensor] = {}
+    top = torch.full((n_steps, cfg.n_layers, max(cfg.heads_per_layer)), -1, dtype=torch.long)
     step = [0, len(prompt.ids)]  # step, positions seen including the current query
 
-    def hold_q(q, hook):  # (b, p, h, d): only the last row generates the next token
-        held[hook.layer] = q[:, -1:]
+    def visit(read) -> None:  # one query row (the last) against the whole cache (a sliding layer's: its window)
+        at = read.top_keys(last=1)[0, :, -1].cpu()  # (h,)
+        top[step[0], read.index, : len(at)] = step[1] - read.key_valid.shape[1] + at
 
-    def on_k(k, hook):  # (b, k, g, d): the whole cache (a sliding layer's cache holds its window)
-        q = held.pop(hook.layer)
-        layer = model.structure.layer_attn[hook.layer]
-        stats = attention_stats(q.transpose(1, 2), k.transpose(1, 2), 1.0, causal=True, window=layer.window,
-                                fields=("top_index",))
-        at = stats.top_index[0, :, -1].cpu()  # (h,)
-        top[step[0], hook.layer, : len(at)] = step[1] - k.shape[1] + at
-
-    names = [f"blocks.{l}.attn.hook_{kind}" for l in range(n_layers) for kind in ("q", "k")]
     generated = []
-    with torch.no_grad(), model.hooks([([n for n in names if n.endswith("_q")], hold_q),
-                                       ([n for n in names if n.endswith("_k")], on_k)]):
+    with torch.no_grad():
         cache, ids, name = None, prompt.ids[None].to(model.device), cache_kwarg(model.hf)
         for t in range(n_steps):
             step[0], step[1] = t, len(prompt.ids) + t
-            out = model(ids, use_cache=True, logits_to_keep=1, **{name: cache})
+            out = each_site(model, {"input_ids": ids, "attention_mask": None}, visit, stop=False, use_cache=True,
+                            logits_to_keep=1, **{name: cache})
             cache = output_cache(out)
             token = out.logits[0, -1].argmax()
             generated.append(int(token))

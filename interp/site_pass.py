@@ -49,6 +49,14 @@ class SiteRead:
         return self.pattern.shape[1] if self.pattern is not None else self.q.shape[2]
 
     @property
+    def offset(self) -> int:
+        """The key position of query row 0: 0 on a cross-attention site; on a self-attention site the queries are the
+        last of the keys (a decode step is one query row against the whole cache)."""
+        n_q = self.pattern.shape[2] if self.pattern is not None else self.q.shape[1]
+        n_k = self.pattern.shape[3] if self.pattern is not None else self.k.shape[1]
+        return 0 if self.site.kind == "cross" else n_k - n_q
+
+    @property
     def window(self) -> tuple[int | None, int | None]:
         """(keys before, keys after) the query it may see; a causal site's ``after`` is 0."""
         before, after = self.site.window or (None, None)
@@ -66,17 +74,22 @@ class SiteRead:
                          bias=self.bias)
         return w * (self._inside(qi, kj) & self.key_valid.to(device)[b, kj])[:, None]
 
-    def top_keys(self) -> torch.Tensor:
-        """Each row's top-1 key ``(b, h, q)`` among the keys it may see (-1 where it sees none)."""
+    def top_keys(self, last: int | None = None) -> torch.Tensor:
+        """Each row's top-1 key ``(b, h, q)`` among the keys it may see (-1 where it sees none); ``last``: only the
+        last rows (a generating step reads the last one)."""
+        n_q = self.pattern.shape[2] if self.pattern is not None else self.q.shape[1]
+        first = 0 if last is None else max(0, n_q - last)
         if self.pattern is not None:
-            n_q, n_k = self.pattern.shape[2:]
-            qi, kj = torch.arange(n_q, device=self.pattern.device), torch.arange(n_k, device=self.pattern.device)
-            allowed = self._inside(qi[:, None], kj[None]) & self.key_valid.to(self.pattern.device)[:, None, :]
-            top = self.pattern.masked_fill(~allowed[:, None], -1.0).argmax(dim=-1)
+            pattern = self.pattern[:, :, first:]
+            qi = torch.arange(first, n_q, device=pattern.device)
+            kj = torch.arange(pattern.shape[3], device=pattern.device)
+            allowed = self._inside(qi[:, None], kj[None]) & self.key_valid.to(pattern.device)[:, None, :]
+            top = pattern.masked_fill(~allowed[:, None], -1.0).argmax(dim=-1)
             return top.masked_fill(~allowed.any(-1)[:, None], -1)
-        stats = attention_stats(self.q.transpose(1, 2), self.k.transpose(1, 2), 1.0, causal=self.site.causal,
-                                window=self.window, key_valid=self.key_valid, bias=self.bias, fields=("top_index",),
-                                query_offset=0)
+        bias = None if self.bias is None else self.bias[..., first:, :]
+        stats = attention_stats(self.q[:, first:].transpose(1, 2), self.k.transpose(1, 2), 1.0,
+                                causal=self.site.causal, window=self.window, key_valid=self.key_valid, bias=bias,
+                                fields=("top_index",), query_offset=self.offset + first)
         return stats.top_index
 
     def nonfinite_heads(self) -> torch.Tensor:
@@ -99,11 +112,12 @@ class SiteRead:
             raise ValueError("SiteRead.stats reads q, k and the logsumexp of the flash path; this read is eager.")
         return attention_stats(self.q.transpose(1, 2), self.k.transpose(1, 2), self.site.scale, self.lse,
                                causal=self.site.causal, window=self.window, key_valid=self.key_valid,
-                               softcap=self.site.softcap, sinks=self.sinks, bias=self.bias, query_offset=0,
+                               softcap=self.site.softcap, sinks=self.sinks, bias=self.bias, query_offset=self.offset,
                                **kwargs)
 
     def _inside(self, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
         before, after = self.window
+        qi = qi + self.offset
         inside = torch.ones(torch.broadcast_shapes(qi.shape, kj.shape), dtype=torch.bool, device=qi.device)
         if before is not None:
             inside &= kj >= qi - before
@@ -116,12 +130,15 @@ class _Done(Exception):
     """Raised after the last site asked for: nothing after it is needed."""
 
 
-def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iterable[int] | None = None) -> None:
+def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iterable[int] | None = None,
+              stop: bool = True, **kwargs):
     """Run ``model`` once on ``batch`` and call ``visit(read)`` for each site (indices into ``model.cfg.sites``;
-    None: all) as it runs, in call order; the forward stops after the last one.
+    None: all) as it runs, in call order; the forward stops after the last one, or with ``stop=False`` runs to the
+    end and its output is returned (a decode step: ``kwargs`` such as ``use_cache`` and the cache go to the model).
 
     batch: ``{"input_ids", "attention_mask"}`` and, on an encoder-decoder model, ``"decoder_input_ids"`` and
-    ``"decoder_attention_mask"`` (masks may be None: no padding)."""
+    ``"decoder_attention_mask"`` (masks may be None: no padding). With a KV cache the keys are longer than the
+    batch: the cached keys count as real."""
     all_sites = model.cfg.sites
     wanted = sorted(set(range(len(all_sites)) if sites is None else sites))
     if not wanted:
@@ -145,7 +162,10 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
         prefix = hook.name.rsplit(".", 1)[0]
         index = by_prefix[prefix]
         site = all_sites[index]
-        read = SiteRead(index, site, valid[site.queries], valid[site.keys],
+        n_keys = tensor.shape[-1] if eager else held[f"{prefix}.hook_k"].shape[1]
+        key_valid = valid[site.keys] if valid[site.keys].shape[1] == n_keys else \
+            torch.ones(valid[site.keys].shape[0], n_keys, dtype=torch.bool, device=valid[site.keys].device)
+        read = SiteRead(index, site, valid[site.queries], key_valid,
                         bias=model._layer_hooks[prefix].bias if model._kind.position_bias else None,
                         sinks=sinks.get(index))
         if eager:
@@ -153,7 +173,7 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
         else:
             read.q, read.k, read.lse = held.pop(f"{prefix}.hook_q"), held.pop(f"{prefix}.hook_k"), tensor
         visit(read)
-        if index == last:
+        if index == last and stop:
             raise _Done
 
     prefixes = [all_sites[i].name for i in wanted]
@@ -164,9 +184,11 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     try:
         with model.hooks(hooks):
-            model(ids.to(model.device), None if mask is None else mask.to(model.device),
-                  **{k: v.to(model.device) for k, v in extra.items()})
+            output = model(ids.to(model.device), None if mask is None else mask.to(model.device),
+                           **{k: v.to(model.device) for k, v in extra.items()}, **kwargs)
     except _Done:
-        return
+        return None
+    if not stop:
+        return output
     raise RuntimeError(f"The attention hook of {all_sites[last].name} did not fire; the model skipped interp's "
                        "attention.")
