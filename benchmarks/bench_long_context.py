@@ -7,6 +7,8 @@ interleaved (sdpa, scores, retrieval at one length, then the next length):
   row only, as generation does; the n x vocabulary logits would otherwise dominate the peak);
 - ``scores``: ``detect_heads(model, prompts=...)`` on our flash path: previous-token, self, sink, duplicate-token,
   induction and positional on one prompt BOS + x + x (x random ordinary tokens), stopping after the last attention;
+- ``user_score``: ``detect_heads(model, scores=["punctuation"])`` on the same prompt, the score defined in a user's
+  own file (``notebooks/examples/punctuation_heads.py``, registered with ``analyses.head_score``), on our flash path;
 - ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens
   as the needle has (the
   same loop as ``run_needle``, without hooks): generation's own memory (the KV cache, growing each step);
@@ -41,8 +43,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ("sdpa", "scores", "sdpa_decode", "retrieval")
-_REFERENCE = {"sdpa": "sdpa", "scores": "sdpa", "sdpa_decode": "sdpa_decode", "retrieval": "sdpa_decode"}
+TASKS = ("sdpa", "scores", "user_score", "sdpa_decode", "retrieval")
+_REFERENCE = {"sdpa": "sdpa", "scores": "sdpa", "user_score": "sdpa", "sdpa_decode": "sdpa_decode",
+              "retrieval": "sdpa_decode"}
+USER_SCORE = ROOT / "notebooks" / "examples" / "punctuation_heads.py"  # a score defined outside the package
 SCORE_KINDS = ["previous_token", "self", "sink", "duplicate_token", "induction", "positional"]
 
 
@@ -57,7 +61,7 @@ def _status(field: str) -> int:
 def _prompt(model, n: int):
     import torch
 
-    from analyses.heads import _ordinary_ids, _special_frame
+    from analyses.corpus import _ordinary_ids, _special_frame
 
     prefix, _ = _special_frame(model)
     pool = _ordinary_ids(model)
@@ -99,7 +103,15 @@ def child(model_name: str, n: int, task: str) -> dict:
                                    **{name: interp.output_cache(out)})
     elif task == "scores":
         def run():
-            return detect_heads(model, prompts=ids[None], kinds=SCORE_KINDS, n_bootstrap=100)
+            return detect_heads(model, prompts=ids[None], scores=SCORE_KINDS, n_bootstrap=100)
+    elif task == "user_score":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("punctuation_heads", USER_SCORE)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+        def run():
+            return detect_heads(model, prompts=ids[None], scores=["punctuation"], n_bootstrap=100)
     else:
         def run():
             return retrieval_heads(model, context=n, lengths=[n], depths=[0.5], n_bootstrap=100)
@@ -108,7 +120,7 @@ def child(model_name: str, n: int, task: str) -> dict:
         if task.startswith("sdpa"):
             model.hf(input_ids=warm[None], use_cache=False, logits_to_keep=1)
         else:
-            detect_heads(model, prompts=warm[None], kinds=SCORE_KINDS, n_bootstrap=10)
+            detect_heads(model, prompts=warm[None], scores=SCORE_KINDS, n_bootstrap=10)
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
     start, cpu = time.perf_counter(), time.process_time()
@@ -121,6 +133,8 @@ def child(model_name: str, n: int, task: str) -> dict:
                  "top": out.nlargest(3, "retrieval")[["layer", "head", "retrieval"]].values.tolist()}
     if task == "scores":
         extra = {"top_induction": out.nlargest(3, "induction")[["layer", "head", "induction"]].values.tolist()}
+    if task == "user_score":
+        extra = {"top_punctuation": out.nlargest(3, "punctuation")[["layer", "head", "punctuation"]].values.tolist()}
     cfg = model.cfg
     return {"model": model_name, "n": n, "task": task, "before_mib": before / 1024, "peak_mib": peak / 1024,
             "grew_mib": (peak - before) / 1024, "seconds": seconds, "cpu_seconds": cpu, "heads": cfg.n_heads,
