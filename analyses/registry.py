@@ -331,3 +331,17 @@ _OURS = (
 )
 for _record in _OURS:
     register(HeadScore(**{**_record.__dict__, "builtin": True}))
+
+
+def markdown_table(ours_only: bool = True) -> str:
+    """Every registered score (ours only, by default) as a Markdown table: the docs' table, in
+    notebooks/head_scores.md, is this text."""
+    rows = ["| score | computed from | sites | threshold | what it measures | source |", "|---|---|---|---|---|---|"]
+    how = {"target": "target rule", "argmax": "row argmax", "weights": "weights", "behaviour": "forward passes"}
+    for r in sorted(_REGISTRY.values(), key=lambda r: r.precedence):
+        if ours_only and not r.builtin:
+            continue
+        threshold = "no label" if r.threshold is None else f"{r.threshold:g} on `{r.label_column}`"
+        rows.append(f"| `{r.name}` | {how[r.how]} ({r.prompts}) | {', '.join(r.sites)} | {threshold} | "
+                    f"{r.definition} | {r.citation or 'interp'} |")
+    return "\n".join(rows)

@@ -151,7 +151,7 @@ def test_gemma3_sliding_layer_patterns_and_scores_equal_on_both_paths(gemma3):
 # -- SmolLM2's heads ----------------------------------------------------------------------------------------------
 def _repeats(model, n: int, length: int, seed: int) -> torch.Tensor:
     """[BOS, x, x] with x ``length`` distinct ordinary tokens, drawn fresh (not detect_heads' generator)."""
-    from analyses.heads import _ordinary_ids
+    from analyses.corpus import _ordinary_ids
 
     pool = _ordinary_ids(model)
     g = torch.Generator().manual_seed(seed)

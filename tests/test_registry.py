@@ -226,3 +226,9 @@ def test_registering_again_replaces_a_users_score_and_defaults_include_it(punctu
     model = interp.load_model(tiny_model("llama"))
     df = detect_heads(model, n_prompts=3, n_bootstrap=10)
     assert "punctuation" in df and "punctuation" in json.dumps(list(analyses.LABEL_ORDER))
+
+
+def test_the_docs_table_is_the_registry():
+    text = (ROOT / "notebooks" / "head_scores.md").read_text(encoding="utf-8")
+    table = text.split("<!-- scores -->\n", 1)[1].split("\n<!-- /scores -->", 1)[0]
+    assert table == registry.markdown_table()
