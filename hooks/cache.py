@@ -16,57 +16,51 @@ _SHORT = {spec.short: spec for spec in HOOK_TABLE}
 
 @dataclass
 class AttentionMeta:
-    """What is needed to rebuild attention patterns from cached q and k, exactly as the eager path does.
+    """What is needed to rebuild attention patterns from cached q and k, exactly as the eager path does: the run's
+    values beside the model's attention sites, which are the one record of each site's settings.
 
-    scaling: per layer, the score scale the model passed to its attention.
-    causal: every layer is causal (used when ``windows`` is None).
-    attention_mask: (b, k) with 1 for real tokens, or None for no padding.
-    heads_per_layer, kv_heads_per_layer: per-layer head counts when layers differ (pruned models);
-    None means ``n_heads``/``n_kv_heads`` in every layer.
-    windows: per layer, (keys before, keys after) the query that it may see, None for unbounded (a causal layer
-    has after 0; a sliding window of W keys is (W - 1, 0)).
-    softcaps: per layer, the logit soft-cap or None. sinks: layer -> (h,) sink logits, for layers with sinks.
-    sites: per index, the model's attention site (``name``, ``stack``, ``key_mask``, ...; index = layer where
-    each layer has one site); None when unknown. masks: each batch entry's padding mask by name
-    (``"attention_mask"``, ``"decoder_attention_mask"``; None: no padding): a site's keys are masked by its
-    ``key_mask`` entry. biases: index -> position bias added to the scores (T5's relative bias).
-    views: rebuild scores from views of q and k laid out as the projections' (an encoder-decoder's eager path
-    multiplies those) instead of contiguous copies (a decoder's, after rotary), so the same kernel gives the same bits.
+    sites: per index, the model's attention site (``interp.sites.Site``: ``name``, ``scale`` as the model passed it,
+    head counts, ``window`` (keys before, keys after; a causal site's after is 0), ``softcap``, ``causal``,
+    ``key_mask``, ...; index = layer where each layer has one site). attention_mask: (b, k) with 1 for real tokens,
+    or None for no padding. sinks: index -> (h,) sink logits, their values in this run, for sites with sinks.
+    masks: each batch entry's padding mask by name (``"attention_mask"``, ``"decoder_attention_mask"``; None: no
+    padding): a site's keys are masked by its ``key_mask`` entry. biases: index -> position bias added to the
+    scores (T5's relative bias). views: rebuild scores from views of q and k laid out as the projections' (an
+    encoder-decoder's eager path multiplies those) instead of contiguous copies (a decoder's, after rotary), so the
+    same kernel gives the same bits.
     """
 
-    scaling: list[float]
-    causal: bool
-    n_heads: int
-    n_kv_heads: int
+    sites: list
     attention_mask: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
-    heads_per_layer: tuple[int, ...] | None = None
-    kv_heads_per_layer: tuple[int, ...] | None = None
-    windows: list[tuple[int | None, int | None]] | None = None
-    softcaps: list[float | None] | None = None
     sinks: dict[int, torch.Tensor] = field(default_factory=dict)
-    sites: list | None = None
     masks: dict[str, torch.Tensor | None] = field(default_factory=dict)
     biases: dict[int, torch.Tensor] = field(default_factory=dict)
     views: bool = False
 
+    @property
+    def scaling(self) -> list[float]:
+        """Per site, the score scale the model passes to its attention."""
+        return [s.scale for s in self.sites]
+
+    @property
+    def causal(self) -> bool:
+        return all(s.causal for s in self.sites)
+
     def heads(self, layer: int) -> tuple[int, int]:
         """(query heads, key/value heads) of ``layer``."""
-        if self.heads_per_layer is None:
-            return self.n_heads, self.n_kv_heads
-        return self.heads_per_layer[layer], self.kv_heads_per_layer[layer]
+        return self.sites[layer].n_heads, self.sites[layer].n_kv_heads
 
     def window(self, layer: int) -> tuple[int | None, int | None]:
-        if self.windows is None:
-            return (None, 0 if self.causal else None)
-        return self.windows[layer]
+        site = self.sites[layer]
+        return site.window if site.window is not None else (None, 0 if site.causal else None)
 
     def softcap(self, layer: int) -> float | None:
-        return None if self.softcaps is None else self.softcaps[layer]
+        return self.sites[layer].softcap
 
     def key_mask(self, layer: int | None) -> torch.Tensor | None:
         """The padding mask ``(b, k)`` of ``layer``'s keys (its site's batch entry), or None for no padding."""
-        if layer is None or self.sites is None or not self.masks:
+        if layer is None or not self.masks:
             return self.attention_mask
         return self.masks.get(self.sites[layer].key_mask)
 

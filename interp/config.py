@@ -101,13 +101,6 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
         empty_layers=tuple(sorted(int(l) for l, kept in (getattr(c, CONFIG_KEY, None) or {}).items() if not kept)),
         d_head_v=layers[0].d_head_v,
         block=structure.kind,
-        sites=tuple(_site(l, a, structure.o_proj[l]) for l, a in enumerate(layers)),
+        sites=structure.layer_attn,
     )
 
-
-def _site(layer: int, a, o_proj: str | None) -> Site:
-    """The site of one layer: a causal model's stack is a decoder, a bidirectional one's an encoder."""
-    return Site(name=f"blocks.{layer}.attn", stack="decoder" if a.causal else "encoder", block=layer, kind="self",
-                n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, d_head=a.d_head, d_head_v=a.d_head_v, scale=a.scale,
-                causal=a.causal, o_proj=o_proj, window=a.window, softcap=a.softcap, sinks=a.sinks is not None,
-                softmax_fp32=a.softmax_fp32)

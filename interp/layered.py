@@ -144,10 +144,7 @@ def _meta(model, masks: dict, biases: dict) -> AttentionMeta:
                  for l, a in enumerate(layers) if a.sinks is not None}
     mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask
     return AttentionMeta(
-        list(model.attn_scales), model.cfg.causal, model.cfg.n_heads, model.cfg.n_kv_heads, mask,
-        heads_per_layer=model.cfg.heads_per_layer, kv_heads_per_layer=model.cfg.kv_heads_per_layer,
-        windows=[a.window for a in layers], softcaps=[a.softcap for a in layers], sinks=sinks,
-        sites=list(model.cfg.sites), masks={"attention_mask": mask},
+        list(model.cfg.sites), mask, sinks=sinks, masks={"attention_mask": mask},
     )
 
 

@@ -22,7 +22,7 @@ from hooks import AttentionMeta, HookRegistry, NameFilter, spec_for
 
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .masks import window_aware
-from .config import ModelConfig, _config_of, _site  # noqa: F401  (their home before)
+from .config import ModelConfig
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions
 from .layered import LAYERED, spec_name  # noqa: F401  (spec_name: its home before)

@@ -170,10 +170,7 @@ def _meta(model, masks: dict, biases: dict) -> AttentionMeta:
     """Per site its scale, heads, causality, padding of its keys and position bias: ``cache.pattern(site)``."""
     sites = list(model.cfg.sites)
     return AttentionMeta(
-        [s.scale for s in sites], False, max(s.n_heads for s in sites), max(s.n_kv_heads for s in sites),
-        heads_per_layer=tuple(s.n_heads for s in sites), kv_heads_per_layer=tuple(s.n_kv_heads for s in sites),
-        windows=[(None, 0) if s.causal else (None, None) for s in sites], sites=sites, masks=masks,
-        biases={i: biases[s.name] for i, s in enumerate(sites) if biases.get(s.name) is not None}, views=True)
+        sites, masks=masks, biases={i: biases[s.name] for i, s in enumerate(sites) if biases.get(s.name) is not None}, views=True)
 
 
 def _shape(cfg) -> str:

@@ -29,8 +29,8 @@ MASK_OF = {"input_ids": "attention_mask", "decoder_input_ids": "decoder_attentio
 class Site:
     """One attention module: its hook prefix (``name``), stack (``"decoder"`` or ``"encoder"``), block index
     within the stack, kind (``"self"`` or ``"cross"``), shape, the scale the model passes, and the features its
-    attention has (window ``(before, after)`` or None, soft-cap, sink logits, whether its family's eager softmax
-    runs in float32: ``interp.attention.softmax_upcasts``). ``queries``/``keys``: the batch
+    attention has (window ``(before, after)`` or None, soft-cap, where its sink logits live, whether its family's
+    eager softmax runs in float32: ``interp.attention.softmax_upcasts``). ``queries``/``keys``: the batch
     entries its queries and keys are computed from (``"input_ids"`` or ``"decoder_input_ids"``)."""
 
     name: str
@@ -46,7 +46,7 @@ class Site:
     o_proj: str | None = None  # path from the attention module to the linear map that reads z
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
-    sinks: bool = False
+    sinks: str | None = None  # path (from the block) of the per-head sink logits, when the site has them
     softmax_fp32: bool = True  # the family's eager softmax runs in float32, else in the scores' dtype
     queries: str = "input_ids"
     keys: str = "input_ids"

@@ -25,41 +25,19 @@ model passed: scale, soft-cap, sinks) and every module records its first input a
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .attention import Recording, softmax_upcasts
 from .probe import _close, _find_blocks, _is_linear, _is_norm, _ModuleLog, _probe_ids, probe
 from .projections import Projections, _projections
+from .sites import Site
 from .probe import attention_keys, set_attention_key  # noqa: F401  (public here, as before)
 
-__all__ = ["LayerAttention", "Projections", "Structure", "attention_keys", "describe", "discover", "set_attention_key"]
+__all__ = ["Projections", "Structure", "attention_keys", "describe", "discover", "set_attention_key"]
 
 _BIG = 1 << 20  # query position at which a layer's mask function is read (windows longer than this are "none")
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """What one layer's attention computes, as the model called it.
-
-    window: (keys before, keys after) the query that it may see, None for unbounded; causal layers have
-    ``after == 0``. A sliding window of W keys (HF's ``sliding_window=W``) is ``(W - 1, 0)``.
-    """
-
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    d_head_v: int
-    scale: float
-    window: tuple[int | None, int | None]
-    softcap: float | None = None
-    sinks: str | None = None  # path (from the block) of the per-head sink logits, when the layer has them
-    softmax_fp32: bool = True  # whether the family's eager softmax runs in float32 (attention.softmax_upcasts)
-
-    @property
-    def causal(self) -> bool:
-        return self.window[1] == 0
 
 
 @dataclass(frozen=True)
@@ -73,7 +51,7 @@ class Structure:
     resid_mid: tuple[tuple[str, str] | None, ...]  # (module, "input" observe-only | "output")
     post_attn_norm: tuple[str | None, ...]
     post_mlp_norm: tuple[str | None, ...]
-    layer_attn: tuple[LayerAttention, ...]
+    layer_attn: tuple[Site, ...]  # each layer's attention site: the one record of its settings (interp.sites)
     projections: tuple[Projections | str, ...]  # a Projections, or why pruning cannot slice the layer
     kind: str  # "pre-norm", "post-norm" or "parallel"
     d_model: int
@@ -111,11 +89,12 @@ def _read(hf, recording: Recording, log: _ModuleLog) -> Structure:
     last = log.outputs.get(blocks[-1])
     final_norm = next((name for name, m in hf.named_modules() if _is_norm(m) and last is not None
                        and log.inputs.get(m) is last), None)
+    sites = tuple(replace(p["layer_attn"], name=f"blocks.{l}.attn", block=l, o_proj=p["o_proj"])
+                  for l, p in enumerate(per_layer))
     return Structure(
-        layers=layers_path, kind=kinds.pop(), d_model=d_model, final_norm=final_norm,
+        layers=layers_path, kind=kinds.pop(), d_model=d_model, final_norm=final_norm, layer_attn=sites,
         **{key: tuple(p[key] for p in per_layer) for key in
-           ("attn", "o_proj", "mlp", "resid_mid", "post_attn_norm", "post_mlp_norm", "layer_attn", "projections",
-            "attn_in_norm")},
+           ("attn", "o_proj", "mlp", "resid_mid", "post_attn_norm", "post_mlp_norm", "projections", "attn_in_norm")},
     )
 
 
@@ -214,7 +193,9 @@ def _read_block(block, call: dict, recording: Recording, log: _ModuleLog) -> dic
     )
 
 
-def _layer_attention(call: dict, recording: Recording, names: dict) -> LayerAttention:
+def _layer_attention(call: dict, recording: Recording, names: dict) -> Site:
+    """The layer's attention site as the call shows it (name, block and output projection are set by ``_read``): a
+    causal model's stack is a decoder, a bidirectional one's an encoder."""
     q, k, v = call["query"], call["key"], call["value"]
     sinks = None
     if call["sinks"] is not None:
@@ -225,11 +206,11 @@ def _layer_attention(call: dict, recording: Recording, names: dict) -> LayerAtte
             raise NotImplementedError("The attention sinks this model passes are not a parameter of its attention "
                                       "module; interp cannot record them.")
         sinks = owner
-    return LayerAttention(
-        n_heads=q.shape[1], n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1],
-        scale=float(call["scaling"]), window=_window(call, recording), softcap=call["softcap"], sinks=sinks,
-        softmax_fp32=softmax_upcasts(call),
-    )
+    window = _window(call, recording)
+    return Site(name="", stack="decoder" if window[1] == 0 else "encoder", block=-1, kind="self", n_heads=q.shape[1],
+                n_kv_heads=k.shape[1], d_head=q.shape[-1], d_head_v=v.shape[-1], scale=float(call["scaling"]),
+                causal=window[1] == 0, window=window, softcap=call["softcap"], sinks=sinks,
+                softmax_fp32=softmax_upcasts(call))
 
 
 def _window(call: dict, recording: Recording) -> tuple[int | None, int | None]:
