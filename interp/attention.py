@@ -135,6 +135,18 @@ def _record(module, query, key, value, attention_mask, out, scaling, softcap, si
     ))
 
 
+def _finish(hooks, out, *call) -> torch.Tensor:
+    """Both paths' last step: ``out (b, h, q, e)`` as ``(b, q, h, e)``, through ``hook_z``, recorded while probing
+    (``call``: what ``_record`` takes after the output)."""
+    out = out.transpose(1, 2).contiguous()
+    if hooks is not None and hooks.z:
+        out = hooks.z(out)
+    if Recording.active is not None:
+        module, query, key, value, mask, *rest = call
+        _record(module, query, key, value, mask, out, *rest)
+    return out
+
+
 def softmax_upcasts(call: dict) -> bool:
     """Whether the family's own eager attention takes its softmax in float32 (``softmax(s, dtype=torch.float32)
     .to(query.dtype)``: Llama and most decoders) rather than in the scores' dtype (``softmax(s)``: T5, BART, BERT,
@@ -283,11 +295,7 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     out = torch.matmul(attn, value_states)
     if sink_scale is not None:
         out = out * sink_scale.unsqueeze(-1).to(out.dtype)
-    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
-    if hooks is not None and hooks.z:
-        out = hooks.z(out)
-    if Recording.active is not None:
-        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
+    out = _finish(hooks, out, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias)
     return out, pattern
 
 
@@ -343,11 +351,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
         lse = torch.logaddexp(lse, sink)
     if hooks is not None and hooks.lse:
         hooks.lse(lse)
-    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
-    if hooks is not None and hooks.z:
-        out = hooks.z(out)
-    if Recording.active is not None:
-        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
+    out = _finish(hooks, out, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias)
     return out, None
 
 
