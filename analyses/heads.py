@@ -1,12 +1,14 @@
 """detect_heads: score and label every attention head of a model, on generated or given prompts.
 
-Scores are computed inside per-layer hooks while the model runs, and nothing n x n is kept: on the flash
-path each weight is rebuilt from the captured q, k and logsumexp (``analyses.scores``), on the eager path
-it is read from ``hook_pattern``. The forward stops after the last layer's attention.
+Which scores exist is the registry's (``analyses.registry``). The target-rule and argmax scores are read in one pass
+per batch over the model's attention sites (``interp.site_pass``), nothing n x n kept: on the flash path each weight
+is rebuilt from the site's q, k and logsumexp (``analyses.scores``), on the eager path it is read from the pattern;
+the forward stops after the last site. The weights and behaviour scores run their registry runner.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pandas as pd
@@ -87,9 +89,12 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     limits = resolve_thresholds(thresholds)
     records = choose_scores(scores, model)
     attention = [r for r in records if r.how in ("target", "argmax")]
-    runners = [r for r in records if r.how in ("weights", "behaviour")]
-    retrieval = any(r.name == "retrieval" for r in runners)
-    extra = [r.name for r in runners if r.name != "retrieval"]
+    runners: dict[str, list[str]] = {}  # "module:function" -> the scores it computes
+    for r in records:
+        if r.how in ("weights", "behaviour"):
+            runners.setdefault(r.runner, []).append(r.name)
+    retrieval = any(r.prompts == "needle" for r in records)  # reads context: the needle prompts' length
+    extra = [r.name for r in records if r.how in ("weights", "behaviour") and r.prompts != "needle"]
     what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
     df, inputs = None, {}
@@ -104,16 +109,19 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
                 inputs.update(dict.fromkeys((r.name for r in set_records), what))
         df = pd.concat(frames, axis=1).reset_index() if len(frames) > 1 else frames[0].reset_index()
         df = _mark_nonfinite(model, df, nonfinite)
-    if extra:
-        more = with_head_columns(model, _taxonomy(model, extra, seed, n_bootstrap, thresholds))
-        df = more if df is None else df.merge(more, on=FRONT, how="left", suffixes=("", "_taxonomy"))
-        df.attrs.update(more.attrs)
-        inputs.update(dict.fromkeys(extra, "analyses.taxonomy"))
-    if retrieval:
-        found = with_head_columns(model, _retrieval(model, context, seed, n_bootstrap))
-        df = found if df is None else df.merge(found, on=FRONT, how="left")
-        inputs["retrieval"] = found.attrs["inputs"]
-        df.attrs["retrieval_trials"] = found.attrs["trials"]
+    for runner, names in runners.items():
+        module, function = runner.split(":")
+        with stage(f"heads: {', '.join(names)}"):
+            more = getattr(importlib.import_module(module), function)(
+                model, names, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds, context=context)
+        more = with_head_columns(model, more.drop(columns=["label", "labels"], errors="ignore"))
+        attrs = dict(more.attrs)
+        df = more if df is None else df.merge(more, on=FRONT, how="left", suffixes=("", "_dup"))
+        df.attrs.update({k: v for k, v in attrs.items() if k not in ("inputs", "trials")})
+        what = attrs.get("inputs") if isinstance(attrs.get("inputs"), str) else module
+        inputs.update(dict.fromkeys(names, what))
+        if "trials" in attrs:
+            df.attrs["retrieval_trials"] = attrs["trials"]
     df = labelled(df, limits)
     df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn)
     return df
@@ -133,20 +141,6 @@ def _prompt_length(seq_len, context, kinds: list[str], prompts, extra: list[str]
             raise ValueError(f"seq_len ({seq_len!r}) and context ({context!r}) both set the generated prompts' "
                              "length; give one.")
     return seq_len if seq_len is not None else context
-
-
-def _taxonomy(model, extra: list[str], seed: int, n_bootstrap: int, thresholds) -> pd.DataFrame:
-    from .taxonomy import taxonomy_frame  # noqa: PLC0415  (loaded when asked for)
-
-    with stage(f"heads: {', '.join(extra)}"):
-        return taxonomy_frame(model, extra, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds)
-
-
-def _retrieval(model, context, seed, n_bootstrap) -> pd.DataFrame:
-    from .retrieval import retrieval_heads  # noqa: PLC0415  (loaded when asked for)
-
-    with model.studying():
-        return retrieval_heads(model, context=context, seed=seed, n_bootstrap=n_bootstrap)
 
 
 # -- the prompts ---------------------------------------------------------------------------------------------------

@@ -57,7 +57,9 @@ class HeadScore:
     (repeated random tokens), ``"corpus"`` (plain English; random tokens on a model without a tokenizer),
     ``"task"``, ``"needle"`` or ``"weights"``. needs: what it needs of the model (``"tokenizer"``,
     ``"unembedding"``). rule: the target rule (``how="target"``). column: the column its label reads (default:
-    its name). runner: ``"module:function"`` computing a weights or behaviour score. default: computed when no
+    its name). runner: ``"module:function"`` computing a weights or behaviour score: called as
+    ``function(model, names, seed=, n_bootstrap=, thresholds=, context=)`` with every asked-for score it computes,
+    it returns one row per head (``layer``, ``head`` or the head columns) with a column per score. default: computed when no
     scores are named. builtin: ours (a user's score cannot take its name). fraction: whether the score is a share
     in [0, 1] (None: so for target-rule and argmax scores)."""
 
@@ -301,7 +303,7 @@ _OURS = (
     HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the share of generated "
               "tokens for which the head's top-1 key is the needle token being copied", "behaviour",
               "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
-              runner="analyses.retrieval:retrieval_heads", fraction=True),
+              runner="analyses.retrieval:retrieval_frame", fraction=True),
     # the attention-pattern classes of self-attention heads
     HeadScore("induction", "the weight a token puts on the token right after an earlier occurrence of itself, on "
               "repeated random tokens; rows without an earlier occurrence are left out", citation="Olsson et al. 2022",

@@ -250,3 +250,10 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=(0.1
                                           f"needles of {needle}", min_recall=min_recall,
                     needle_tokens=sizes[0] if len(sizes) == 1 else sizes)
     return df
+
+
+def retrieval_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 1000, context: int | None = None,
+                    **_) -> pd.DataFrame:
+    """The registry's runner of ``retrieval`` (``detect_heads(model, scores=["retrieval"], context=...)``)."""
+    with model.studying():
+        return retrieval_heads(model, context=context, seed=seed, n_bootstrap=n_bootstrap)

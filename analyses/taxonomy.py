@@ -232,9 +232,10 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
 
 # -- detect_heads's dispatch -------------------------------------------------------------------------------------
 def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 1000,
-                   thresholds: dict[str, float] | None = None) -> pd.DataFrame:
+                   thresholds: dict[str, float] | None = None, **_) -> pd.DataFrame:
     """The taxonomy scores ``names`` of every head, merged on (layer, head); ``io_attention`` comes with
-    ``name_mover`` (its label needs it), and ``s_inhibition`` brings ``name_mover`` along (its receivers)."""
+    ``name_mover`` (its label needs it), and ``s_inhibition`` brings ``name_mover`` along (its receivers). The
+    registry's runner of these scores (``detect_heads`` passes ``context`` too, which they do not read)."""
     refuse_non_lm(model, f"The score(s) {names}")
     check_n_bootstrap(n_bootstrap)
     frames = []
