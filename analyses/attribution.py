@@ -16,7 +16,7 @@ import torch
 import pandas as pd
 
 from interp.inputs import encode
-from interp.norms import norm_centres as _centres, norm_eps as _eps  # noqa: F401  (their home before)
+from interp.norms import norm_centres, norm_eps
 from interp.sites import FRONT, check_heads, head_columns, site_of
 
 from .engine import Shard, _arguments, _run
@@ -116,10 +116,10 @@ def frozen_norm(norm, x: torch.Tensor):
     LayerNorm: ``gamma * (c - mean(c)) / sigma(x)`` and bias ``beta``. RMSNorm (any weight convention, such as
     Gemma's ``1 + w``): ``w_eff * c / rms(x)``, with ``w_eff`` read off the module on a vector of ones.
     """
-    eps = _eps(norm, x.shape[-1])
+    eps = norm_eps(norm, x.shape[-1])
     x = x.float()
     if isinstance(norm, torch.nn.LayerNorm) or ("RMS" not in type(norm).__name__ and "LayerNorm" in type(norm).__name__
-                                                and _centres(norm, x.shape[-1])):
+                                                and norm_centres(norm, x.shape[-1])):
         sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
         gamma = weight.detach().float().to(x.device) if weight is not None else torch.ones(x.shape[-1], device=x.device)

@@ -27,7 +27,7 @@ from interp.tokens import display_tokens
 from .attribution import _check_position, frozen_norm, token_ids
 from .batches import _main_output
 from .engine import _arguments
-from .metrics import batch_of
+from .batches import batch_of
 
 __all__ = ["direct_logit_attribution", "logit_lens"]
 

@@ -26,7 +26,8 @@ from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, 
 from .ablation import check_per_forward
 from .engine import Prefix, Shard, _arguments, _run, copies_per_forward, scan, slice_output
 from .finite import check_finite, finite_copies, warn_non_finite, watching
-from .metrics import Batch, Metric, _main_output, as_metric, batch_of
+from .batches import Batch, _main_output, batch_of
+from .metrics import Metric, as_metric
 
 __all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
 

@@ -22,7 +22,8 @@ from interp.streaming import KVHeadsNote, check_streamable, stream_heads, stream
 
 from .ablation import Head
 from .engine import Shard, _arguments
-from .metrics import as_metric, batch_of
+from .batches import batch_of
+from .metrics import as_metric
 
 __all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from interp.sites import FRONT, head_columns
 from interp.streaming import check_streamable, stream_heads
 
-from .metrics import batch_of
+from .batches import batch_of
 
 __all__ = ["streaming_gates", "passkey_inputs"]
 

@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 import interp
 from interp.inputs import padded_positions
 from interp.testing import model_class, tiny_model
-from interp.structure import set_attention_key
+from interp.probe import set_attention_key
 
 N_POS = 14
 

@@ -29,7 +29,7 @@ import interp  # noqa: E402
 from analyses.ablation import ablate_heads  # noqa: E402
 from analyses.function_vectors import (_mean_z, fv_accuracy, function_vector, function_vector_scores, icl_prompts,  # noqa: E402
                                        icl_tasks, task_accuracy)
-from analyses.metrics import _main_output  # noqa: E402
+from analyses.batches import _main_output  # noqa: E402
 from analyses.taxonomy import (_bundled_lists, bootstrap, copy_suppression_scores, ordinal_lists,  # noqa: E402
                                successor_scores)
 from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores  # noqa: E402

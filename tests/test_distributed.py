@@ -26,7 +26,8 @@ import interp
 from analyses import (activation_patching, attribution_patching, detect_heads, embedding_similarity, head_importance,
                       induction_task, lm_loss, logit_difference, pruning_curve)
 from analyses.ablation import ablation_scan
-from analyses.metrics import Metric, _main_output, mean_pool
+from analyses.batches import _main_output
+from analyses.metrics import Metric, mean_pool
 from interp import distributed
 from interp.testing import model_class, tiny_model
 

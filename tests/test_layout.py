@@ -107,13 +107,48 @@ def _room(module: str) -> int:
 
 
 def test_studies_views_and_the_cli_are_separate_rooms():
-    """Studies import no view and no CLI module, views no CLI module. ``analyses.plots`` and ``analyses.report``
-    are the old homes of two views, kept as re-exports of them."""
+    """Studies import no view and no CLI module, views no CLI module."""
     edges = import_graph(modules(ROOT))
-    shims = {"analyses.plots", "analyses.report"}
     upward = sorted((a, b) for a, deps in edges.items() for b in deps
-                    if a.startswith("analyses") and a not in shims and _room(b) > _room(a))
+                    if a.startswith("analyses") and _room(b) > _room(a))
     assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
+
+
+def _only_imports(tree: ast.Module) -> bool:
+    """A module whose body is nothing but a docstring, imports and ``__all__``: a re-export of other modules."""
+    def plain(node):
+        return (isinstance(node, (ast.Import, ast.ImportFrom))
+                or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                or isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"])
+    return all(plain(node) for node in tree.body)
+
+
+def shims(found: dict[str, Path]) -> list[str]:
+    """Modules kept only so that an old import path works (issue 36: one current name for everything): a module
+    (not a package's ``__init__``) that only re-exports others, or a line that says it keeps a former name."""
+    words = ("home before", "name before", "names before", "former name", "keeps working", "kept as another name")
+    found_shims = []
+    for name, path in found.items():
+        text = path.read_text(encoding="utf-8")
+        if path.name != "__init__.py" and _only_imports(ast.parse(text)):
+            found_shims.append(f"{name}: only re-exports")
+        found_shims += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+                        if any(word in line.lower() for word in words)]
+    return found_shims
+
+
+def test_no_shim_keeps_an_old_name():
+    assert shims(modules(ROOT)) == [], "import the name from its home and delete the shim"
+
+
+def test_the_shim_check_finds_a_re_export_module_and_an_alias(tmp_path):
+    files = {"hooks/__init__.py": "", "interp/__init__.py": "from .a import f\n",
+             "interp/a.py": "def f():\n    return 1\n\n\ng = f  # its name before\n",
+             "analyses/__init__.py": "", "analyses/plots.py": '"""Moved."""\nfrom interp.a import *\n__all__ = ["f"]\n'}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert shims(modules(tmp_path)) == ["interp.a:5: g = f  # its name before", "analyses.plots: only re-exports"]
 
 
 def test_every_module_of_the_three_packages_is_at_most_400_lines():

@@ -17,8 +17,9 @@ from analyses import (ablate_heads, ablation_scan, activation_patching, attribut
                       direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
                       qk_circuit)
 from analyses.composition import head_weights
-from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
-                              train_copy_model)
+from analyses.batches import batch_of
+from analyses.metrics import target_accuracy, target_loss
+from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
 from test_seq2seq import _batch, _tiny
 
 FRONT = ["stack", "kind", "site", "layer", "head"]
@@ -324,7 +325,7 @@ def test_clear_errors():
     with pytest.raises(NotImplementedError, match=r"t5 model: encoder.blocks.0.attn: .*relative_attention_bias.weight "
                        r"of shape \(8, 4\).*no site's heads can be removed alone"):
         prune_model(model, [("decoder.blocks.1.cross_attn", 0)])  # T5's position bias is shared by every block
-    assert seq2seq_batch(model, batch)["decoder_input_ids"].shape == (3, 6)
+    assert batch_of(model, batch)["decoder_input_ids"].shape == (3, 6)
     assert not model._registry.active()
 
 

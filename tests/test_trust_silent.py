@@ -112,7 +112,7 @@ def test_any_nonzero_mask_value_attends_as_in_hf(attn):
 def test_cross_attention_batch_sizes_broadcast_as_hf_or_fail_clearly(family, attn):
     import copy
 
-    from interp.structure import set_attention_key
+    from interp.probe import set_attention_key
     from interp.testing import model_class
 
     hf = tiny_model(family, cls=model_class(family, seq2seq=True))

@@ -32,11 +32,8 @@ from matplotlib.figure import FigureBase
 
 from .common import MIN_FONT, _window, model_tokens
 from .fonts import clean_token, token_labels
-from .study_plots import (ablation_heatmap, dla_bars, head_score_grid, patching_heatmap,  # noqa: F401
-                          pruning_curve_plot)
 
-__all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
-           "clean_token", "save_figure"]
+__all__ = ["attention_heatmap", "save_figure"]
 
 FORMATS = ("png", "svg", "pdf")
 

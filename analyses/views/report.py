@@ -44,7 +44,7 @@ from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit
 from .runs import _Run  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
 
-__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "write_seq2seq_report", "REPORT_FILES"]
+__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "REPORT_FILES"]
 
 REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
 _SCORES = ("previous_token", "next_token", "induction", "duplicate_token", "sink", "self", "positional_fraction")
@@ -155,11 +155,6 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures"), earlier=earlier) as staging, \
             model.studying():  # eval mode and the global RNG untouched for every stage (no dropout in a map)
         return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
-
-
-def write_seq2seq_report(model, out: str | Path, **options) -> dict:
-    """The report of an encoder-decoder model: ``write_report`` (one page for every model), under its former name."""
-    return write_report(model, out, **options)
 
 
 def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming=False) -> dict:

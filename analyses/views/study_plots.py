@@ -1,7 +1,8 @@
-"""Plots of the studies' tables (``analyses.views.plots`` re-exports them): a score per head (``head_score_grid``), an
-ablation scan, a patching effect, the direct logit attribution and pruning curves. Each draws on ``ax`` (a new
-figure when None) and returns the Axes; no text is smaller than ``MIN_FONT``. The per-head grids take an
-encoder-decoder model's tables too (a ``site`` column): one row per attention site, by stack, block and kind."""
+"""Plots of the studies' tables (importable from ``analyses`` and ``analyses.views``): a score per head
+(``head_score_grid``), an ablation scan, a patching effect, the direct logit attribution and pruning curves. Each
+draws on ``ax`` (a new figure when None) and returns the Axes; no text is smaller than ``MIN_FONT``. The per-head
+grids take an encoder-decoder model's tables too (a ``site`` column): one row per attention site, by stack, block
+and kind."""
 
 from __future__ import annotations
 
