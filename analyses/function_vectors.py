@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from interp.streaming_cache import cache_kwarg, output_cache
+from interp.streaming import cache_kwarg, output_cache
 
 from .batches import _main_output, batch_of
 from .composition import head_weights

@@ -24,7 +24,7 @@ import torch
 
 from interp.progress import progress
 from interp.stats import attention_stats
-from interp.streaming_cache import cache_kwarg, output_cache
+from interp.streaming import cache_kwarg, output_cache
 
 from .corpus import _ordinary_ids, _special_frame, corpus_sentences, refuse_unreadable
 from .taxonomy_base import check_n_bootstrap

@@ -17,9 +17,7 @@ from .compat import HookedTransformer
 from .circuits import LowRank
 from .resid import ModelCache
 from . import utils
-from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
-from .streamed import stream_model
-from .streaming_cache import cache_kwarg, output_cache
+from .streaming import cache_kwarg, kv_cache_bytes, output_cache, stream_heads, stream_model, streaming_kv_bytes
 from .progress import set_progress
 from .threads import set_threads
 

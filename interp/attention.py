@@ -87,7 +87,7 @@ class LayerHooks:
 # buffer: state_dict, repr and save_pretrained never see it). A global weak table keyed by module made
 # torch.compile guard on the table's changing contents.
 _HOOKS_ATTR = "_interp_hooks"
-_STREAM_ATTR = "_interp_stream"  # interp.streaming_cache.STREAM_ATTR (not imported: streaming builds on this module)
+_STREAM_ATTR = "_interp_stream"  # interp.streaming.cache.STREAM_ATTR (not imported: streaming builds on this module)
 
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
@@ -352,7 +352,7 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):
-    """Attention over a streaming cache's split keys (``interp.streaming.SplitKV``): (b, q, h, e). The cache must
+    """Attention over a streaming cache's split keys (``interp.streaming.cache.SplitKV``): (b, q, h, e). The cache must
     have been made for the streaming this module runs now (``stream``, None outside a block): else a ValueError."""
     check = getattr(key, "check_reader", None)
     if check is None:

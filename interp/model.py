@@ -37,7 +37,7 @@ __all__ = ["HookedModel"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _SETTINGS = ("return_type", "fold_ln")  # TransformerLens-style settings a copy keeps (interp.tl_tokens, tl_weights)
-_ON_BUILD: list = []  # run on every new HookedModel: interp.streamed attaches the streaming heads a config records
+_ON_BUILD: list = []  # run on every new HookedModel: interp.streaming.model attaches the streaming heads a config records
 
 
 def _encoder_decoder(hf) -> bool:

@@ -8,6 +8,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hooks", "interp", "analyses")  # lowest first: each may import only the ones before it
 MAX_LINES = 400
@@ -190,3 +192,21 @@ def test_every_view_name_is_importable_from_analyses():
     from analyses import save_figure
     from analyses.views.plots import save_figure as home
     assert save_figure is home
+
+
+def test_streaming_lives_in_one_sub_package():
+    """Issue 36: the streaming heads' modules sit together in ``interp/streaming/``, not side by side in ``interp``."""
+    loose = sorted(name for name in modules(ROOT) if name.startswith("interp.stream") and
+                   not name.startswith("interp.streaming.") and name != "interp.streaming")
+    assert loose == [], f"streaming modules outside interp/streaming/: {loose}"
+
+
+def test_pyproject_ships_every_package_and_nothing_else():
+    """Each folder of the three packages with an ``__init__.py`` is in pyproject's packages list (a missing one is
+    absent from a wheel), and the list names nothing else (tests' helpers are not part of the library)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"]
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts) for package in PACKAGES
+                   for p in (ROOT / package).rglob("__init__.py"))
+    assert sorted(listed) == found

@@ -77,7 +77,7 @@ def cmd_stream(args) -> int:
 
     from interp import distributed, stream_model
     from interp.streaming import KVHeadsNote, check_streamable
-    from interp.streaming_cache import kv_note
+    from interp.streaming.cache import kv_note
     from interp.model_files import save_model
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
