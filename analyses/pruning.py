@@ -24,7 +24,7 @@ import torch
 from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
-from interp.pruning import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
+from interp.head_slicing import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
 from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
@@ -276,7 +276,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     zero-ablated. The original is untouched.
 
     Grouped-query attention: a KV head goes only when all its query heads go; when groups keep unequal numbers
-    of heads, KV heads are duplicated so each serves the same number (rule in ``interp/pruning.py``). A layer
+    of heads, KV heads are duplicated so each serves the same number (rule in ``interp/head_slicing.py``). A layer
     loses every head only with ``allow_empty_layers=True`` (it keeps one zeroed placeholder head).
     Save with ``pruned.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the kept heads in ``interp_pruned_heads``).
@@ -299,7 +299,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     _without_torch_hooks(hf)  # the user's hooks belong to their model: the pruned one starts clean
     if is_layered(model):
         slice_heads(hf, model.structure, keep)
-    else:  # an encoder-decoder model: per site (interp.pruning.slice_sites)
+    else:  # an encoder-decoder model: per site (interp.head_slicing.slice_sites)
         slice_sites(hf, keep)
     why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
            "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .inputs import position_limit
-from .pruning import CONFIG_KEY
+from .head_slicing import CONFIG_KEY
 from .sites import Site
 from .structure import Structure
 

@@ -25,7 +25,7 @@ from .masks import window_aware
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions
 from .layered import LAYERED
-from .pruning import save_pruned
+from .head_slicing import save_pruned
 from .resid import ModelCache
 from .tl_tokens import _UNSET, TokensMixin, pad_mask
 from .tl_weights import WeightsMixin

@@ -22,7 +22,7 @@ from analyses import pruning as pruning_mod
 from analyses.ablation import all_heads
 from analyses.metrics import first_copy_loss, next_token_loss
 from analyses.toy import repeated_sequences
-from interp.pruning import plan_layer
+from interp.head_slicing import plan_layer
 
 PRUNE_TOL = 1e-5
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"

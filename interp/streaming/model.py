@@ -32,8 +32,8 @@ from hooks.points import TORCH_HOOK_TABLES
 from .. import distributed
 from .. import model as _model
 from ..attention import attached_layer_hooks
-from ..pruning import CONFIG_KEY as PRUNED_KEY
-from ..pruning import kept_heads, plan_layer
+from ..head_slicing import CONFIG_KEY as PRUNED_KEY
+from ..head_slicing import kept_heads, plan_layer
 from .attention import _LayerStream
 from .cache import STREAM_ATTR, KVHeadsNote, kv_note
 from .heads import _check, _is_int, layer_windows, streaming_cache
