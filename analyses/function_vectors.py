@@ -42,7 +42,7 @@ ICL_TASKS = Path(__file__).resolve().parent / "data" / "icl_tasks.json"
 @cache
 def icl_tasks() -> dict[str, tuple[tuple[str, str], ...]]:
     """The bundled tasks: name -> (input, answer) pairs; ``uppercase`` from the corpus's lowercase words."""
-    from .corpus import corpus_sentences
+    from .prompts import corpus_sentences
 
     tasks = {k: tuple(tuple(p) for p in v) for k, v in json.loads(ICL_TASKS.read_text(encoding="utf-8"))["tasks"].items()}
     words = sorted({w for s in corpus_sentences() for w in re.findall(r"\b[a-z]{3,}\b", s)})
@@ -56,7 +56,7 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
     zero-shot), and the first token of each query's answer. ``shuffled``: the demonstrations' answers permuted
     among them (the same draw as unshuffled with the same seed). Pairs the tokenizer cannot read (more than a tenth
     of the prompts' or the answers' tokens its unknown token) are refused."""
-    from .corpus import refuse_unreadable
+    from .prompts import refuse_unreadable
 
     if model.tokenizer is None:
         raise ValueError("Function-vector prompts are text: this model has no tokenizer.")

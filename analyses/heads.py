@@ -18,7 +18,7 @@ from interp.progress import progress, stage
 
 from interp.sites import is_layered, with_head_columns
 
-from .corpus import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
+from .prompts import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
                      prompt_ids, repeated_random_tokens)
 from .labels import choose_scores, head_labels, label_heads, resolve_thresholds
 from .taxonomy_base import check_n_bootstrap

@@ -163,7 +163,7 @@ def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
     next-token loss; without one, ``[BOS, x, x]`` repeated random tokens (``tokens`` or one fewer) and the second
     copy's loss (only heads that see ``len(x)`` tokens back can copy)."""
     from .metrics import lm_loss, second_copy_loss
-    from .retrieval import _haystack
+    from .prompts import haystack
     from .toy import repeated_sequences
 
     limit = model.cfg.max_positions
@@ -171,7 +171,7 @@ def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
         raise ValueError(f"tokens must be an integer in [8, {limit}] (the model's positions); got {tokens!r}.")
     g = torch.Generator().manual_seed(seed)
     if model.tokenizer is not None:
-        ids = torch.tensor([_haystack(model.tokenizer, tokens, g) for _ in range(rows)])
+        ids = torch.tensor([haystack(model.tokenizer, tokens, g) for _ in range(rows)])
         return ids, lm_loss, f"{rows} rows of {tokens} tokens of the project's sentences, next-token loss"
     bos = model.hf.config.bos_token_id
     half = (tokens - (bos is not None)) // 2

@@ -200,7 +200,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
     tokens: the token ids to score (default: ``n_tokens`` ordinary tokens drawn with ``seed``). k: a token counts
     when it is among the ``k`` most negative logits of the whole vocabulary.
     """
-    from .corpus import _ordinary_ids
+    from .prompts import _ordinary_ids
 
     refuse_non_lm(model, "The copy-suppression score")
     check_n_bootstrap(n_bootstrap)

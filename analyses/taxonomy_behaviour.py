@@ -47,7 +47,7 @@ __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 def corpus_windows(model, n_prompts: int = 32, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
     """``(n_prompts, seq_len)`` token ids: the tokenizer's leading special tokens, then a window of the bundled
     corpus's running text (sentences joined by spaces) starting at a random token (``seed``)."""
-    from .corpus import _special_frame, corpus_sentences, refuse_unreadable
+    from .prompts import _special_frame, corpus_sentences, refuse_unreadable
 
     if model.tokenizer is None:
         raise ValueError("corpus_windows tokenizes the bundled corpus: this model has no tokenizer; give tokens= "

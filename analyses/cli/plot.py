@@ -71,7 +71,7 @@ def cmd_plot(args) -> int:
             df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
             from ..ablation import ablation_scan
-            from ..views.report import study_inputs
+            from ..prompts import study_inputs
 
             model = _load(args)
             inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)

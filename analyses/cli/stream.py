@@ -81,7 +81,7 @@ def cmd_stream(args) -> int:
     from interp.model_files import save_model
 
     from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
-    from ..views.report import study_inputs
+    from ..prompts import study_inputs
 
     orders = _check_args(args)
     with _Progress(["load", "orders", "streaming curves"]) as progress:
