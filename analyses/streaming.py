@@ -25,7 +25,7 @@ from .engine import Shard, _arguments
 from .batches import batch_of
 from .metrics import as_metric
 
-__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
+__all__ = ["streaming_curve", "streaming_order", "streaming_inputs"]
 
 ORDERS = ("importance", "random", "gates")
 
@@ -125,36 +125,6 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     df["seed"] = df["seed"].astype("Int64")
     df.attrs.update(metric=metric.name, sink=sink, window=window, kv_tokens=tokens)
     return df
-
-
-def streaming_curve_plot(df: pd.DataFrame, ax=None):
-    """The metric against the fraction of heads streaming, one line per order (random seeds: mean, range shaded),
-    with the KV-cache fraction on a second axis."""
-    import matplotlib.pyplot as plt
-
-    missing = [c for c in ("fraction_streaming", "metric", "order", "kv_fraction") if c not in df]
-    if missing or not len(df):
-        raise ValueError(f"streaming_curve_plot needs streaming_curve's rows; the table lacks {missing or 'rows'}.")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
-    for i, (order, part) in enumerate(df.groupby("order", sort=False)):
-        stats = part.groupby("fraction_streaming")["metric"].agg(["mean", "min", "max"]).sort_index()
-        n_seeds = int(part["seed"].nunique())
-        label = order if n_seeds <= 1 else f"{order} (mean of {n_seeds} seeds, range shaded)"
-        ax.plot(stats.index, stats["mean"], color=f"C{i}", marker="o", markersize=4, label=label)
-        if n_seeds > 1:
-            ax.fill_between(stats.index, stats["min"], stats["max"], color=f"C{i}", alpha=0.2, linewidth=0)
-    kv = df.groupby("fraction_streaming")["kv_fraction"].mean().sort_index()
-    twin = ax.twinx()
-    twin.plot(kv.index, kv.values, color="0.5", linestyle=":", label="KV cache (share of full)")
-    twin.set_ylim(0, 1.05)
-    twin.set_ylabel(f"KV cache at {df.attrs.get('kv_tokens', '?')} tokens (share of full)")
-    ax.set_xlabel(f"fraction of heads streaming (sink {df.attrs.get('sink')}, window {df.attrs.get('window')})")
-    ax.set_ylabel(df.attrs.get("metric", "metric"))
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, loc="upper left")
-    ax.set_title("streaming curve")
-    return ax
 
 
 def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):

@@ -116,6 +116,17 @@ def test_studies_views_and_the_cli_are_separate_rooms():
     assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
 
 
+def test_studies_draw_nothing():
+    """A plot is a view (issue 36: ``streaming_curve_plot`` lived in a study): no study module imports matplotlib or
+    seaborn, so studies run where no plotting library is wanted and every figure has its home in the views."""
+    drawing = sorted(name for name, path in modules(ROOT, ("analyses",)).items() if _room(name) == 0
+                     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                     if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for target in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+                     if target.split(".")[0] in ("matplotlib", "seaborn"))
+    assert drawing == [], f"studies that draw (move the plot into analyses/views/): {drawing}"
+
+
 def _only_imports(tree: ast.Module) -> bool:
     """A module whose body is nothing but a docstring, imports and ``__all__``: a re-export of other modules."""
     def plain(node):

@@ -80,7 +80,8 @@ def cmd_stream(args) -> int:
     from interp.streaming.cache import kv_note
     from interp.model_files import save_model
 
-    from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
+    from ..streaming import streaming_curve, streaming_inputs, streaming_order
+    from ..views.study_plots import streaming_curve_plot
     from ..prompts import study_inputs
 
     orders = _check_args(args)
