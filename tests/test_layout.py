@@ -221,3 +221,12 @@ def test_pyproject_ships_every_package_and_nothing_else():
     found = sorted(".".join(p.parent.relative_to(ROOT).parts) for package in PACKAGES
                    for p in (ROOT / package).rglob("__init__.py"))
     assert sorted(listed) == found
+
+
+def test_test_helpers_live_in_tests():
+    """Tiny model builders and fixtures are for the tests and benchmarks (``tests/tiny.py``), not the library."""
+    helpers = sorted(name for name in modules(ROOT) if name.rsplit(".", 1)[-1] in ("testing", "tiny", "conftest", "fixtures"))
+    assert helpers == [], f"test helpers inside the library: {helpers}; move them under tests/"
+    from tests.tiny import tiny_model  # the tests' own import path, which the benchmarks use too
+
+    assert callable(tiny_model)
