@@ -15,6 +15,7 @@ import torch
 
 import pandas as pd
 
+from hooks.names import hook_name
 from interp.inputs import encode
 from interp.norms import norm_centres, norm_eps
 from interp.sites import FRONT, check_heads, head_columns, site_of
@@ -48,7 +49,7 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     clean, corrupted = paired_batches(model, clean, corrupted)
     heads = model.cfg.heads() if heads is None else check_heads(model, heads)
     sites = list(dict.fromkeys(site_of(model, head).name for head in heads))
-    names = [f"{site}.hook_z" for site in sites]
+    names = [hook_name("z", site) for site in sites]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         *values, estimates = _first_order(model, clean, corrupted, local, names,

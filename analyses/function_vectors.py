@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from interp.streaming import cache_kwarg, output_cache
 
 from .batches import _main_output, batch_of
@@ -96,7 +97,7 @@ def _mean_z(model, batch) -> dict[int, torch.Tensor]:
     layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
     with model.studying(), torch.no_grad():
         _, cache_ = model.run_with_cache(batch["input_ids"], batch["attention_mask"],
-                                         names=[f"blocks.{l}.attn.hook_z" for l in layers])
+                                         names=[hook_name("z", l) for l in layers])
     return {l: cache_["z", l][:, -1].float().mean(0).cpu() for l in layers}
 
 
@@ -154,7 +155,7 @@ def _cie_full(model, shuffled, answers, means, heads):
                     z[i * b:(i + 1) * b, -1, h] = means[l][h].to(z.dtype)
             return z
 
-        return [(f"blocks.{l}.attn.hook_z", hook) for l in sorted({l for l, _ in group})]
+        return [(hook_name("z", l), hook) for l in sorted({l for l, _ in group})]
 
     scan(model, shuffled, heads, lambda head: head[0], hooks_for, metric, copies_per_forward(model, shuffled, None))
     return calls[0], calls[1:]
@@ -193,7 +194,7 @@ def _cie_cached(model, shuffled, answers, means, heads):
                     z[c::len(group), -1, h] = means[point.layer][h].to(z.dtype)
                 return z
 
-            p = final([(f"blocks.{layer}.attn.hook_z", hook)], len(group)).cpu()
+            p = final([(hook_name("z", layer), hook)], len(group)).cpu()
             patched += [p[c::len(group)] for c in range(len(group))]
     return p0, patched
 
@@ -242,5 +243,5 @@ def fv_accuracy(model, pairs, vector: torch.Tensor, layer: int, n_prompts: int =
         return resid
 
     plain = task_accuracy(model, batch, answers)
-    steered = task_accuracy(model, batch, answers, [(f"blocks.{layer}.hook_resid_pre", add)])
+    steered = task_accuracy(model, batch, answers, [(hook_name("resid_pre", layer), add)])
     return {"zero_shot": float(plain.mean()), "with_fv": float(steered.mean()), "per_prompt": (plain, steered)}

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
@@ -78,7 +79,7 @@ def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None
     ablated = set(check_heads(model, ablated, allow_empty=True))
     real = set(model.cfg.heads())  # not the placeholder of a layer pruned empty
     sites = model.cfg.sites
-    units = [(f"{s.name}.hook_z", [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
+    units = [(hook_name("z", s), [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
     with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
         mine = torch.arange(shard.n) if shard.index is None else shard.index
         parts = []

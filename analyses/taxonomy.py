@@ -35,6 +35,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from interp.distributed import onloaded
 
 from .ablation import ablate_heads
@@ -100,7 +101,7 @@ def effective_embedding(model, ids) -> torch.Tensor:
     def keep(resid, hook):
         kept["x"] = resid[:, 0].detach().float()
 
-    with model.studying(), torch.no_grad(), model.hooks([("blocks.0.hook_resid_post", keep)]):
+    with model.studying(), torch.no_grad(), model.hooks([(hook_name("resid_post", 0), keep)]):
         if layer0:
             with ablate_heads(model, layer0):
                 model(ids[:, None].to(model.device))

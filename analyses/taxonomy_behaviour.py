@@ -34,6 +34,7 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from interp.distributed import onloaded
 from interp.inputs import encode
 
@@ -101,15 +102,15 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
     last = model.cfg.n_layers - 1
     post = {l: s.post_attn_norm[l] for l in layers if s.post_attn_norm and s.post_attn_norm[l]}
-    names = [f"blocks.{last}.hook_resid_post"]
+    names = [hook_name("resid_post", last)]
     for l in layers:
-        names += [f"blocks.{l}.hook_resid_pre", f"blocks.{l}.attn.hook_z"]
-        names += [f"blocks.{l}.attn.hook_{x}" for x in (("pattern",) if model.attn == "eager" else ("q", "k"))]
-        names += [f"blocks.{l}.hook_attn_out"] if l in post else []
+        names += [hook_name("resid_pre", l), hook_name("z", l)]
+        names += [hook_name(x, l) for x in (("pattern",) if model.attn == "eager" else ("q", "k"))]
+        names += [hook_name("attn_out", l)] if l in post else []
     n, p = ids.shape
     with model.studying(), torch.no_grad():
         _, cache = model.run_with_cache(ids.to(model.device), names=names, device="cpu")
-        final = cache[f"blocks.{last}.hook_resid_post"].float().reshape(n * p, -1)
+        final = cache[hook_name("resid_post", last)].float().reshape(n * p, -1)
         with onloaded(unembed, final_norm):
             w_u = unembed.weight.detach().float().cpu()
             apply_final, _ = frozen_norm(final_norm, final)
@@ -117,20 +118,20 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
         allowed = (keys[None, :] >= 1) & (keys[None, :] < keys[:, None])  # (q, k): positions 1 .. q-1
         rows, hits, suppressed = [], [], []
         for l in layers:
-            resid = cache[f"blocks.{l}.hook_resid_pre"].reshape(n * p, -1)
+            resid = cache[hook_name("resid_pre", l)].reshape(n * p, -1)
             with onloaded(unembed, final_norm):
                 top = _top_k(unembed, final_norm, resid.to(model.device), k).reshape(n, p, k)
             pattern = cache.pattern(l).float()  # (b, h, q, k): cached, or rebuilt from q and k as eager does
             key = pattern.masked_fill(~allowed, float("-inf")).argmax(-1)[:, :, 2:]  # (b, h, q-2)
             attended = ids[torch.arange(n)[:, None, None], key]  # (b, h, q-2)
             predicted = (attended[..., None] == top[:, None, 2:, :]).any(-1)  # (b, h, q-2)
-            z = cache[f"blocks.{l}.attn.hook_z"].float()  # (b, p, h, e)
+            z = cache[hook_name("z", l)].float()  # (b, p, h, e)
             w_o = head_weights(model, l, fold_norms=False)["W_O"].float().cpu()  # (h, e, m)
             out = torch.einsum("bphe,hem->hbpm", z, w_o).reshape(z.shape[2], n * p, -1)  # (h, b*p, m)
             if l in post:
                 norm = model._blocks[l].get_submodule(post[l])
                 with onloaded(norm):
-                    apply_post, _ = frozen_norm(norm, cache[f"blocks.{l}.hook_attn_out"].float().reshape(n * p, -1))
+                    apply_post, _ = frozen_norm(norm, cache[hook_name("attn_out", l)].float().reshape(n * p, -1))
                 out = apply_post(out)
             out = apply_final(out).reshape(-1, n, p, out.shape[-1])[:, :, 2:]  # (h, b, q-2, m)
             rows_u = w_u[attended]  # (b, h, q-2, m)

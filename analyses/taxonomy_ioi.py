@@ -24,6 +24,8 @@ import warnings
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
+
 from .attribution import _unembedding, frozen_norm
 from .batches import _main_output
 from .labels import resolve_thresholds
@@ -77,8 +79,8 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     ids, mask = clean["input_ids"], clean["attention_mask"]
     n, last = ids.shape[0], model.cfg.n_layers - 1
     layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
-    names = ([f"blocks.{last}.hook_resid_post"] + [f"blocks.{l}.attn.hook_result" for l in layers]
-             + [f"blocks.{l}.attn.hook_pattern" for l in layers])
+    names = ([hook_name("resid_post", last)] + [hook_name("result", l) for l in layers]
+             + [hook_name("pattern", l) for l in layers])
     before = model.attn
     try:
         if before != "eager":
@@ -92,7 +94,7 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     logits = _main_output(out)[:, -1].float().cpu()
     diff = logits[rows, io] - logits[rows, s]  # (n,)
     norm = model.hf.get_submodule(model.structure.final_norm)
-    apply, _ = frozen_norm(norm, cache[f"blocks.{last}.hook_resid_post"][:, -1].float())
+    apply, _ = frozen_norm(norm, cache[hook_name("resid_post", last)][:, -1].float())
     w_u = unembed.weight.detach().float().cpu()
     direction = w_u[io] - w_u[s]  # (n, m)
     tokens = ids.cpu()

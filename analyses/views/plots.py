@@ -30,6 +30,8 @@ import seaborn as sns
 import torch
 from matplotlib.figure import FigureBase
 
+from hooks.names import hook_name
+
 from .common import MIN_FONT, _window, model_tokens
 from .fonts import clean_token, token_labels
 
@@ -134,7 +136,7 @@ def _pattern_of(source, layer, head, text, tokens, batch) -> tuple[torch.Tensor,
             raise ValueError("attention_heatmap(model, layer, head, text): give the text (or token ids) to run.")
         _check_head(source.cfg.heads_per_layer, layer, head)
         ids = source._inputs(text)[0][:1]  # one sequence: (1, p)
-        names = [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]
+        names = [hook_name("q", layer), hook_name("k", layer)]
         with source.studying(), torch.no_grad():  # eval mode, the RNG untouched: no dropout in the pattern drawn
             _, cache = source.run_with_cache(ids, names=names)
         pattern = cache.pattern(layer, head)[0, 0].float().cpu()
