@@ -33,7 +33,8 @@ from interp.streaming import cache_kwarg, output_cache
 from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
-from .taxonomy_base import bootstrap, check_n_bootstrap, refuse_non_lm
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import refuse_non_lm
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
 
@@ -129,7 +130,7 @@ def function_vector_scores(model, tasks=None, n_prompts: int = 16, n_shots: int 
         p0, patched = cie(model, shuffled, answers, means, heads)
         base[name] = float(p0.mean())
         effects.append(torch.stack([p - p0 for p in patched], 1))  # (n_prompts, heads)
-    value, lo, hi = bootstrap(torch.cat(effects), n_bootstrap, seed)
+    value, lo, hi = mean_interval(torch.cat(effects), n_bootstrap, seed)
     df = pd.DataFrame({"layer": [l for l, _ in heads], "head": [h for _, h in heads],
                        "function_vector": value.numpy(), "function_vector_lo": lo.numpy(),
                        "function_vector_hi": hi.numpy()})

@@ -21,7 +21,7 @@ from interp.sites import is_layered, with_head_columns
 from .prompts import (CORPUS, _ordinary_ids, _special_frame, corpus_prompts, corpus_sentences,  # noqa: F401
                      prompt_ids, repeated_random_tokens)
 from .labels import choose_scores, head_labels, label_heads, resolve_thresholds
-from .taxonomy_base import check_n_bootstrap
+from .bootstrap import check_n_bootstrap
 from .scores import (Targets, Tally, argmax_from_pattern, argmax_from_qk, build_targets, order_columns,
                      weights_from_pattern, weights_from_qk)
 

@@ -27,7 +27,7 @@ from interp.stats import attention_stats
 from interp.streaming import cache_kwarg, output_cache
 
 from .prompts import _ordinary_ids, _special_frame, haystack, refuse_unreadable
-from .taxonomy_base import check_n_bootstrap
+from .bootstrap import check_n_bootstrap
 
 __all__ = ["NeedlePrompt", "needle_prompts", "shortest_needle_prompt", "run_needle", "retrieval_step_hits",
            "retrieval_heads"]

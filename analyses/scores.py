@@ -32,7 +32,7 @@ from interp.stats import attention_stats
 
 from .labels import (DEFAULT_THRESHOLDS, KINDS, LABEL_ORDER, SCORE_DEFINITIONS, TAXONOMY_SCORES,  # noqa: F401
                      WEIGHT_SCORES, choose_scores, head_labels, label_heads, resolve_thresholds, strongest_heads)
-from .taxonomy_base import check_n_bootstrap
+from .bootstrap import check_n_bootstrap
 
 __all__ = ["WEIGHT_SCORES", "KINDS", "DEFAULT_THRESHOLDS", "LABEL_ORDER", "SCORE_DEFINITIONS", "pattern_scores",
            "label_heads", "head_labels", "strongest_heads"]

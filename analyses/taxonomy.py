@@ -42,7 +42,8 @@ from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
 from .labels import TAXONOMY_SCORES
-from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm, refuse_stacks
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import check_k, refuse_non_lm, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS",
            "TAXONOMY_SCORES"]
@@ -150,7 +151,7 @@ def _scored_layers(model) -> list[int]:
 def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, seed: int) -> pd.DataFrame:
     rows = []
     for layer, layer_hits in hits.items():  # (items, h)
-        mean, lo, hi = bootstrap(layer_hits, n_bootstrap, seed)
+        mean, lo, hi = mean_interval(layer_hits, n_bootstrap, seed)
         for head in range(layer_hits.shape[1]):
             rows.append({"layer": layer, "head": head, name: float(mean[head]), f"{name}_lo": float(lo[head]),
                          f"{name}_hi": float(hi[head])})

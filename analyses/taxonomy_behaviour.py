@@ -40,7 +40,8 @@ from interp.inputs import encode
 
 from .attribution import _unembedding, frozen_norm
 from .composition import head_weights
-from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import check_k, refuse_non_lm
 
 __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 
@@ -145,7 +146,7 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     df = pd.DataFrame(rows)
     for name, parts in (("copy_suppression_behaviour", suppressed), ("cs_attends_predicted", hits)):
         per_window = torch.cat([x.double().mean(-1) for x in parts], 1)  # (b, heads)
-        mean, lo, hi = bootstrap(per_window, n_bootstrap, seed)
+        mean, lo, hi = mean_interval(per_window, n_bootstrap, seed)
         df[name], df[f"{name}_lo"], df[f"{name}_hi"] = mean.numpy(), lo.numpy(), hi.numpy()
     df = df[["layer", "head", "copy_suppression_behaviour", "cs_attends_predicted", "cs_predicted_effect",
              "copy_suppression_behaviour_lo", "copy_suppression_behaviour_hi", "cs_attends_predicted_lo",
