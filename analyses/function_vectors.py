@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from hooks.names import hook_name
+from interp.config import real_sites
 from interp.streaming import cache_kwarg, output_cache
 
 from .batches import _main_output, batch_of
@@ -95,7 +96,7 @@ def _probabilities(output, answers: torch.Tensor) -> torch.Tensor:
 
 def _mean_z(model, batch) -> dict[int, torch.Tensor]:
     """Each layer's mean z at the final position: ``{layer: (h, d)}``."""
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    layers = [s.block for s in real_sites(model)]
     with model.studying(), torch.no_grad():
         _, cache_ = model.run_with_cache(batch["input_ids"], batch["attention_mask"],
                                          names=[hook_name("z", l) for l in layers])

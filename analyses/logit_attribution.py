@@ -21,6 +21,7 @@ import pandas as pd
 from transformers.pytorch_utils import Conv1D
 
 from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
 from interp.sites import FRONT, head_columns, is_layered
 from interp.tokens import display_tokens
@@ -42,10 +43,8 @@ def _stack(model) -> tuple[list, list[list]]:
             "Logit attribution needs a causal LM (a decoder stack) with an output layer; this model has "
             f"{'no output layer' if unembed is None else 'bidirectional attention only (an encoder)'}.")
     blocks = model._blocks["decoder"] if isinstance(model._blocks, dict) else model._blocks
-    empty = set(getattr(model.cfg, "empty_layers", ()))  # pruned empty: a zeroed placeholder head, not a head
-    empty_sites = set(getattr(model.cfg, "empty_sites", ()))
-    per_block = [[s for s in sites if s.block == b and b not in empty and s.name not in empty_sites]
-                 for b in range(len(blocks))]
+    real = set(real_sites(model))  # not a site pruned empty: its zeroed placeholder head is not a head
+    per_block = [[s for s in sites if s.block == b and s in real] for b in range(len(blocks))]
     return blocks, per_block
 
 

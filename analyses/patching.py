@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from hooks.names import hook_name
+from interp.config import real_sites
 from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, site_of
 
 from .ablation import check_per_forward
@@ -107,9 +108,7 @@ def _items(model, what: str, by: str, heads, batch: Batch) -> list[tuple]:
     if heads is not None:
         units = [(site_of(model, u).name, u[1]) for u in check_heads(model, heads, kv=kv)]
     else:  # every head (key/value head) of every site that has real heads (not a layer pruned empty)
-        real = dict.fromkeys(site_of(model, h).name for h in model.cfg.heads())
-        units = [(site, g) for site in real for g in range(model.sites[site].n_kv_heads if kv else
-                                                           model.sites[site].n_heads)]
+        units = [(s.name, g) for s in real_sites(model) for g in range(s.n_kv_heads if kv else s.n_heads)]
     if by == "head":
         return units
     entry = {name: batch[(model.sites[name].keys if kv else model.sites[name].queries)].shape[1]
@@ -242,8 +241,7 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
     late = [s for s in senders if rank[s] >= last]
     if late:
         raise ValueError(f"Senders must sit before the receivers' last {last_name}; got {late}.")
-    real = {site_of(model, h).name for h in model.cfg.heads()}  # not a layer pruned empty
-    z_names = [hook_name("z", s) for s in model.cfg.sites if s.name in real]
+    z_names = [hook_name("z", s) for s in real_sites(model)]  # not a site pruned empty
     targets = sorted({(site_of(model, r).name, r[1] if via == "q" else
                        r[1] // (site_of(model, r).n_heads // site_of(model, r).n_kv_heads)) for r in receivers},
                      key=lambda t: (order[t[0]], t[1]))

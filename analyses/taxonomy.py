@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
 
 from .ablation import ablate_heads
@@ -96,7 +97,7 @@ def effective_embedding(model, ids) -> torch.Tensor:
     """eff(t) for token ids ``ids: (n,)``: ``(n, d_model)`` float32 (see the module docstring)."""
     refuse_stacks(model, "effective_embedding")
     ids = torch.as_tensor(ids).long().flatten()
-    layer0 = [(0, h) for h in range(model.cfg.heads_per_layer[0])] if 0 not in model.cfg.empty_layers else []
+    layer0 = [(0, h) for h in range(model.cfg.heads_per_layer[0])] if 0 in _scored_layers(model) else []
     kept = {}
 
     def keep(resid, hook):
@@ -145,7 +146,7 @@ def _head_inputs(model, norm_in, eff: torch.Tensor) -> torch.Tensor:
 
 
 def _scored_layers(model) -> list[int]:
-    return [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    return [s.block for s in real_sites(model)]
 
 
 def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, seed: int) -> pd.DataFrame:

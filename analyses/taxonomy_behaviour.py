@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 
 from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
 from interp.inputs import encode
 
@@ -100,7 +101,7 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     s = model.structure
     unembed = _unembedding(model)
     final_norm = model.hf.get_submodule(s.final_norm)
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    layers = [s.block for s in real_sites(model)]
     last = model.cfg.n_layers - 1
     post = {l: s.post_attn_norm[l] for l in layers if s.post_attn_norm and s.post_attn_norm[l]}
     names = [hook_name("resid_post", last)]

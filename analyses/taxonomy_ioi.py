@@ -25,6 +25,7 @@ import pandas as pd
 import torch
 
 from hooks.names import hook_name
+from interp.config import real_sites
 
 from .attribution import _unembedding, frozen_norm
 from .batches import _main_output
@@ -65,7 +66,7 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     unembed = _unembedding(model)
     ids, mask = clean["input_ids"], clean["attention_mask"]
     n, last = ids.shape[0], model.cfg.n_layers - 1
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    layers = [s.block for s in real_sites(model)]
     names = ([hook_name("resid_post", last)] + [hook_name("result", l) for l in layers]
              + [hook_name("pattern", l) for l in layers])
     before = model.attn

@@ -13,6 +13,7 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
+from interp.config import real_sites
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, composition_scores,
                       direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
                       qk_circuit)
@@ -436,6 +437,7 @@ def test_pruning_every_kind_of_site_equals_zero_ablation_and_survives_a_save(fam
             expected = model(batch).logits
         assert torch.allclose(empty(batch).logits, expected, atol=1e-6, rtol=0)
     assert empty.cfg.empty_sites == ("decoder.blocks.0.cross_attn",)
+    assert [s.name for s in real_sites(empty)] == [s.name for s in model.cfg.sites if s.name != emptied[0][0]]
     assert not any(site == "decoder.blocks.0.cross_attn" for site, _ in empty.cfg.heads())
     with pytest.raises(ValueError, match="pruned empty"):
         ablation_scan(empty, batch, target_loss(), heads=[("decoder.blocks.0.cross_attn", 0)])
