@@ -283,12 +283,8 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     out = torch.matmul(attn, value_states)
     if sink_scale is not None:
         out = out * sink_scale.unsqueeze(-1).to(out.dtype)
-    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
-    if hooks is not None and hooks.z:
-        out = hooks.z(out)
-    if Recording.active is not None:
-        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
-    return out, pattern
+    return _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs,
+              position_bias), pattern
 
 
 def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
@@ -343,12 +339,19 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
         lse = torch.logaddexp(lse, sink)
     if hooks is not None and hooks.lse:
         hooks.lse(lse)
+    return _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs,
+              position_bias), None
+
+
+def _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias):
+    """Both paths' last step: out (b, h, q, e) -> z (b, q, h, e), through ``hook_z``, recorded for a probe
+    forward (``Recording``) when one runs."""
     out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
     if hooks is not None and hooks.z:
         out = hooks.z(out)
     if Recording.active is not None:
         _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
-    return out, None
+    return out
 
 
 def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):
