@@ -134,7 +134,7 @@ def validate(model, classes, k, draws, quick, seed=0):
         n = 40 if quick else 200
         full = copy_suppression_scores(model, n_tokens=2 * n)
         g = torch.Generator().manual_seed(seed + 1)
-        from analyses.heads import _ordinary_ids
+        from analyses.prompts import _ordinary_ids
 
         pool = _ordinary_ids(model)
         sample = pool[torch.randperm(len(pool), generator=g)[:2 * n]]

@@ -16,7 +16,8 @@ from conftest import tiny_hf
 from transformers import AutoModel
 
 import interp
-from analyses.heads import corpus_sentences, detect_heads, repeated_random_tokens
+from analyses.heads import detect_heads
+from analyses.prompts import corpus_sentences, repeated_random_tokens
 from analyses.scores import (argmax_from_pattern, argmax_from_qk, build_targets, head_labels, label_heads,
                              pattern_scores, weights_from_pattern,
                              weights_from_qk)
