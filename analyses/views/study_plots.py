@@ -2,7 +2,16 @@
 (``head_score_grid``), an ablation scan, a patching effect, the direct logit attribution, pruning curves and
 streaming curves (``streaming_curve_plot``). Each draws on ``ax`` (a new figure when None) and returns the Axes; no
 text is smaller than ``MIN_FONT``. The per-head grids take an encoder-decoder model's tables too (a ``site``
-column): one row per attention site, by stack, block and kind."""
+column): one row per attention site, in the table's order, labelled with its stack, block and kind ("encoder 0
+self", "decoder 0 cross"); a score a head has not (a self-attention score of a cross-attention head, NaN in the
+table) leaves its cell blank.
+
+>>> import matplotlib; matplotlib.use("Agg")
+>>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction": [0.1, 0.0, 0.9, 0.2],
+...                    "label": ["none", "none", "induction", "none"]})
+>>> head_score_grid(df, "induction").get_title()
+'induction (framed: labelled induction)'
+"""
 
 from __future__ import annotations
 
