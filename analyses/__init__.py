@@ -7,8 +7,9 @@ Every name below is loaded on first use (``analyses.detect_heads`` imports ``ana
 # The views (analyses/views/) by module there; analyses.views reads this table too, so a view is listed once
 _VIEWS = {
     "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
-    "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
-    "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
+    "attention_heatmap": "plots", "save_figure": "plots", "head_score_grid": "study_plots",
+    "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
+    "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long",
 }
 
@@ -37,7 +38,7 @@ _LAZY = {
     # Long context (issue 25): retrieval heads from needle-in-a-haystack decoding, in O(n) memory
     **dict.fromkeys(["needle_prompts", "retrieval_heads"], "retrieval"),
     # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
-    **dict.fromkeys(["streaming_curve", "streaming_curve_plot", "streaming_inputs", "streaming_order"], "streaming"),
+    **dict.fromkeys(["streaming_curve", "streaming_inputs", "streaming_order"], "streaming"),
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from interp.sites import FRONT, all_heads, check_heads, head_columns, site_of
 
 from .batches import batch_of
@@ -55,9 +56,9 @@ class _Replacement:
         batch = batch_of(model, reference)
         args, kwargs = _arguments(batch)
         with model.studying(), torch.no_grad():
-            _, cache = model.run_with_cache(*args, names=[f"{site}.hook_z" for site in sites], **kwargs)
+            _, cache = model.run_with_cache(*args, names=[hook_name("z", site) for site in sites], **kwargs)
         for site in sites:
-            z = cache[f"{site}.hook_z"]  # (b, p, h, e)
+            z = cache[hook_name("z", site)]  # (b, p, h, e)
             if method == "mean":
                 mask = batch.get(model.sites[site].query_mask)
                 weights = torch.ones(z.shape[:2]) if mask is None else mask  # z: on its layer's device
@@ -105,7 +106,7 @@ def _ablation_hooks(masks: dict[str, torch.Tensor], replacement: _Replacement, c
             return torch.where(mask[:, None, :, None], replacement.value(site, z, copies), z)
         return hook
 
-    return [(f"{site}.hook_z", hook_for(site)) for site in masks]
+    return [(hook_name("z", site), hook_for(site)) for site in masks]
 
 
 @contextmanager

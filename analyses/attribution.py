@@ -15,8 +15,9 @@ import torch
 
 import pandas as pd
 
+from hooks.names import hook_name
 from interp.inputs import encode
-from interp.norms import norm_centres as _centres, norm_eps as _eps  # noqa: F401  (their home before)
+from interp.norms import norm_centres, norm_eps
 from interp.sites import FRONT, check_heads, head_columns, site_of
 
 from .engine import Shard, _arguments, _run
@@ -48,7 +49,7 @@ def attribution_patching(model, clean, corrupted, metric, by: str = "head", head
     clean, corrupted = paired_batches(model, clean, corrupted)
     heads = model.cfg.heads() if heads is None else check_heads(model, heads)
     sites = list(dict.fromkeys(site_of(model, head).name for head in heads))
-    names = [f"{site}.hook_z" for site in sites]
+    names = [hook_name("z", site) for site in sites]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         *values, estimates = _first_order(model, clean, corrupted, local, names,
@@ -116,10 +117,10 @@ def frozen_norm(norm, x: torch.Tensor):
     LayerNorm: ``gamma * (c - mean(c)) / sigma(x)`` and bias ``beta``. RMSNorm (any weight convention, such as
     Gemma's ``1 + w``): ``w_eff * c / rms(x)``, with ``w_eff`` read off the module on a vector of ones.
     """
-    eps = _eps(norm, x.shape[-1])
+    eps = norm_eps(norm, x.shape[-1])
     x = x.float()
     if isinstance(norm, torch.nn.LayerNorm) or ("RMS" not in type(norm).__name__ and "LayerNorm" in type(norm).__name__
-                                                and _centres(norm, x.shape[-1])):
+                                                and norm_centres(norm, x.shape[-1])):
         sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
         gamma = weight.detach().float().to(x.device) if weight is not None else torch.ones(x.shape[-1], device=x.device)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import pandas as pd
 
 from interp.circuits import LowRank, head_weights
-from interp.sites import FRONT, head_columns, is_layered
+from interp.config import real_sites
+from interp.sites import FRONT, head_columns
 
 __all__ = ["LowRank", "head_weights", "qk_circuit", "ov_circuit", "composition_scores"]
 
@@ -65,9 +66,7 @@ def composition_scores(model, kind: str = "k", fold_norms: bool = True) -> pd.Da
     """
     if kind not in ("q", "k", "v"):
         raise ValueError(f"kind must be 'q', 'k' or 'v'; got {kind!r}.")
-    empty = set(getattr(model.cfg, "empty_layers", ()))  # pruned empty: a zeroed placeholder head, not a head
-    sites = [s for s in model.cfg.sites if not (is_layered(model) and s.block in empty)
-             and s.name not in getattr(model.cfg, "empty_sites", ())]
+    sites = real_sites(model)  # not a site pruned empty: its zeroed placeholder head is not a head
     ov = {s.name: ov_circuit(model, s.name, fold_norms) for s in sites}
     read = {s.name: (qk_circuit(model, s.name, fold_norms) if kind == "q" else qk_circuit(model, s.name, fold_norms).T
                      if kind == "k" else ov[s.name]) for s in sites}

@@ -27,12 +27,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from interp.streaming_cache import cache_kwarg, output_cache
+from hooks.names import hook_name
+from interp.config import real_sites
+from interp.streaming import cache_kwarg, output_cache
 
 from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
-from .taxonomy_base import bootstrap, check_n_bootstrap, refuse_non_lm
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import refuse_non_lm
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
 
@@ -42,7 +45,7 @@ ICL_TASKS = Path(__file__).resolve().parent / "data" / "icl_tasks.json"
 @cache
 def icl_tasks() -> dict[str, tuple[tuple[str, str], ...]]:
     """The bundled tasks: name -> (input, answer) pairs; ``uppercase`` from the corpus's lowercase words."""
-    from .corpus import corpus_sentences
+    from .prompts import corpus_sentences
 
     tasks = {k: tuple(tuple(p) for p in v) for k, v in json.loads(ICL_TASKS.read_text(encoding="utf-8"))["tasks"].items()}
     words = sorted({w for s in corpus_sentences() for w in re.findall(r"\b[a-z]{3,}\b", s)})
@@ -56,7 +59,7 @@ def icl_prompts(model, pairs, n_prompts: int = 16, n_shots: int = 5, seed: int =
     zero-shot), and the first token of each query's answer. ``shuffled``: the demonstrations' answers permuted
     among them (the same draw as unshuffled with the same seed). Pairs the tokenizer cannot read (more than a tenth
     of the prompts' or the answers' tokens its unknown token) are refused."""
-    from .corpus import refuse_unreadable
+    from .prompts import refuse_unreadable
 
     if model.tokenizer is None:
         raise ValueError("Function-vector prompts are text: this model has no tokenizer.")
@@ -93,10 +96,10 @@ def _probabilities(output, answers: torch.Tensor) -> torch.Tensor:
 
 def _mean_z(model, batch) -> dict[int, torch.Tensor]:
     """Each layer's mean z at the final position: ``{layer: (h, d)}``."""
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    layers = [s.block for s in real_sites(model)]
     with model.studying(), torch.no_grad():
         _, cache_ = model.run_with_cache(batch["input_ids"], batch["attention_mask"],
-                                         names=[f"blocks.{l}.attn.hook_z" for l in layers])
+                                         names=[hook_name("z", l) for l in layers])
     return {l: cache_["z", l][:, -1].float().mean(0).cpu() for l in layers}
 
 
@@ -128,7 +131,7 @@ def function_vector_scores(model, tasks=None, n_prompts: int = 16, n_shots: int 
         p0, patched = cie(model, shuffled, answers, means, heads)
         base[name] = float(p0.mean())
         effects.append(torch.stack([p - p0 for p in patched], 1))  # (n_prompts, heads)
-    value, lo, hi = bootstrap(torch.cat(effects), n_bootstrap, seed)
+    value, lo, hi = mean_interval(torch.cat(effects), n_bootstrap, seed)
     df = pd.DataFrame({"layer": [l for l, _ in heads], "head": [h for _, h in heads],
                        "function_vector": value.numpy(), "function_vector_lo": lo.numpy(),
                        "function_vector_hi": hi.numpy()})
@@ -154,7 +157,7 @@ def _cie_full(model, shuffled, answers, means, heads):
                     z[i * b:(i + 1) * b, -1, h] = means[l][h].to(z.dtype)
             return z
 
-        return [(f"blocks.{l}.attn.hook_z", hook) for l in sorted({l for l, _ in group})]
+        return [(hook_name("z", l), hook) for l in sorted({l for l, _ in group})]
 
     scan(model, shuffled, heads, lambda head: head[0], hooks_for, metric, copies_per_forward(model, shuffled, None))
     return calls[0], calls[1:]
@@ -193,7 +196,7 @@ def _cie_cached(model, shuffled, answers, means, heads):
                     z[c::len(group), -1, h] = means[point.layer][h].to(z.dtype)
                 return z
 
-            p = final([(f"blocks.{layer}.attn.hook_z", hook)], len(group)).cpu()
+            p = final([(hook_name("z", layer), hook)], len(group)).cpu()
             patched += [p[c::len(group)] for c in range(len(group))]
     return p0, patched
 
@@ -242,5 +245,5 @@ def fv_accuracy(model, pairs, vector: torch.Tensor, layer: int, n_prompts: int =
         return resid
 
     plain = task_accuracy(model, batch, answers)
-    steered = task_accuracy(model, batch, answers, [(f"blocks.{layer}.hook_resid_pre", add)])
+    steered = task_accuracy(model, batch, answers, [(hook_name("resid_pre", layer), add)])
     return {"zero_shot": float(plain.mean()), "with_fv": float(steered.mean()), "per_prompt": (plain, steered)}

@@ -20,10 +20,10 @@ from interp.progress import progress, stage
 from interp.site_pass import each_site
 from interp.sites import FRONT, MASK_OF, is_layered, with_head_columns
 
-from .corpus import corpus_prompts, corpus_sentences, prompt_ids, repeated_random_tokens
+from .prompts import corpus_prompts, corpus_sentences, prompt_ids, repeated_random_tokens
 from .labels import choose_scores, resolve_thresholds, site_kind
 from .scores import Tally, labelled, rule_pairs
-from .taxonomy_base import check_n_bootstrap
+from .bootstrap import check_n_bootstrap
 
 __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
 

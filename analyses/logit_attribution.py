@@ -20,14 +20,15 @@ import torch.nn.functional as F
 import pandas as pd
 from transformers.pytorch_utils import Conv1D
 
+from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
-from interp.sites import FRONT, head_columns
+from interp.sites import FRONT, head_columns, is_layered
 from interp.tokens import display_tokens
 
 from .attribution import _check_position, frozen_norm, token_ids
-from .batches import _main_output
+from .batches import _main_output, batch_of
 from .engine import _arguments
-from .metrics import batch_of
 
 __all__ = ["direct_logit_attribution", "logit_lens"]
 
@@ -42,20 +43,19 @@ def _stack(model) -> tuple[list, list[list]]:
             "Logit attribution needs a causal LM (a decoder stack) with an output layer; this model has "
             f"{'no output layer' if unembed is None else 'bidirectional attention only (an encoder)'}.")
     blocks = model._blocks["decoder"] if isinstance(model._blocks, dict) else model._blocks
-    empty = set(getattr(model.cfg, "empty_layers", ()))  # pruned empty: a zeroed placeholder head, not a head
-    empty_sites = set(getattr(model.cfg, "empty_sites", ()))
-    per_block = [[s for s in sites if s.block == b and b not in empty and s.name not in empty_sites]
-                 for b in range(len(blocks))]
+    real = set(real_sites(model))  # not a site pruned empty: its zeroed placeholder head is not a head
+    per_block = [[s for s in sites if s.block == b and s in real] for b in range(len(blocks))]
     return blocks, per_block
 
 
-def _prefix(model) -> str:
-    """``blocks`` or ``decoder.blocks``: where the readout stack's block hooks live."""
-    return next(s for s in model.cfg.sites if s.stack == "decoder").name.rsplit(".", 2)[0]
+def _readout_stack(model) -> str | None:
+    """The stack whose block hooks the readout reads (``hooks.names.hook_name``'s ``stack``): None where the model
+    has one stack (``blocks.N.hook_...``), ``"decoder"`` in an encoder-decoder model (``decoder.blocks.N.hook_...``)."""
+    return None if is_layered(model) else "decoder"
 
 
-def _out_name(prefix: str, site) -> str:
-    return f"{prefix}.{site.block}.hook_{'cross_' if site.kind == 'cross' else ''}attn_out"
+def _out_name(stack: str | None, site) -> str:
+    return hook_name("cross_attn_out" if site.kind == "cross" else "attn_out", site.block, stack)
 
 
 def _is_norm(module) -> bool:
@@ -137,12 +137,12 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
     position = _check_position(position, batch[queries].shape[1])
     answer = token_ids(model, answer, n, "answer")
     wrong = None if wrong is None else token_ids(model, wrong, n, "wrong")
-    prefix, last = _prefix(model), len(blocks) - 1
+    stack, last = _readout_stack(model), len(blocks) - 1
     hooks = set(model.hook_names())
-    names = ([f"{prefix}.0.hook_resid_pre"] + [f"{prefix}.{b}.hook_resid_post" for b in range(len(blocks))]
-             + [f"{s.name}.hook_z" for sites in per_block for s in sites]
-             + [_out_name(prefix, s) for sites in per_block for s in sites]
-             + [name for b in range(len(blocks)) if (name := f"{prefix}.{b}.hook_mlp_out") in hooks])
+    names = ([hook_name("resid_pre", 0, stack)] + [hook_name("resid_post", b, stack) for b in range(len(blocks))]
+             + [hook_name("z", s) for sites in per_block for s in sites]
+             + [_out_name(stack, s) for sites in per_block for s in sites]
+             + [name for b in range(len(blocks)) if (name := hook_name("mlp_out", b, stack)) in hooks])
     calls, handles = _norm_calls(blocks, position)
     try:
         with model.studying(), torch.no_grad():
@@ -156,7 +156,7 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
     logits = _main_output(out)[:, position].float().to(device)  # (n, vocab)
     rows_ = torch.arange(n)
     target = logits[rows_, answer] - (logits[rows_, wrong] if wrong is not None else 0.0)
-    final = at[f"{prefix}.{last}.hook_resid_post"]
+    final = at[hook_name("resid_post", last, stack)]
     norm, scale, logit_bias = _readout(model, blocks, final, logits)
     unembed = model.hf.get_output_embeddings()
     with onloaded(unembed):  # weights offloaded by a device map are read here, outside a forward
@@ -165,9 +165,9 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
         u_bias = None if getattr(unembed, "bias", None) is None else unembed.bias.detach().float().to(device)
     del w_u
     # components: (row, vector (n, m) at the position); every norm on the stream maps all of them
-    parts = [({"component": "embed"}, at[f"{prefix}.0.hook_resid_pre"])]
+    parts = [({"component": "embed"}, at[hook_name("resid_pre", 0, stack)])]
     bias = torch.zeros_like(final)
-    stream = at[f"{prefix}.0.hook_resid_pre"]
+    stream = at[hook_name("resid_pre", 0, stack)]
 
     def through(norm_module, x_in):  # freeze a norm on the stream at its input x_in; map every part through it
         nonlocal parts, bias
@@ -176,12 +176,12 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
         bias = apply(bias) + beta
 
     for b, block_sites in enumerate(per_block):
-        post = next((c for c in calls[b] if _close(c[2], at[f"{prefix}.{b}.hook_resid_post"])), None)
+        post = next((c for c in calls[b] if _close(c[2], at[hook_name("resid_post", b, stack)])), None)
         for site in block_sites:
             o_proj = model.o_proj_of(site)
             if o_proj is None:
                 continue
-            z = cache[f"{site.name}.hook_z"][:, position].float().to(device)  # (n, h, e)
+            z = cache[hook_name("z", site)][:, position].float().to(device)  # (n, h, e)
             with onloaded(o_proj):
                 w = o_proj.weight.detach().float().to(device)
                 w = w if isinstance(o_proj, Conv1D) else w.T  # Conv1D (h e, m) or Linear (m, h e)
@@ -190,21 +190,21 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
                     bias = bias + o_proj.bias.detach().float().to(device)
             parts += [({"component": "head", **head_columns(model, (site.name, h))}, result[h])
                       for h in range(result.shape[0])]
-            stream = stream + at[_out_name(prefix, site)]
+            stream = stream + at[_out_name(stack, site)]
             if post is not None:  # post-norm: the stream is normalised after each sublayer
                 normed = next((c for c in calls[b] if _close(c[1], stream)), None)
                 if normed is not None:
                     through(normed[0], normed[1])
                     stream = normed[2]
         mlp_row = {"component": "mlp", "stack": "decoder", "layer": b}
-        if f"{prefix}.{b}.hook_mlp_out" in at:
-            parts.append((mlp_row, at[f"{prefix}.{b}.hook_mlp_out"]))
+        if hook_name("mlp_out", b, stack) in at:
+            parts.append((mlp_row, at[hook_name("mlp_out", b, stack)]))
         elif post is not None:
             parts.append((mlp_row, post[1] - stream))
             through(post[0], post[1])
         else:
-            parts.append((mlp_row, at[f"{prefix}.{b}.hook_resid_post"] - stream))
-        stream = at[f"{prefix}.{b}.hook_resid_post"]
+            parts.append((mlp_row, at[hook_name("resid_post", b, stack)] - stream))
+        stream = at[hook_name("resid_post", b, stack)]
     if norm is not None:
         with onloaded(norm):
             through(norm, final)
@@ -247,8 +247,8 @@ def logit_lens(model, inputs, answer=None, position: int = -1, k: int = 5) -> pd
         raise ValueError(f"k is how many top tokens to list: an integer from 1 to the vocabulary size {vocab}; "
                          f"got {k!r}.")
     answer = None if answer is None else token_ids(model, answer, n, "answer")
-    prefix = _prefix(model)
-    names = [f"{prefix}.0.hook_resid_pre"] + [f"{prefix}.{b}.hook_resid_post" for b in range(len(blocks))]
+    stack = _readout_stack(model)
+    names = [hook_name("resid_pre", 0, stack)] + [hook_name("resid_post", b, stack) for b in range(len(blocks))]
     unembed = model.hf.get_output_embeddings()
     with model.studying(), torch.no_grad():
         args, kwargs = _arguments(batch)

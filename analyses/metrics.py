@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .batches import Batch, _main_output, _mask, _two_stack_batch, batch_of  # noqa: F401  (their home before)
+from .batches import Batch, _main_output, _mask, batch_of
 
-__all__ = ["Metric", "as_metric", "batch_of", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
+__all__ = ["Metric", "as_metric", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
            "embedding_similarity", "mean_pool", "next_token_loss", "target_accuracy", "target_loss"]
 
 def _arguments(metric, output, inputs) -> tuple[Any, Mapping]:

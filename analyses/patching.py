@@ -21,12 +21,15 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
+from interp.config import real_sites
 from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, site_of
 
 from .ablation import check_per_forward
 from .engine import Prefix, Shard, _arguments, _run, copies_per_forward, scan, slice_output
 from .finite import check_finite, finite_copies, warn_non_finite, watching
-from .metrics import Batch, Metric, _main_output, as_metric, batch_of
+from .batches import Batch, _main_output, batch_of
+from .metrics import Metric, as_metric
 
 __all__ = ["WHAT", "activation_patching", "path_patching", "paired_batches", "scalar_metric"]
 
@@ -105,9 +108,7 @@ def _items(model, what: str, by: str, heads, batch: Batch) -> list[tuple]:
     if heads is not None:
         units = [(site_of(model, u).name, u[1]) for u in check_heads(model, heads, kv=kv)]
     else:  # every head (key/value head) of every site that has real heads (not a layer pruned empty)
-        real = dict.fromkeys(site_of(model, h).name for h in model.cfg.heads())
-        units = [(site, g) for site in real for g in range(model.sites[site].n_kv_heads if kv else
-                                                           model.sites[site].n_heads)]
+        units = [(s.name, g) for s in real_sites(model) for g in range(s.n_kv_heads if kv else s.n_heads)]
     if by == "head":
         return units
     entry = {name: batch[(model.sites[name].keys if kv else model.sites[name].queries)].shape[1]
@@ -115,10 +116,9 @@ def _items(model, what: str, by: str, heads, batch: Batch) -> list[tuple]:
     return [(site, h, p) for site, h in units for p in range(entry[site])]
 
 
-def _patch_hooks(what: str, group: list[tuple], clean: dict, copies: int,
-                 name=lambda layer, what: f"blocks.{layer}.attn.hook_{what}") -> list:
-    """Hooks that put ``clean[layer]`` into copy i's slice for ``group[i]`` (a (layer, head[, pos]) item; an
-    encoder-decoder model's items are (site, head[, pos]), ``name`` giving the hook of a layer or site)."""
+def _patch_hooks(what: str, group: list[tuple], clean: dict, copies: int) -> list:
+    """Hooks that put ``clean[layer]`` into copy i's slice for ``group[i]`` (a (layer, head[, pos]) item, or a
+    (site, head[, pos]) one: ``hook_name`` names the hook of either)."""
     head_axis, pos_axis = _AXES[what]
     by_layer: dict[int, list[tuple[int, tuple]]] = {}
     for i, item in enumerate(group):
@@ -139,7 +139,7 @@ def _patch_hooks(what: str, group: list[tuple], clean: dict, copies: int,
 
         return hook
 
-    return [(name(layer, what), hook_for(layer, entries)) for layer, entries in by_layer.items()]
+    return [(hook_name(what, layer), hook_for(layer, entries)) for layer, entries in by_layer.items()]
 
 
 def activation_patching(model, clean, corrupted, metric, by: str = "head", what: str = "z", heads=None,
@@ -176,7 +176,7 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
     items = _items(model, what, by, heads, clean)
-    names = [f"{site}.hook_{what}" for site in dict.fromkeys(item[0] for item in items)]
+    names = [hook_name(what, site) for site in dict.fromkeys(item[0] for item in items)]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
         with model.studying(), torch.no_grad():
@@ -190,7 +190,7 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
             heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
         corrupted_value, values = scan(
             model, corrupted, items, lambda item: model.sites[item[0]].block,
-            lambda group, copies: _patch_hooks(what, group, sources, copies, name=lambda s, w: f"{s}.hook_{w}"),
+            lambda group, copies: _patch_hooks(what, group, sources, copies),
             local, heads_per_forward)
         clean_value, corrupted_value, *values = shard.means([clean_value, corrupted_value, *values])
     return _frame(model, items, values, clean_value, corrupted_value, metric, by, what)
@@ -241,8 +241,7 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
     late = [s for s in senders if rank[s] >= last]
     if late:
         raise ValueError(f"Senders must sit before the receivers' last {last_name}; got {late}.")
-    real = {site_of(model, h).name for h in model.cfg.heads()}  # not a layer pruned empty
-    z_names = [f"{s.name}.hook_z" for s in model.cfg.sites if s.name in real]
+    z_names = [hook_name("z", s) for s in real_sites(model)]  # not a site pruned empty
     targets = sorted({(site_of(model, r).name, r[1] if via == "q" else
                        r[1] // (site_of(model, r).n_heads // site_of(model, r).n_kv_heads)) for r in receivers},
                      key=lambda t: (order[t[0]], t[1]))
@@ -296,7 +295,7 @@ def _receiver_inputs(model, batch, group, copies, clean_cache, corrupted_cache, 
     def keep(act, point):
         captured[point.name.rsplit(".", 1)[0]] = act
 
-    hooks = [(z_names, freeze), ([f"{site}.hook_{via}" for site in sites], keep)]
+    hooks = [(z_names, freeze), ([hook_name(via, site) for site in sites], keep)]
     with model.hooks(hooks), prefix.replaying(min(model.sites[site].block for site, _ in group), copies):
         _run(model, batch, copies)
     return captured
@@ -316,4 +315,4 @@ def _receiver_hooks(via: str, targets: Sequence[tuple[str, int]], patched: dict[
             return act
         return hook
 
-    return [(f"{site}.hook_{via}", hook_for(site, heads)) for site, heads in by_site.items()]
+    return [(hook_name(via, site), hook_for(site, heads)) for site, heads in by_site.items()]

@@ -21,10 +21,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
 from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp import HookedModel, distributed
 from interp.progress import progress
-from interp.pruning import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
+from interp.head_slicing import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
 from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 
 from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
@@ -78,7 +79,7 @@ def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None
     ablated = set(check_heads(model, ablated, allow_empty=True))
     real = set(model.cfg.heads())  # not the placeholder of a layer pruned empty
     sites = model.cfg.sites
-    units = [(f"{s.name}.hook_z", [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
+    units = [(hook_name("z", s), [head_key(model, s, h) not in ablated for h in range(s.n_heads)]) for s in sites]
     with Shard(batch, source) as shard:  # this rank's prompts under torch.distributed, else all of them
         mine = torch.arange(shard.n) if shard.index is None else shard.index
         parts = []
@@ -276,7 +277,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     zero-ablated. The original is untouched.
 
     Grouped-query attention: a KV head goes only when all its query heads go; when groups keep unequal numbers
-    of heads, KV heads are duplicated so each serves the same number (rule in ``interp/pruning.py``). A layer
+    of heads, KV heads are duplicated so each serves the same number (rule in ``interp/head_slicing.py``). A layer
     loses every head only with ``allow_empty_layers=True`` (it keeps one zeroed placeholder head).
     Save with ``pruned.save_pretrained(folder)``; ``interp.load_model(folder)`` rebuilds it (the config
     records the kept heads in ``interp_pruned_heads``).
@@ -299,7 +300,7 @@ def prune_model(model, heads, allow_empty_layers: bool = False) -> HookedModel:
     _without_torch_hooks(hf)  # the user's hooks belong to their model: the pruned one starts clean
     if is_layered(model):
         slice_heads(hf, model.structure, keep)
-    else:  # an encoder-decoder model: per site (interp.pruning.slice_sites)
+    else:  # an encoder-decoder model: per site (interp.head_slicing.slice_sites)
         slice_sites(hf, keep)
     why = ("its attention module ({}) couples the heads (a norm over all heads' queries, as OLMo2's q_norm) or reads "
            "head counts from the shared config (as Phi-3 does), which per-layer slicing cannot change. Use "

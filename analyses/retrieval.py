@@ -24,10 +24,10 @@ import torch
 
 from interp.progress import progress
 from interp.site_pass import each_site
-from interp.streaming_cache import cache_kwarg, output_cache
+from interp.streaming import cache_kwarg, output_cache
 
-from .corpus import _ordinary_ids, _special_frame, corpus_sentences, refuse_unreadable
-from .taxonomy_base import check_n_bootstrap
+from .prompts import _ordinary_ids, _special_frame, haystack, refuse_unreadable
+from .bootstrap import check_n_bootstrap
 
 __all__ = ["NeedlePrompt", "needle_prompts", "shortest_needle_prompt", "run_needle", "retrieval_step_hits",
            "retrieval_heads"]
@@ -116,7 +116,7 @@ def needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0) -
                 pool = _ordinary_ids(model)
                 filler = lambda n: pool[torch.randint(len(pool), (n,), generator=g)].tolist()  # noqa: E731
             else:
-                filler = lambda n: _haystack(tok, n, g)  # noqa: E731
+                filler = lambda n: haystack(tok, n, g)  # noqa: E731
             n_hay = length - len(prefix) - len(intro) - len(code) - 1 - len(question)
             if n_hay < 1:
                 raise ValueError(f"length {length} leaves no room for a haystack: on this model a needle prompt's "
@@ -133,18 +133,6 @@ def needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0) -
                               "digits.")
             out.append(NeedlePrompt(torch.tensor(ids), (start, start + len(code)), length, float(depth)))
     return out
-
-
-def _haystack(tok, n: int, g: torch.Generator) -> list[int]:
-    """n tokens of corpus sentences, shuffled and repeated as needed (cut at n)."""
-    sentences = corpus_sentences()
-    ids: list[int] = []
-    while len(ids) < n:
-        for i in torch.randperm(len(sentences), generator=g).tolist():
-            ids += tok(" " + sentences[i], add_special_tokens=False)["input_ids"]
-            if len(ids) >= n:
-                break
-    return ids[:n]
 
 
 def retrieval_step_hits(top: torch.Tensor, token: int, ids: torch.Tensor, needle: tuple[int, int]) -> torch.Tensor:

@@ -26,7 +26,7 @@ from interp.sites import FRONT
 from . import registry
 from .labels import head_labels, label_heads, site_kind
 from .registry import HeadScore
-from .taxonomy_base import check_n_bootstrap
+from .bootstrap import check_n_bootstrap
 
 __all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs"]
 

@@ -154,24 +154,3 @@ def train_copy_model(steps: int = 400, seed: int = 0, length: int = 10, vocab: i
         hf.eval()
     return model
 
-
-# Names of the encoder-decoder mirrors of the studies, which are now the one study of every model (interp.sites)
-_STUDIES = {"ablate_seq2seq_heads": ("ablation", "ablate_heads"), "seq2seq_ablation_scan": ("ablation", "ablation_scan"),
-            "seq2seq_activation_patching": ("patching", "activation_patching"),
-            "seq2seq_attribution_patching": ("attribution", "attribution_patching"),
-            "seq2seq_head_importance": ("pruning", "head_importance"), "seq2seq_batch": ("metrics", "batch_of"),
-            "target_loss": ("metrics", "target_loss"), "target_accuracy": ("metrics", "target_accuracy")}
-
-
-def __getattr__(name: str):
-    """The former encoder-decoder names of the studies: each is the one study of every model now."""
-    if name in _STUDIES:
-        import importlib
-
-        module, attr = _STUDIES[name]
-        return getattr(importlib.import_module(f".{module}", __package__), attr)
-    if name == "check_site_heads":
-        from interp.sites import check_heads
-
-        return check_heads
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,9 +22,10 @@ from interp.streaming import KVHeadsNote, check_streamable, stream_heads, stream
 
 from .ablation import Head
 from .engine import Shard, _arguments
-from .metrics import as_metric, batch_of
+from .batches import batch_of
+from .metrics import as_metric
 
-__all__ = ["streaming_curve", "streaming_order", "streaming_curve_plot", "streaming_inputs"]
+__all__ = ["streaming_curve", "streaming_order", "streaming_inputs"]
 
 ORDERS = ("importance", "random", "gates")
 
@@ -126,43 +127,13 @@ def streaming_curve(model, inputs, metric, order="random", step: float = 0.1, se
     return df
 
 
-def streaming_curve_plot(df: pd.DataFrame, ax=None):
-    """The metric against the fraction of heads streaming, one line per order (random seeds: mean, range shaded),
-    with the KV-cache fraction on a second axis."""
-    import matplotlib.pyplot as plt
-
-    missing = [c for c in ("fraction_streaming", "metric", "order", "kv_fraction") if c not in df]
-    if missing or not len(df):
-        raise ValueError(f"streaming_curve_plot needs streaming_curve's rows; the table lacks {missing or 'rows'}.")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
-    for i, (order, part) in enumerate(df.groupby("order", sort=False)):
-        stats = part.groupby("fraction_streaming")["metric"].agg(["mean", "min", "max"]).sort_index()
-        n_seeds = int(part["seed"].nunique())
-        label = order if n_seeds <= 1 else f"{order} (mean of {n_seeds} seeds, range shaded)"
-        ax.plot(stats.index, stats["mean"], color=f"C{i}", marker="o", markersize=4, label=label)
-        if n_seeds > 1:
-            ax.fill_between(stats.index, stats["min"], stats["max"], color=f"C{i}", alpha=0.2, linewidth=0)
-    kv = df.groupby("fraction_streaming")["kv_fraction"].mean().sort_index()
-    twin = ax.twinx()
-    twin.plot(kv.index, kv.values, color="0.5", linestyle=":", label="KV cache (share of full)")
-    twin.set_ylim(0, 1.05)
-    twin.set_ylabel(f"KV cache at {df.attrs.get('kv_tokens', '?')} tokens (share of full)")
-    ax.set_xlabel(f"fraction of heads streaming (sink {df.attrs.get('sink')}, window {df.attrs.get('window')})")
-    ax.set_ylabel(df.attrs.get("metric", "metric"))
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False, loc="upper left")
-    ax.set_title("streaming curve")
-    return ax
-
-
 def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
     """Long inputs for a streaming curve, ``(ids (rows, tokens), metric, description)``: with a tokenizer, rows of
     the project's sentences (each row a fresh order, no sentence twice in a row until all are used) and the
     next-token loss; without one, ``[BOS, x, x]`` repeated random tokens (``tokens`` or one fewer) and the second
     copy's loss (only heads that see ``len(x)`` tokens back can copy)."""
     from .metrics import lm_loss, second_copy_loss
-    from .retrieval import _haystack
+    from .prompts import haystack
     from .toy import repeated_sequences
 
     limit = model.cfg.max_positions
@@ -170,7 +141,7 @@ def streaming_inputs(model, tokens: int, rows: int = 4, seed: int = 0):
         raise ValueError(f"tokens must be an integer in [8, {limit}] (the model's positions); got {tokens!r}.")
     g = torch.Generator().manual_seed(seed)
     if model.tokenizer is not None:
-        ids = torch.tensor([_haystack(model.tokenizer, tokens, g) for _ in range(rows)])
+        ids = torch.tensor([haystack(model.tokenizer, tokens, g) for _ in range(rows)])
         return ids, lm_loss, f"{rows} rows of {tokens} tokens of the project's sentences, next-token loss"
     bos = model.hf.config.bos_token_id
     half = (tokens - (bos is not None)) // 2

@@ -27,10 +27,11 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from hooks.names import hook_name
 from interp.sites import FRONT, head_columns
 from interp.streaming import check_streamable, stream_heads
 
-from .metrics import batch_of
+from .batches import batch_of
 
 __all__ = ["streaming_gates", "passkey_inputs"]
 
@@ -144,8 +145,8 @@ def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_
         a = gates[l].repeat_interleave(group).to(pattern.device)[None, :, None, None]
         return a * pattern + (1 - a) * stash.pop(l).to(pattern.dtype)
 
-    hooks = [([f"blocks.{l}.attn.hook_attn_scores" for l in gates], scores_hook),
-             ([f"blocks.{l}.attn.hook_pattern" for l in gates], pattern_hook)]
+    hooks = [([hook_name("attn_scores", l) for l in gates], scores_hook),
+             ([hook_name("pattern", l) for l in gates], pattern_hook)]
     opt = torch.optim.Adam(list(gates.values()), lr=lr)
     n_gates = sum(g.numel() for g in gates.values())
     b = ids.shape[0]

@@ -18,7 +18,7 @@ import torch
 
 from interp.inputs import encode
 
-from .corpus import _ordinary_ids, _special_frame
+from .prompts import _ordinary_ids, _special_frame
 from .metrics import Metric, next_token_loss
 
 __all__ = ["induction_task", "ioi_task", "IOI_TEMPLATES", "IOI_NAMES"]

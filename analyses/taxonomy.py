@@ -35,12 +35,15 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
 
 from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
-from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm, refuse_stacks
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import check_k, refuse_non_lm, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS"]
 
@@ -92,13 +95,13 @@ def effective_embedding(model, ids) -> torch.Tensor:
     """eff(t) for token ids ``ids: (n,)``: ``(n, d_model)`` float32 (see the module docstring)."""
     refuse_stacks(model, "effective_embedding")
     ids = torch.as_tensor(ids).long().flatten()
-    layer0 = [(0, h) for h in range(model.cfg.heads_per_layer[0])] if 0 not in model.cfg.empty_layers else []
+    layer0 = [(0, h) for h in range(model.cfg.heads_per_layer[0])] if 0 in _scored_layers(model) else []
     kept = {}
 
     def keep(resid, hook):
         kept["x"] = resid[:, 0].detach().float()
 
-    with model.studying(), torch.no_grad(), model.hooks([("blocks.0.hook_resid_post", keep)]):
+    with model.studying(), torch.no_grad(), model.hooks([(hook_name("resid_post", 0), keep)]):
         if layer0:
             with ablate_heads(model, layer0):
                 model(ids[:, None].to(model.device))
@@ -141,13 +144,13 @@ def _head_inputs(model, norm_in, eff: torch.Tensor) -> torch.Tensor:
 
 
 def _scored_layers(model) -> list[int]:
-    return [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    return [s.block for s in real_sites(model)]
 
 
 def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, seed: int) -> pd.DataFrame:
     rows = []
     for layer, layer_hits in hits.items():  # (items, h)
-        mean, lo, hi = bootstrap(layer_hits, n_bootstrap, seed)
+        mean, lo, hi = mean_interval(layer_hits, n_bootstrap, seed)
         for head in range(layer_hits.shape[1]):
             rows.append({"layer": layer, "head": head, name: float(mean[head]), f"{name}_lo": float(lo[head]),
                          f"{name}_hi": float(hi[head])})
@@ -198,7 +201,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 200, k: int = 10
     tokens: the token ids to score (default: ``n_tokens`` ordinary tokens drawn with ``seed``). k: a token counts
     when it is among the ``k`` most negative logits of the whole vocabulary.
     """
-    from .corpus import _ordinary_ids
+    from .prompts import _ordinary_ids
 
     refuse_non_lm(model, "The copy-suppression score")
     check_n_bootstrap(n_bootstrap)

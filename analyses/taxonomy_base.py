@@ -1,16 +1,13 @@
 """What the literature's head classes share (``analyses.taxonomy``, ``taxonomy_ioi``, ``function_vectors``, and
-``detect_heads``'s dispatch): the refusals for models they cannot read (several stacks; no next-token logits), the
-checks of their arguments (copy suppression's k; the bootstrap's resample count, which retrieval and the attention
-scores check here too) and the bootstrap over items. It sits below those modules, so none of them imports another
-back."""
+``detect_heads``'s dispatch): the refusals for models they cannot read (several stacks; no next-token logits) and
+the check of copy suppression's k. It sits below those modules, so none of them imports another back. Their
+intervals come from ``analyses.bootstrap``."""
 
 from __future__ import annotations
 
-import torch
-
 from interp.sites import is_layered
 
-__all__ = ["refuse_stacks", "refuse_non_lm", "check_n_bootstrap", "check_k", "bootstrap"]
+__all__ = ["refuse_stacks", "refuse_non_lm", "check_k"]
 
 
 def refuse_stacks(model, what: str) -> None:
@@ -36,13 +33,6 @@ def refuse_non_lm(model, what: str) -> None:
                     "scores (detect_heads's defaults), which every model has.")
 
 
-def check_n_bootstrap(n_bootstrap) -> None:
-    """n_bootstrap: a positive integer (True and 2.5 are not)."""
-    if isinstance(n_bootstrap, bool) or not isinstance(n_bootstrap, int) or n_bootstrap < 1:
-        raise ValueError(f"n_bootstrap must be a positive integer (the resamples behind each 95% interval, e.g. "
-                         f"1000); got {n_bootstrap!r}.")
-
-
 def check_k(model, k) -> None:
     """k (copy suppression's top-k): a positive integer below the vocabulary size, where a token among the k
     extreme logits still says something."""
@@ -53,15 +43,3 @@ def check_k(model, k) -> None:
         raise ValueError(f"k must be less than the vocabulary's {vocab} tokens: with k >= {vocab} every token is "
                          f"among the k extreme logits and every head would count every token; got {k}.")
 
-
-def bootstrap(hits: torch.Tensor, n_bootstrap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean over items of ``hits: (items, heads)`` and its 95% percentile bootstrap interval (items resampled)."""
-    check_n_bootstrap(n_bootstrap)
-    hits = hits.double()
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.randint(hits.shape[0], (n_bootstrap, hits.shape[0]), generator=g)
-    counts = torch.zeros(n_bootstrap, hits.shape[0], dtype=torch.float64).scatter_add_(
-        1, draws, torch.ones(n_bootstrap, hits.shape[0], dtype=torch.float64))
-    boot = counts @ hits / hits.shape[0]  # (n_bootstrap, heads)
-    lo_hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
-    return hits.mean(0), lo_hi[0], lo_hi[1]

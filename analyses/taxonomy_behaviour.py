@@ -34,12 +34,15 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
+from interp.config import real_sites
 from interp.distributed import onloaded
 from interp.inputs import encode
 
 from .attribution import _unembedding, frozen_norm
 from .composition import head_weights
-from .taxonomy_base import bootstrap, check_k, check_n_bootstrap, refuse_non_lm
+from .bootstrap import check_n_bootstrap, mean_interval
+from .taxonomy_base import check_k, refuse_non_lm
 
 __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 
@@ -47,7 +50,7 @@ __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
 def corpus_windows(model, n_prompts: int = 32, seq_len: int = 64, seed: int = 0) -> torch.Tensor:
     """``(n_prompts, seq_len)`` token ids: the tokenizer's leading special tokens, then a window of the bundled
     corpus's running text (sentences joined by spaces) starting at a random token (``seed``)."""
-    from .corpus import _special_frame, corpus_sentences, refuse_unreadable
+    from .prompts import _special_frame, corpus_sentences, refuse_unreadable
 
     if model.tokenizer is None:
         raise ValueError("corpus_windows tokenizes the bundled corpus: this model has no tokenizer; give tokens= "
@@ -98,18 +101,18 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     s = model.structure
     unembed = _unembedding(model)
     final_norm = model.hf.get_submodule(s.final_norm)
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
+    layers = [s.block for s in real_sites(model)]
     last = model.cfg.n_layers - 1
     post = {l: s.post_attn_norm[l] for l in layers if s.post_attn_norm and s.post_attn_norm[l]}
-    names = [f"blocks.{last}.hook_resid_post"]
+    names = [hook_name("resid_post", last)]
     for l in layers:
-        names += [f"blocks.{l}.hook_resid_pre", f"blocks.{l}.attn.hook_z"]
-        names += [f"blocks.{l}.attn.hook_{x}" for x in (("pattern",) if model.attn == "eager" else ("q", "k"))]
-        names += [f"blocks.{l}.hook_attn_out"] if l in post else []
+        names += [hook_name("resid_pre", l), hook_name("z", l)]
+        names += [hook_name(x, l) for x in (("pattern",) if model.attn == "eager" else ("q", "k"))]
+        names += [hook_name("attn_out", l)] if l in post else []
     n, p = ids.shape
     with model.studying(), torch.no_grad():
         _, cache = model.run_with_cache(ids.to(model.device), names=names, device="cpu")
-        final = cache[f"blocks.{last}.hook_resid_post"].float().reshape(n * p, -1)
+        final = cache[hook_name("resid_post", last)].float().reshape(n * p, -1)
         with onloaded(unembed, final_norm):
             w_u = unembed.weight.detach().float().cpu()
             apply_final, _ = frozen_norm(final_norm, final)
@@ -117,20 +120,20 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
         allowed = (keys[None, :] >= 1) & (keys[None, :] < keys[:, None])  # (q, k): positions 1 .. q-1
         rows, hits, suppressed = [], [], []
         for l in layers:
-            resid = cache[f"blocks.{l}.hook_resid_pre"].reshape(n * p, -1)
+            resid = cache[hook_name("resid_pre", l)].reshape(n * p, -1)
             with onloaded(unembed, final_norm):
                 top = _top_k(unembed, final_norm, resid.to(model.device), k).reshape(n, p, k)
             pattern = cache.pattern(l).float()  # (b, h, q, k): cached, or rebuilt from q and k as eager does
             key = pattern.masked_fill(~allowed, float("-inf")).argmax(-1)[:, :, 2:]  # (b, h, q-2)
             attended = ids[torch.arange(n)[:, None, None], key]  # (b, h, q-2)
             predicted = (attended[..., None] == top[:, None, 2:, :]).any(-1)  # (b, h, q-2)
-            z = cache[f"blocks.{l}.attn.hook_z"].float()  # (b, p, h, e)
+            z = cache[hook_name("z", l)].float()  # (b, p, h, e)
             w_o = head_weights(model, l, fold_norms=False)["W_O"].float().cpu()  # (h, e, m)
             out = torch.einsum("bphe,hem->hbpm", z, w_o).reshape(z.shape[2], n * p, -1)  # (h, b*p, m)
             if l in post:
                 norm = model._blocks[l].get_submodule(post[l])
                 with onloaded(norm):
-                    apply_post, _ = frozen_norm(norm, cache[f"blocks.{l}.hook_attn_out"].float().reshape(n * p, -1))
+                    apply_post, _ = frozen_norm(norm, cache[hook_name("attn_out", l)].float().reshape(n * p, -1))
                 out = apply_post(out)
             out = apply_final(out).reshape(-1, n, p, out.shape[-1])[:, :, 2:]  # (h, b, q-2, m)
             rows_u = w_u[attended]  # (b, h, q-2, m)
@@ -144,7 +147,7 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
     df = pd.DataFrame(rows)
     for name, parts in (("copy_suppression_behaviour", suppressed), ("cs_attends_predicted", hits)):
         per_window = torch.cat([x.double().mean(-1) for x in parts], 1)  # (b, heads)
-        mean, lo, hi = bootstrap(per_window, n_bootstrap, seed)
+        mean, lo, hi = mean_interval(per_window, n_bootstrap, seed)
         df[name], df[f"{name}_lo"], df[f"{name}_hi"] = mean.numpy(), lo.numpy(), hi.numpy()
     df = df[["layer", "head", "copy_suppression_behaviour", "cs_attends_predicted", "cs_predicted_effect",
              "copy_suppression_behaviour_lo", "copy_suppression_behaviour_hi", "cs_attends_predicted_lo",

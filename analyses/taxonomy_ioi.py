@@ -24,27 +24,17 @@ import warnings
 import pandas as pd
 import torch
 
+from hooks.names import hook_name
+from interp.config import real_sites
+
 from .attribution import _unembedding, frozen_norm
 from .batches import _main_output
 from .labels import resolve_thresholds
 from .metrics import Metric
-from .taxonomy_base import check_n_bootstrap, refuse_non_lm
+from .bootstrap import check_n_bootstrap, ratio_interval
+from .taxonomy_base import refuse_non_lm
 
 __all__ = ["name_mover_scores", "s_inhibition_scores"]
-
-
-def _ratio_bootstrap(num: torch.Tensor, den: torch.Tensor, n_bootstrap: int, seed: int):
-    """mean(num) / mean(den) for ``num: (prompts, heads)``, ``den: (prompts,)``, and its 95% bootstrap interval."""
-    check_n_bootstrap(n_bootstrap)
-    num, den = num.double(), den.double()
-    g = torch.Generator().manual_seed(seed)
-    n = num.shape[0]
-    draws = torch.randint(n, (n_bootstrap, n), generator=g)
-    counts = torch.zeros(n_bootstrap, n, dtype=torch.float64).scatter_add_(1, draws, torch.ones(n_bootstrap, n,
-                                                                                                 dtype=torch.float64))
-    boot = (counts @ num) / (counts @ den)[:, None]
-    lo_hi = torch.nanquantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
-    return num.mean(0) / den.mean(), lo_hi[0], lo_hi[1]
 
 
 def _rows(model, name: str, value, lo, hi, extra: dict | None = None) -> pd.DataFrame:
@@ -76,9 +66,9 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     unembed = _unembedding(model)
     ids, mask = clean["input_ids"], clean["attention_mask"]
     n, last = ids.shape[0], model.cfg.n_layers - 1
-    layers = [l for l in range(model.cfg.n_layers) if l not in model.cfg.empty_layers]
-    names = ([f"blocks.{last}.hook_resid_post"] + [f"blocks.{l}.attn.hook_result" for l in layers]
-             + [f"blocks.{l}.attn.hook_pattern" for l in layers])
+    layers = [s.block for s in real_sites(model)]
+    names = ([hook_name("resid_post", last)] + [hook_name("result", l) for l in layers]
+             + [hook_name("pattern", l) for l in layers])
     before = model.attn
     try:
         if before != "eager":
@@ -92,7 +82,7 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     logits = _main_output(out)[:, -1].float().cpu()
     diff = logits[rows, io] - logits[rows, s]  # (n,)
     norm = model.hf.get_submodule(model.structure.final_norm)
-    apply, _ = frozen_norm(norm, cache[f"blocks.{last}.hook_resid_post"][:, -1].float())
+    apply, _ = frozen_norm(norm, cache[hook_name("resid_post", last)][:, -1].float())
     w_u = unembed.weight.detach().float().cpu()
     direction = w_u[io] - w_u[s]  # (n, m)
     tokens = ids.cpu()
@@ -109,7 +99,7 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
         attn[l, :end_row.shape[1]] = ((end_row * is_io[:, None]).sum(-1) - (end_row * is_s[:, None]).sum(-1)).mean(0)
     real = [(l, h) for l in range(model.cfg.n_layers) for h in range(model.cfg.heads_per_layer[l])]
     flat = torch.stack([dla[:, l, h] for l, h in real], 1)
-    value, lo, hi = _ratio_bootstrap(flat, diff, n_bootstrap, seed)
+    value, lo, hi = ratio_interval(flat, diff, n_bootstrap, seed)
     _warn_unmeasured(value, float(diff.mean()), n)
     df = _rows(model, "name_mover", value, lo, hi, {"io_attention": [float(attn[l, h]) for l, h in real]})
     df.attrs.update(logit_difference=float(diff.mean()), prompts=n)
@@ -167,7 +157,7 @@ def s_inhibition_scores(model, receivers=None, n_receivers: int = 3, n_prompts: 
                          f"be patched: {err} Give receivers=[(layer, head), ...].") from err
     clean_v, corrupted_v, *patched = recording.calls  # (n,) each: clean, corrupted, then one per sender
     num = torch.stack([p - corrupted_v for p in patched], 1)  # (n, senders)
-    value, lo, hi = _ratio_bootstrap(num, clean_v - corrupted_v, n_bootstrap, seed)
+    value, lo, hi = ratio_interval(num, clean_v - corrupted_v, n_bootstrap, seed)
     found = {(int(l), int(h)): i for i, (l, h) in enumerate(zip(df["layer"], df["head"]))}
     heads = model.cfg.heads()
     pick = [found.get(h) for h in heads]

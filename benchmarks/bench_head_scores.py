@@ -78,7 +78,8 @@ def run_case(case: str, n: int, device: str, dtype: str) -> dict:
     """One case in this (fresh) process: seconds, and on CUDA the peak allocated bytes."""
     import torch
 
-    from analyses.heads import detect_heads, repeated_random_tokens
+    from analyses.heads import detect_heads
+    from analyses.prompts import repeated_random_tokens
 
     model = build_model(device, dtype, n)
     ids = torch.stack(repeated_random_tokens(model, 1, n, torch.Generator().manual_seed(0))).to(model.device)

@@ -61,7 +61,7 @@ def _status(field: str) -> int:
 def _prompt(model, n: int):
     import torch
 
-    from analyses.corpus import _ordinary_ids, _special_frame
+    from analyses.prompts import _ordinary_ids, _special_frame
 
     prefix, _ = _special_frame(model)
     pool = _ordinary_ids(model)

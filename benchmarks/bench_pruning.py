@@ -31,7 +31,7 @@ import torch
 import interp
 from analyses import ablation_scan, embedding_similarity, engine, head_importance, prune_model, second_copy_loss
 from analyses.ablation import all_heads
-from analyses.metrics import batch_of
+from analyses.batches import batch_of
 from analyses.toy import repeated_sequences
 
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"

@@ -20,7 +20,7 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.heads import corpus_prompts, repeated_random_tokens
+from analyses.prompts import corpus_prompts, repeated_random_tokens
 from interp.inputs import pad_ids, padded_positions
 
 

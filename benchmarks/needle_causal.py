@@ -21,6 +21,7 @@ import torch
 
 import interp
 from analyses import ablate_heads
+from analyses.bootstrap import mean_interval
 from analyses.retrieval import needle_prompts, retrieval_heads, run_needle
 
 
@@ -33,11 +34,8 @@ def accuracy(model, prompts) -> list[float]:
 
 
 def interval(values: list[float], n_bootstrap: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    x = torch.tensor(values, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    boot = x[torch.randint(len(x), (n_bootstrap, len(x)), generator=g)].mean(1)
-    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64))
-    return float(x.mean()), float(lo), float(hi)
+    mean, lo, hi = mean_interval(torch.tensor(values, dtype=torch.float64), n_bootstrap, seed)
+    return float(mean), float(lo), float(hi)
 
 
 def main() -> None:

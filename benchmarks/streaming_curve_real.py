@@ -17,7 +17,7 @@ import torch
 
 import interp
 from analyses import head_importance, lm_loss, streaming_curve, streaming_curve_plot
-from analyses.retrieval import _haystack
+from analyses.prompts import haystack
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     interp.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model = interp.load_model(a.model, attn="flash")
     g = torch.Generator().manual_seed(0)  # each row: the corpus sentences in a fresh order (no repeats in a row)
-    rows = torch.tensor([_haystack(model.tokenizer, a.tokens, g) for _ in range(a.rows)])
+    rows = torch.tensor([haystack(model.tokenizer, a.tokens, g) for _ in range(a.rows)])
     importance = head_importance(model, rows, lm_loss, batch_size=a.batch_size)  # ranks heads, least important first
     curves = [streaming_curve(model, rows, lm_loss, order=o, column=c, seeds=a.seeds, sink=a.sink, window=a.window)
               for o, c in ((importance, "importance"), ("random", None))]

@@ -1,5 +1,5 @@
 """Every causal-LM and masked-LM model type of the installed transformers (with ``--seq2seq``: every
-encoder-decoder type), built tiny (interp.testing), loaded with interp on both attention paths and compared with HF.
+encoder-decoder type), built tiny (tests/tiny.py), loaded with interp on both attention paths and compared with HF.
 
 Each type ends in one of:
 
@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import transformers
@@ -37,10 +38,12 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
                                                     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 
-import interp
-from interp.inputs import padded_positions
-from interp.testing import model_class, tiny_model
-from interp.structure import set_attention_key
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: tests.tiny
+
+import interp  # noqa: E402
+from interp.inputs import padded_positions  # noqa: E402
+from interp.probe import set_attention_key  # noqa: E402
+from tests.tiny import model_class, tiny_model  # noqa: E402
 
 N_POS = 14
 

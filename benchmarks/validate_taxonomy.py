@@ -29,9 +29,9 @@ import interp  # noqa: E402
 from analyses.ablation import ablate_heads  # noqa: E402
 from analyses.function_vectors import (_mean_z, fv_accuracy, function_vector, function_vector_scores, icl_prompts,  # noqa: E402
                                        icl_tasks, task_accuracy)
-from analyses.metrics import _main_output  # noqa: E402
-from analyses.taxonomy import (_bundled_lists, bootstrap, copy_suppression_scores, ordinal_lists,  # noqa: E402
-                               successor_scores)
+from analyses.batches import _main_output  # noqa: E402
+from analyses.bootstrap import mean_interval  # noqa: E402
+from analyses.taxonomy import _bundled_lists, copy_suppression_scores, ordinal_lists, successor_scores  # noqa: E402
 from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores  # noqa: E402
 from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores  # noqa: E402
 from analyses.tasks import induction_task  # noqa: E402
@@ -66,7 +66,7 @@ def _effect(model, per_example, heads, reference):
 
 def _causal(model, heads, per_example, reference, draws, seed, n_bootstrap=1000):
     delta, base = _effect(model, per_example, heads, reference)
-    mean, lo, hi = bootstrap(delta[:, None], n_bootstrap, seed)
+    mean, lo, hi = mean_interval(delta[:, None], n_bootstrap, seed)
     controls = [float(_effect(model, per_example, r, reference)[0].mean()) for r in _random_like(model, heads, draws, seed)]
     return {"baseline": float(base.mean()), "class_delta": float(mean[0]), "class_lo": float(lo[0]),
             "class_hi": float(hi[0]), "random_delta_mean": sum(controls) / len(controls),
@@ -134,7 +134,7 @@ def validate(model, classes, k, draws, quick, seed=0):
         n = 40 if quick else 200
         full = copy_suppression_scores(model, n_tokens=2 * n)
         g = torch.Generator().manual_seed(seed + 1)
-        from analyses.corpus import _ordinary_ids
+        from analyses.prompts import _ordinary_ids
 
         pool = _ordinary_ids(model)
         sample = pool[torch.randperm(len(pool), generator=g)[:2 * n]]

@@ -4,7 +4,7 @@ This package depends on nothing else of ours; ``interp`` and ``analyses`` build 
 """
 
 from .cache import ActivationCache, AttentionMeta, additive_mask, allowed_keys
-from .names import HOOK_TABLE, HookSpec, expand_names, get_act_name, spec_for, suggest_names
+from .names import HOOK_TABLE, HookSpec, attn_site, expand_names, get_act_name, hook_name, spec_for, suggest_names
 from .points import HookFn, HookHandle, HookPoint, HookRegistry, NameFilter
 
 __all__ = [
@@ -19,8 +19,10 @@ __all__ = [
     "NameFilter",
     "additive_mask",
     "allowed_keys",
+    "attn_site",
     "expand_names",
     "get_act_name",
+    "hook_name",
     "spec_for",
     "suggest_names",
 ]

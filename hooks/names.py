@@ -11,10 +11,12 @@ Tests read this table: every name must fire once per layer with the documented s
 from __future__ import annotations
 
 import difflib
+import numbers
 import re
 from dataclasses import dataclass
 
-__all__ = ["HookSpec", "HOOK_TABLE", "expand_names", "get_act_name", "spec_for", "suggest_names", "unknown_name_error"]
+__all__ = ["HookSpec", "HOOK_TABLE", "attn_site", "expand_names", "get_act_name", "hook_name", "spec_for", "suggest_names",
+           "unknown_name_error"]
 
 
 @dataclass(frozen=True)
@@ -187,3 +189,45 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
         need = "a layer" if spec.per_layer else "no layer"
         raise ValueError(f"{kind!r} takes {need}; got layer={layer!r}.")
     return spec.name(layer)
+
+
+_SITE_TEMPLATE = next(s.template for s in HOOK_TABLE if s.short == "z").rsplit(".hook_", 1)[0]  # "blocks.{l}.attn"
+_SITE_KINDS = frozenset(s.short for s in HOOK_TABLE if s.template.startswith(_SITE_TEMPLATE + ".hook_"))
+
+
+def attn_site(layer: int) -> str:
+    """The attention site of layer ``layer`` where each layer has one (decoder-only and encoder-only models), the
+    prefix of its attention hooks: ``attn_site(3) == "blocks.3.attn"``."""
+    return _SITE_TEMPLATE.format(l=layer)
+
+
+def hook_name(kind: str, where, stack: str | None = None) -> str:
+    """A hook's full name from its kind and where it fires: a layer number (as ``get_act_name``:
+    ``hook_name("resid_pre", 0) == "blocks.0.hook_resid_pre"``; in an encoder-decoder model with its ``stack``:
+    ``hook_name("resid_post", 1, "decoder") == "decoder.blocks.1.hook_resid_post"``, and ``"cross_attn_out"`` for
+    a decoder block's cross-attention output), or, for the kinds an attention site has (q, k, v, attn_scores,
+    pattern, z, lse, result), a site's name or anything with a ``name`` (an ``interp.sites.Site``), on any model:
+    ``hook_name("z", "decoder.blocks.0.cross_attn") == "decoder.blocks.0.cross_attn.hook_z"``.
+
+    >>> hook_name("pattern", 2), hook_name("q", "encoder.blocks.1.attn"), hook_name("cross_attn_out", 0, "decoder")
+    ('blocks.2.attn.hook_pattern', 'encoder.blocks.1.attn.hook_q', 'decoder.blocks.0.hook_cross_attn_out')
+    """
+    if isinstance(where, numbers.Integral) and not isinstance(where, bool):
+        if stack not in (None, "encoder", "decoder"):
+            raise ValueError(f"stack is 'encoder' or 'decoder' (an encoder-decoder model's), or None; got {stack!r}.")
+        cross = kind == "cross_attn_out"
+        if cross and stack != "decoder":
+            raise ValueError("cross_attn_out is a hook of an encoder-decoder model's decoder blocks: give "
+                             "stack='decoder'.")
+        name = get_act_name("attn_out" if cross else kind, int(where))
+        name = name.replace("hook_attn_out", "hook_cross_attn_out") if cross else name
+        return name if stack is None else f"{stack}.{name}"
+    site = getattr(where, "name", where)
+    if not isinstance(site, str) or not site:
+        raise TypeError(f"hook_name takes a layer number or an attention site's name such as 'blocks.3.attn'; "
+                        f"got {where!r}.")
+    kind = _ALIASES.get(kind, kind)
+    if kind not in _SITE_KINDS:
+        raise ValueError(f"An attention site's hooks are of kinds {sorted(_SITE_KINDS)}; got {kind!r}. Per-block kinds "
+                         "(resid_pre, attn_out, ...) take a layer number: hook_name('resid_pre', 3).")
+    return f"{site}.hook_{kind}"

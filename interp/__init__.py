@@ -11,18 +11,17 @@ nothing else.
 from . import masks as _masks  # noqa: F401  (registers our attention and mask functions)
 from .attention import EAGER_KEY, FLASH_KEY
 from .loading import BUNDLED, load_model
-from .model import HookedModel, ModelConfig, Seq2SeqHookedModel  # Seq2SeqHookedModel: HookedModel's name before
+from .config import ModelConfig
+from .model import HookedModel
 from .compat import HookedTransformer
 from .circuits import LowRank
 from .resid import ModelCache
 from . import utils
-from .streaming import kv_cache_bytes, stream_heads, streaming_kv_bytes
-from .streamed import stream_model
-from .streaming_cache import cache_kwarg, output_cache
+from .streaming import cache_kwarg, kv_cache_bytes, output_cache, stream_heads, stream_model, streaming_kv_bytes
 from .progress import set_progress
 from .threads import set_threads
 
-__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "HookedTransformer", "LowRank", "ModelCache", "ModelConfig", "Seq2SeqHookedModel", "load_model",
+__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "HookedTransformer", "LowRank", "ModelCache", "ModelConfig", "load_model",
            "cache_kwarg", "kv_cache_bytes", "output_cache", "set_progress", "set_threads", "stream_heads",
            "stream_model", "streaming_kv_bytes", "utils"]
 __version__ = "0.1.0"

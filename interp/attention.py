@@ -87,7 +87,7 @@ class LayerHooks:
 # buffer: state_dict, repr and save_pretrained never see it). A global weak table keyed by module made
 # torch.compile guard on the table's changing contents.
 _HOOKS_ATTR = "_interp_hooks"
-_STREAM_ATTR = "_interp_stream"  # interp.streaming_cache.STREAM_ATTR (not imported: streaming builds on this module)
+_STREAM_ATTR = "_interp_stream"  # interp.streaming.cache.STREAM_ATTR (not imported: streaming builds on this module)
 
 
 def attach_layer_hooks(module: torch.nn.Module, hooks: LayerHooks) -> None:
@@ -133,18 +133,6 @@ def _record(module, query, key, value, attention_mask, out, scaling, softcap, si
         softcap=softcap, sinks=None if sinks is None else sinks.detach(), sliding_window=kwargs.get("sliding_window"),
         position_bias=bias,
     ))
-
-
-def _finish(hooks, out, *call) -> torch.Tensor:
-    """Both paths' last step: ``out (b, h, q, e)`` as ``(b, q, h, e)``, through ``hook_z``, recorded while probing
-    (``call``: what ``_record`` takes after the output)."""
-    out = out.transpose(1, 2).contiguous()
-    if hooks is not None and hooks.z:
-        out = hooks.z(out)
-    if Recording.active is not None:
-        module, query, key, value, mask, *rest = call
-        _record(module, query, key, value, mask, out, *rest)
-    return out
 
 
 def softmax_upcasts(call: dict) -> bool:
@@ -295,8 +283,8 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
     out = torch.matmul(attn, value_states)
     if sink_scale is not None:
         out = out * sink_scale.unsqueeze(-1).to(out.dtype)
-    out = _finish(hooks, out, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias)
-    return out, pattern
+    return _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs,
+              position_bias), pattern
 
 
 def flash_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
@@ -351,12 +339,23 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
         lse = torch.logaddexp(lse, sink)
     if hooks is not None and hooks.lse:
         hooks.lse(lse)
-    out = _finish(hooks, out, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias)
-    return out, None
+    return _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs,
+              position_bias), None
+
+
+def _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, s_aux, kwargs, position_bias):
+    """Both paths' last step: out (b, h, q, e) -> z (b, q, h, e), through ``hook_z``, recorded for a probe
+    forward (``Recording``) when one runs."""
+    out = out.transpose(1, 2).contiguous()  # (b, q, h, e)
+    if hooks is not None and hooks.z:
+        out = hooks.z(out)
+    if Recording.active is not None:
+        _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
+    return out
 
 
 def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):
-    """Attention over a streaming cache's split keys (``interp.streaming.SplitKV``): (b, q, h, e). The cache must
+    """Attention over a streaming cache's split keys (``interp.streaming.cache.SplitKV``): (b, q, h, e). The cache must
     have been made for the streaming this module runs now (``stream``, None outside a block): else a ValueError."""
     check = getattr(key, "check_reader", None)
     if check is None:

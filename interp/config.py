@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .inputs import position_limit
-from .pruning import CONFIG_KEY
+from .head_slicing import CONFIG_KEY
 from .sites import Site
 from .structure import Structure
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "real_sites"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,24 @@ class ModelConfig:
         return [(l, h) for l, n in enumerate(self.heads_per_layer) if l not in self.empty_layers for h in range(n)]
 
     @property
+    def empty_sites(self) -> tuple[str, ...]:
+        """The sites of ``empty_layers`` (as an encoder-decoder model's config lists its sites pruned empty)."""
+        return tuple(s.name for s in self.sites if s.block in self.empty_layers)
+
+    @property
     def stacks(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.stack for s in self.sites))
 
+
+
+def real_sites(model) -> list[Site]:
+    """The attention sites that have heads, in site order: every site but the placeholder of one pruned of every
+    head (``cfg.empty_sites``: a layer in ``empty_layers``, or an encoder-decoder site), whose zeroed head is not a
+    head in any analysis. The per-site form of ``cfg.heads()``; on a model with one site per layer
+    ``[s.block for s in real_sites(model)]`` are its layers that have heads."""
+    cfg = model.cfg
+    empty = set(cfg.empty_sites)
+    return [s for s in cfg.sites if s.name not in empty]
 
 def _config_of(hf, structure: Structure) -> ModelConfig:
     c = hf.config

@@ -17,7 +17,7 @@ from hooks import HOOK_TABLE, AttentionMeta, HookPoint
 from .config import _config_of
 from .distributed import onloaded
 from .inputs import padded_positions
-from .pruning import check_head_counts
+from .head_slicing import check_head_counts
 from .structure import discover
 from .wrapper import Kind, Layout, _Handles, _replace_first
 

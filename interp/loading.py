@@ -19,7 +19,7 @@ from .distributed import dispatch
 from .families import check_supported
 from .threads import apply_auto_threads
 from .model import HookedModel
-from .pruning import CONFIG_KEY, from_pretrained_pruned
+from .head_slicing import CONFIG_KEY, from_pretrained_pruned
 
 __all__ = ["load_model", "resolve_source", "BUNDLED", "resolve_dtype", "resolve_device", "available_devices"]
 

@@ -22,23 +22,22 @@ from hooks import AttentionMeta, HookRegistry, NameFilter, spec_for
 
 from .attention import LayerHooks, attach_layer_hooks, attached_layer_hooks
 from .masks import window_aware
-from .config import ModelConfig
 from .families import check_supported
 from .inputs import check_inputs, fix_permissions
-from .layered import LAYERED, spec_name  # noqa: F401  (spec_name: its home before)
-from .pruning import save_pruned
+from .layered import LAYERED
+from .head_slicing import save_pruned
 from .resid import ModelCache
 from .tl_tokens import _UNSET, TokensMixin, pad_mask
 from .tl_weights import WeightsMixin
 from .seq2seq import SEQ2SEQ, decoder_inputs
 from .structure import Structure
-from .wrapper import _Handles, _hand_back_when_dropped, _replace_first, _take_over, _Wrapper, studying  # noqa: F401  (their home before)
+from .wrapper import _hand_back_when_dropped, _take_over, _Wrapper
 
-__all__ = ["HookedModel", "ModelConfig", "Seq2SeqHookedModel"]
+__all__ = ["HookedModel"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 _SETTINGS = ("return_type", "fold_ln")  # TransformerLens-style settings a copy keeps (interp.tl_tokens, tl_weights)
-_ON_BUILD: list = []  # run on every new HookedModel: interp.streamed attaches the streaming heads a config records
+_ON_BUILD: list = []  # run on every new HookedModel: interp.streaming.model attaches the streaming heads a config records
 
 
 def _encoder_decoder(hf) -> bool:
@@ -305,6 +304,3 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     def __repr__(self) -> str:
         return (f"HookedModel({type(self.hf).__name__}: {self._kind.shape(self.cfg)}, d_model {self.cfg.d_model}, "
                 f"attn={self.attn!r})")
-
-
-Seq2SeqHookedModel = HookedModel  # its name before: every model is a HookedModel (issue 23)

@@ -1,5 +1,5 @@
 """Where a layer's heads sit in its q/k/v weights (``Projections``), read off the probe forward: what structural
-pruning (``interp.pruning``) slices, or the reason it refuses."""
+pruning (``interp.head_slicing``) slices, or the reason it refuses."""
 
 from __future__ import annotations
 

@@ -29,18 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from hooks import ActivationCache, AttentionMeta, HookPoint
+from hooks import AttentionMeta, HookPoint
 
 from .inputs import position_limit
-from .pruning import CONFIG_KEY
+from .head_slicing import CONFIG_KEY
 from .seq2seq_structure import _discover
 from .sites import Site
 from .wrapper import Kind, Layout, _replace_first
 
-__all__ = ["SEQ2SEQ", "Seq2SeqCache", "Seq2SeqConfig", "Site", "decoder_inputs"]
+__all__ = ["SEQ2SEQ", "Seq2SeqConfig", "decoder_inputs"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
-Seq2SeqCache = ActivationCache  # the one cache class; ``cache.pattern(site name or index, heads)`` on every model
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class Seq2SeqConfig:
     def stacks(self) -> tuple[str, ...]:
         return ("encoder", "decoder")
 
-    pruned: bool = False  # heads sliced out by analyses.prune_model (interp.pruning.slice_sites)
+    pruned: bool = False  # heads sliced out by analyses.prune_model (interp.head_slicing.slice_sites)
     empty_sites: tuple[str, ...] = ()  # sites pruned of every head: one zeroed placeholder head each
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hooks.names import hook_name
+
 from .sites import Site
 from .stats import attention_stats, pair_weights
 
@@ -162,7 +164,7 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
         prefix = hook.name.rsplit(".", 1)[0]
         index = by_prefix[prefix]
         site = all_sites[index]
-        n_keys = tensor.shape[-1] if eager else held[f"{prefix}.hook_k"].shape[1]
+        n_keys = tensor.shape[-1] if eager else held[hook_name("k", prefix)].shape[1]
         key_valid = valid[site.keys] if valid[site.keys].shape[1] == n_keys else \
             torch.ones(valid[site.keys].shape[0], n_keys, dtype=torch.bool, device=valid[site.keys].device)
         read = SiteRead(index, site, valid[site.queries], key_valid,
@@ -171,15 +173,15 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
         if eager:
             read.pattern = tensor
         else:
-            read.q, read.k, read.lse = held.pop(f"{prefix}.hook_q"), held.pop(f"{prefix}.hook_k"), tensor
+            read.q, read.k, read.lse = held.pop(hook_name("q", prefix)), held.pop(hook_name("k", prefix)), tensor
         visit(read)
         if index == last and stop:
             raise _Done
 
     prefixes = [all_sites[i].name for i in wanted]
-    hooks = [([f"{p}.hook_pattern" for p in prefixes], fire)] if eager else \
-        [([f"{p}.hook_{kind}" for p in prefixes for kind in ("q", "k")], hold),
-         ([f"{p}.hook_lse" for p in prefixes], fire)]
+    hooks = [([hook_name("pattern", p) for p in prefixes], fire)] if eager else \
+        [([hook_name(kind, p) for p in prefixes for kind in ("q", "k")], hold),
+         ([hook_name("lse", p) for p in prefixes], fire)]
     extra = {k: batch.get(k) for k in ("decoder_input_ids", "decoder_attention_mask") if batch.get(k) is not None}
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     try:

@@ -28,8 +28,26 @@ __all__ = ["WeightsMixin"]
 _HEAD_KEYS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 
 
+# TransformerLens's stacked weights, ``model.W_Q`` ...: each a property reading ``_stacked(name)``; name -> its doc
+_STACKED = {
+    "W_Q": "(l, h, m, d) query weights (fold_ln: norm folded in).",
+    "W_K": "(l, h, m, d) key weights, key/value heads repeated (GQA).",
+    "W_V": "(l, h, m, e) value weights, key/value heads repeated.",
+    "W_O": "(l, h, e, m) output weights.",
+    "b_Q": "(l, h, d) query biases (zeros where there are none).",
+    "b_K": "(l, h, d) key biases, key/value heads repeated.",
+    "b_V": "(l, h, e) value biases, key/value heads repeated.",
+    "b_O": "(l, m) output-projection biases.",
+    "_W_K": "(l, g, m, d) key weights per key/value head.",
+    "_W_V": "(l, g, m, e) value weights per key/value head.",
+    "_b_K": "(l, g, d) key biases per key/value head.",
+    "_b_V": "(l, g, e) value biases per key/value head.",
+}
+
+
 class WeightsMixin:
-    """Weights of ``HookedModel`` (it keeps ``hf``, ``cfg``, ``structure``, ``_blocks``, the site accessors)."""
+    """Weights of ``HookedModel`` (it keeps ``hf``, ``cfg``, ``structure``, ``_blocks``, the site accessors).
+    ``W_Q`` ... ``b_O`` and the per key/value head ``_W_K`` ... are properties made from ``_STACKED``."""
 
     fold_ln = True
 
@@ -70,19 +88,6 @@ class WeightsMixin:
         if name in ("W_K", "W_V", "b_K", "b_V") and not key.startswith("_") and group > 1:
             out = out.repeat_interleave(group, dim=1)  # TransformerLens repeats key/value heads
         return out
-
-    W_Q = property(lambda self: self._stacked("W_Q"), doc="(l, h, m, d) query weights (fold_ln: norm folded in).")
-    W_K = property(lambda self: self._stacked("W_K"), doc="(l, h, m, d) key weights, key/value heads repeated (GQA).")
-    W_V = property(lambda self: self._stacked("W_V"), doc="(l, h, m, e) value weights, key/value heads repeated.")
-    W_O = property(lambda self: self._stacked("W_O"), doc="(l, h, e, m) output weights.")
-    b_Q = property(lambda self: self._stacked("b_Q"), doc="(l, h, d) query biases (zeros where there are none).")
-    b_K = property(lambda self: self._stacked("b_K"), doc="(l, h, d) key biases, key/value heads repeated.")
-    b_V = property(lambda self: self._stacked("b_V"), doc="(l, h, e) value biases, key/value heads repeated.")
-    b_O = property(lambda self: self._stacked("b_O"), doc="(l, m) output-projection biases.")
-    _W_K = property(lambda self: self._stacked("_W_K"), doc="(l, g, m, d) key weights per key/value head.")
-    _W_V = property(lambda self: self._stacked("_W_V"), doc="(l, g, m, e) value weights per key/value head.")
-    _b_K = property(lambda self: self._stacked("_b_K"), doc="(l, g, d) key biases per key/value head.")
-    _b_V = property(lambda self: self._stacked("_b_V"), doc="(l, g, e) value biases per key/value head.")
 
     @property
     def OV(self) -> LowRank:  # noqa: N802
@@ -197,6 +202,11 @@ class WeightsMixin:
             out.setdefault(block, stack[site.block])
             out[site.name] = self._site_modules[site.name]
         return {**out, **self.hook_dict}
+
+
+for _name, _doc in _STACKED.items():
+    setattr(WeightsMixin, _name, property(lambda self, _key=_name: self._stacked(_key), doc=_doc))
+del _name, _doc
 
 
 class _Block:

@@ -11,7 +11,7 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Ll
 
 import interp
 from interp.inputs import padded_positions
-from interp.structure import set_attention_key
+from interp.probe import set_attention_key
 
 VOCAB = 99
 

@@ -17,7 +17,7 @@ import interp
 from analyses import (activation_patching, attribution_patching, composition_scores, direct_logit_attribution,
                       induction_task, logit_difference, logit_lens, ov_circuit, path_patching, qk_circuit)
 from analyses.attribution import frozen_norm
-from interp.testing import FAMILIES, tiny_model
+from tests.tiny import FAMILIES, tiny_model
 
 TOL = 1e-5
 

@@ -102,7 +102,7 @@ def test_stream_curves_and_save(capsys, tmp_path):
     full = df[df.fraction_streaming == 0].metric.iloc[0]
     assert at["retrieval"] < full + 0.05 < at["random"]  # the detector's order keeps the induction circuit
     import interp
-    from interp.streamed import streaming_record
+    from interp.streaming import streaming_record
 
     record = streaming_record(interp.load_model(saved))
     assert record == {"sink": 1, "window": 8, "heads": [(0, 0), (0, 1), (0, 2), (0, 3)]}

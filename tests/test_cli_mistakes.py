@@ -18,7 +18,7 @@ import interp
 from analyses.cli import main
 from interp import bundled
 from interp.files import atomic_write, staged_folder
-from interp.testing import tiny_model
+from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
 

@@ -20,7 +20,7 @@ from analyses import (ablation_scan, activation_patching, attribution_patching, 
                       prune_model, pruning_curve)
 from analyses.metrics import Metric
 from interp import distributed
-from interp.testing import tiny_model
+from tests.tiny import tiny_model
 
 # layer 1, the final norm and the unembedding on disk; the rest on the CPU
 DEVICE_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",

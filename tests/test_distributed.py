@@ -26,9 +26,10 @@ import interp
 from analyses import (activation_patching, attribution_patching, detect_heads, embedding_similarity, head_importance,
                       induction_task, lm_loss, logit_difference, pruning_curve)
 from analyses.ablation import ablation_scan
-from analyses.metrics import Metric, _main_output, mean_pool
+from analyses.batches import _main_output
+from analyses.metrics import Metric, mean_pool
 from interp import distributed
-from interp.testing import model_class, tiny_model
+from tests.tiny import model_class, tiny_model
 
 # A rank runs its share of the rows, a batch of another shape, and CPU matrix kernels may sum in another order for
 # another shape: HF's own MiniLM forward gives hidden states 6.6e-6 apart (of 5.3) for 3 rows at once and for 2 + 1

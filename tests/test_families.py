@@ -1,4 +1,4 @@
-"""Every family of issue 11 on tiny random models with weights ten times HF's init scale (interp.testing), with
+"""Every family of issue 11 on tiny random models with weights ten times HF's init scale (tests/tiny.py), with
 sequences longer than every sliding window, with and without padding:
 
 - our eager equals HF eager bit for bit; our flash is within 1e-5 (relative to the output's size) of HF sdpa, or
@@ -21,8 +21,8 @@ from conftest import hf_kwargs, main_output, no_torch_hooks
 import interp
 from analyses import ablate_heads, ablation_scan, detect_heads, embedding_similarity, lm_loss, prune_model
 from hooks import ActivationCache, spec_for
-from interp.testing import FAMILIES, tiny_model
-from interp.structure import set_attention_key
+from tests.tiny import FAMILIES, tiny_model
+from interp.probe import set_attention_key
 
 N_POS = 14  # longer than the sliding windows (4 keys) of the tiny configs
 # families whose heads cannot be sliced per layer, and the reason the refusal must name

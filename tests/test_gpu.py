@@ -15,7 +15,7 @@ from transformers import AutoModel
 
 import interp
 from interp.kernels import cuda_backend, fused_attention
-from interp.structure import set_attention_key
+from interp.probe import set_attention_key
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,7 +16,8 @@ from conftest import tiny_hf
 from transformers import AutoModel
 
 import interp
-from analyses.heads import corpus_sentences, detect_heads, repeated_random_tokens
+from analyses.heads import detect_heads
+from analyses.prompts import corpus_sentences, repeated_random_tokens
 from analyses import registry
 from analyses.labels import head_labels, label_heads
 from analyses.scores import argmax_rows, pattern_scores, rule_pairs

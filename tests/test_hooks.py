@@ -304,3 +304,33 @@ def test_the_readme_hook_table_is_the_code_table():
     rows = [line for line in readme.splitlines() if line.startswith("| `") and "hook_" in line.split("|")[1]]
     expected = [f"| `{s.template}`{' (opt-in)' if s.opt_in else ''} | {s.shape} | {s.meaning} |" for s in HOOK_TABLE]
     assert rows == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_hook_name_builds_every_name_a_model_has(family):
+    """``hooks.hook_name`` (issue 36: studies build names from the table, never by hand) gives exactly the names the
+    model's hook points carry: per layer, per attention site (cross-attention included) and per block of a stack."""
+    from hooks import attn_site, hook_name
+
+    if family == "t5":
+        from test_seq2seq import _tiny
+
+        model = interp.load_model(_tiny("t5"))
+    else:
+        model = _model(family, "eager")
+    names = set(model.hook_names())
+    built = set()
+    for site in model.cfg.sites:
+        kinds = [s.short for s in HOOK_TABLE if s.template.startswith("blocks.{l}.attn.")]
+        built |= {hook_name(kind, site) for kind in kinds} | {hook_name(kind, site.name) for kind in kinds}
+        stack = None if family == "llama" else site.stack
+        out = "cross_attn_out" if site.kind == "cross" else "attn_out"
+        built |= {hook_name(kind, site.block, stack) for kind in ("resid_pre", "resid_post", out)}
+        if family == "llama":
+            assert site.name == attn_site(site.block) and hook_name("z", site.block) == hook_name("z", site)
+    optional = {hook_name("result", site) for site in model.cfg.sites}  # opt-in: present only where o_proj is found
+    assert built - optional <= names and len(built & names) > 6 * len(model.cfg.sites)
+    with pytest.raises(ValueError, match="take a layer number"):
+        hook_name("resid_pre", "blocks.0.attn")
+    with pytest.raises(ValueError, match="stack='decoder'"):
+        hook_name("cross_attn_out", 0)

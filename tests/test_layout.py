@@ -1,12 +1,17 @@
 """The house (issue 23): imports go one way, ``hooks`` <- ``interp`` <- ``analyses``, with no import cycle among the
 modules of the three packages (function-local imports count: they are cycles that wait for the first call), and every
-module is at most 400 lines. Read from the source with ``ast``: nothing is imported to check it."""
+module is at most 400 lines. Rooms named by what they hold (issue 36): no shim kept for a former name, streaming in
+one sub-package, no plot in a study, no test helper in the library, every package shipped, and hook names built from
+``hooks.names``. Read from the source with ``ast``: nothing is imported to check it (but the one import of
+``tests.tiny``)."""
 
 from __future__ import annotations
 
 import ast
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hooks", "interp", "analyses")  # lowest first: each may import only the ones before it
@@ -107,13 +112,59 @@ def _room(module: str) -> int:
 
 
 def test_studies_views_and_the_cli_are_separate_rooms():
-    """Studies import no view and no CLI module, views no CLI module. ``analyses.plots`` and ``analyses.report``
-    are the old homes of two views, kept as re-exports of them."""
+    """Studies import no view and no CLI module, views no CLI module."""
     edges = import_graph(modules(ROOT))
-    shims = {"analyses.plots", "analyses.report"}
     upward = sorted((a, b) for a, deps in edges.items() for b in deps
-                    if a.startswith("analyses") and a not in shims and _room(b) > _room(a))
+                    if a.startswith("analyses") and _room(b) > _room(a))
     assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
+
+
+def test_studies_draw_nothing():
+    """A plot is a view (issue 36: ``streaming_curve_plot`` lived in a study): no study module imports matplotlib or
+    seaborn, so studies run where no plotting library is wanted and every figure has its home in the views."""
+    drawing = sorted(name for name, path in modules(ROOT, ("analyses",)).items() if _room(name) == 0
+                     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                     if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for target in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+                     if target.split(".")[0] in ("matplotlib", "seaborn"))
+    assert drawing == [], f"studies that draw (move the plot into analyses/views/): {drawing}"
+
+
+def _only_imports(tree: ast.Module) -> bool:
+    """A module whose body is nothing but a docstring, imports and ``__all__``: a re-export of other modules."""
+    def plain(node):
+        return (isinstance(node, (ast.Import, ast.ImportFrom))
+                or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                or isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"])
+    return all(plain(node) for node in tree.body)
+
+
+def shims(found: dict[str, Path]) -> list[str]:
+    """Modules kept only so that an old import path works (issue 36: one current name for everything): a module
+    (not a package's ``__init__``) that only re-exports others, or a line that says it keeps a former name."""
+    words = ("home before", "name before", "names before", "former name", "keeps working", "kept as another name")
+    found_shims = []
+    for name, path in found.items():
+        text = path.read_text(encoding="utf-8")
+        if path.name != "__init__.py" and _only_imports(ast.parse(text)):
+            found_shims.append(f"{name}: only re-exports")
+        found_shims += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+                        if any(word in line.lower() for word in words)]
+    return found_shims
+
+
+def test_no_shim_keeps_an_old_name():
+    assert shims(modules(ROOT)) == [], "import the name from its home and delete the shim"
+
+
+def test_the_shim_check_finds_a_re_export_module_and_an_alias(tmp_path):
+    files = {"hooks/__init__.py": "", "interp/__init__.py": "from .a import f\n",
+             "interp/a.py": "def f():\n    return 1\n\n\ng = f  # its name before\n",
+             "analyses/__init__.py": "", "analyses/plots.py": '"""Moved."""\nfrom interp.a import *\n__all__ = ["f"]\n'}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert shims(modules(tmp_path)) == ["interp.a:5: g = f  # its name before", "analyses.plots: only re-exports"]
 
 
 def test_every_module_of_the_three_packages_is_at_most_400_lines():
@@ -155,3 +206,54 @@ def test_every_view_name_is_importable_from_analyses():
     from analyses import save_figure
     from analyses.views.plots import save_figure as home
     assert save_figure is home
+
+
+def test_streaming_lives_in_one_sub_package():
+    """Issue 36: the streaming heads' modules sit together in ``interp/streaming/``, not side by side in ``interp``."""
+    loose = sorted(name for name in modules(ROOT) if name.startswith("interp.stream") and
+                   not name.startswith("interp.streaming.") and name != "interp.streaming")
+    assert loose == [], f"streaming modules outside interp/streaming/: {loose}"
+
+
+def test_pyproject_ships_every_package_and_nothing_else():
+    """Each folder of the three packages with an ``__init__.py`` is in pyproject's packages list (a missing one is
+    absent from a wheel), and the list names nothing else (tests' helpers are not part of the library)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"]
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts) for package in PACKAGES
+                   for p in (ROOT / package).rglob("__init__.py"))
+    assert sorted(listed) == found
+
+
+def test_test_helpers_live_in_tests():
+    """Tiny model builders and fixtures are for the tests and benchmarks (``tests/tiny.py``), not the library."""
+    helpers = sorted(name for name in modules(ROOT) if name.rsplit(".", 1)[-1] in ("testing", "tiny", "conftest", "fixtures"))
+    assert helpers == [], f"test helpers inside the library: {helpers}; move them under tests/"
+    from tests.tiny import tiny_model  # the tests' own import path, which the benchmarks use too
+
+    assert callable(tiny_model)
+
+
+# Issue 36: the lead's per-layer pass moves these modules' names onto hooks.names; empty the set then.
+_HAND_NAMES_PENDING: set[str] = set()
+
+
+def hand_made_hook_names(found: dict[str, Path]) -> list[str]:
+    """f-strings in ``analyses`` that spell a hook or site name (``f"blocks.{l}.attn.hook_z"``, ``f"{site}.hook_q"``)
+    instead of asking ``hooks.names`` (``hook_name``, ``attn_site``), which reads the one table of names."""
+    hits = []
+    for name, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+                if ".hook_" in text or text.startswith(("blocks.", "hook_")):
+                    hits.append(f"{name}:{node.lineno}: {text}")
+    return hits
+
+
+def test_analyses_build_hook_names_from_the_table():
+    found = {k: v for k, v in modules(ROOT, ("analyses",)).items() if k not in _HAND_NAMES_PENDING}
+    assert hand_made_hook_names(found) == [], "use hooks.names.hook_name(kind, layer or site) / attn_site(layer)"
+    pending = hand_made_hook_names({k: v for k, v in modules(ROOT, ("analyses",)).items() if k in _HAND_NAMES_PENDING})
+    assert len(pending) <= 4, f"more hand-made names in the pending modules: {pending}"

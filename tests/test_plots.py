@@ -21,8 +21,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 import interp  # noqa: E402
 from analyses import ablation_scan, detect_heads, pruning_curve, second_copy_loss  # noqa: E402
-from analyses.views.plots import (ablation_heatmap, attention_heatmap, head_score_grid,  # noqa: E402
-                                  pruning_curve_plot, save_figure)
+from analyses.views.plots import attention_heatmap, save_figure  # noqa: E402
+from analyses.views.study_plots import ablation_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
 from analyses.toy import repeated_sequences  # noqa: E402
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib 3.11 plans to deprecate; not ours to fix.
@@ -273,9 +273,9 @@ def test_plots_are_exported_from_analyses_without_importing_matplotlib_up_front(
     import sys
 
     code = ("import sys, analyses; assert 'matplotlib' not in sys.modules, 'import analyses loaded matplotlib'; "
-            "from analyses import attention_heatmap, write_report; import analyses.plots, analyses.report; "
-            "assert attention_heatmap is analyses.plots.attention_heatmap; "
-            "assert write_report is analyses.report.write_report")
+            "from analyses import attention_heatmap, write_report; import analyses.views.plots, analyses.views.report; "
+            "assert attention_heatmap is analyses.views.plots.attention_heatmap; "
+            "assert write_report is analyses.views.report.write_report")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

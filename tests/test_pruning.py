@@ -22,7 +22,8 @@ from analyses import pruning as pruning_mod
 from analyses.ablation import all_heads
 from analyses.metrics import first_copy_loss, next_token_loss
 from analyses.toy import repeated_sequences
-from interp.pruning import plan_layer
+from interp.config import real_sites
+from interp.head_slicing import plan_layer
 
 PRUNE_TOL = 1e-5
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"
@@ -141,6 +142,9 @@ def test_emptying_a_layer_needs_saying_so():
     valid = inputs["attention_mask"].bool()
     assert (_out(pruned, inputs) - expected)[valid].abs().max() <= PRUNE_TOL
     assert pruned.hf.transformer.h[0].attn.c_proj.weight.abs().sum() == 0  # the zeroed placeholder head
+    # the placeholder is not a head: real_sites (issue 36: the one filter the studies use) leaves its site out
+    assert [s.name for s in real_sites(pruned)] == ["blocks.1.attn"] == [s.name for s in real_sites(model)][1:]
+    assert pruned.cfg.empty_sites == ("blocks.0.attn",) and {l for l, _ in pruned.cfg.heads()} == {1}
 
 
 def test_prune_failing_midway_leaves_the_original_clean(monkeypatch):

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import interp
 from analyses import ablate_heads, detect_heads, first_copy_loss, second_copy_loss
-from analyses.heads import corpus_sentences
+from analyses.prompts import corpus_sentences
 from interp.bundled import bundled_folder, gguf_source
 from interp.inputs import padded_positions
 
@@ -151,7 +151,7 @@ def test_gemma3_sliding_layer_patterns_and_scores_equal_on_both_paths(gemma3):
 # -- SmolLM2's heads ----------------------------------------------------------------------------------------------
 def _repeats(model, n: int, length: int, seed: int) -> torch.Tensor:
     """[BOS, x, x] with x ``length`` distinct ordinary tokens, drawn fresh (not detect_heads' generator)."""
-    from analyses.corpus import _ordinary_ids
+    from analyses.prompts import _ordinary_ids
 
     pool = _ordinary_ids(model)
     g = torch.Generator().manual_seed(seed)

@@ -22,7 +22,7 @@ import analyses
 import interp
 from analyses import detect_heads, registry
 from analyses.cli import main
-from interp.testing import model_class, tiny_model
+from tests.tiny import model_class, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "notebooks" / "examples" / "punctuation_heads.py"

@@ -164,8 +164,8 @@ def test_study_inputs_of_one_length_say_so_and_compute_no_padding():
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     import interp
-    from analyses.heads import corpus_sentences
-    from analyses.views.report import study_inputs
+    from analyses.prompts import corpus_sentences
+    from analyses.prompts import study_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(interp.loading.resolve_source("minilm"), local_files_only=True)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig
                           MBartForConditionalGeneration, T5Config, T5ForConditionalGeneration)
 
 import interp
-from interp.structure import set_attention_key
+from interp.probe import set_attention_key
 from analyses import ablate_heads, detect_heads
 from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
 from hooks import spec_for
@@ -76,7 +76,7 @@ def test_parity_with_hf_eager_with_padding_on_both_sides(pair, attn):
                    use_cache=False).logits
         model = interp.load_model(copy.deepcopy(hf), attn=attn)
         got = model(src, src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask).logits
-    assert isinstance(model, interp.Seq2SeqHookedModel)
+    assert isinstance(model, interp.HookedModel)
     real = tgt_mask.bool()
     if attn == "eager":
         assert torch.equal(got[real], want[real])
@@ -268,7 +268,7 @@ def test_a_folder_loads_as_an_encoder_decoder_model(tmp_path):
     with torch.no_grad():
         want = hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, use_cache=False).logits
         got = model(src, src_mask, decoder_input_ids=tgt).logits
-    assert isinstance(model, interp.Seq2SeqHookedModel) and torch.allclose(got, want, atol=1e-6)
+    assert isinstance(model, interp.HookedModel) and torch.allclose(got, want, atol=1e-6)
 
 
 def test_head_scores_of_every_kind_on_both_paths():

@@ -13,12 +13,14 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
+from interp.config import real_sites
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, composition_scores,
                       direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
                       qk_circuit)
 from analyses.composition import head_weights
-from analyses.seq2seq import (copy_accuracy, copy_task, seq2seq_batch, target_accuracy, target_loss,
-                              train_copy_model)
+from analyses.batches import batch_of
+from analyses.metrics import target_accuracy, target_loss
+from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
 from test_seq2seq import _batch, _tiny
 
 FRONT = ["stack", "kind", "site", "layer", "head"]
@@ -324,7 +326,7 @@ def test_clear_errors():
     with pytest.raises(NotImplementedError, match=r"t5 model: encoder.blocks.0.attn: .*relative_attention_bias.weight "
                        r"of shape \(8, 4\).*no site's heads can be removed alone"):
         prune_model(model, [("decoder.blocks.1.cross_attn", 0)])  # T5's position bias is shared by every block
-    assert seq2seq_batch(model, batch)["decoder_input_ids"].shape == (3, 6)
+    assert batch_of(model, batch)["decoder_input_ids"].shape == (3, 6)
     assert not model._registry.active()
 
 
@@ -435,6 +437,7 @@ def test_pruning_every_kind_of_site_equals_zero_ablation_and_survives_a_save(fam
             expected = model(batch).logits
         assert torch.allclose(empty(batch).logits, expected, atol=1e-6, rtol=0)
     assert empty.cfg.empty_sites == ("decoder.blocks.0.cross_attn",)
+    assert [s.name for s in real_sites(empty)] == [s.name for s in model.cfg.sites if s.name != emptied[0][0]]
     assert not any(site == "decoder.blocks.0.cross_attn" for site, _ in empty.cfg.heads())
     with pytest.raises(ValueError, match="pruned empty"):
         ablation_scan(empty, batch, target_loss(), heads=[("decoder.blocks.0.cross_attn", 0)])

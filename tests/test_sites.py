@@ -13,7 +13,8 @@ from test_seq2seq import _tiny
 import interp
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, head_importance, lm_loss,
                       path_patching)
-from analyses.seq2seq import copy_task, is_seq2seq, target_loss
+from analyses.metrics import target_loss
+from analyses.seq2seq import copy_task, is_seq2seq
 from hooks import ActivationCache
 from interp.sites import FRONT, check_heads, head_columns
 from interp.resid import ModelCache
@@ -32,7 +33,7 @@ def t5():
 def test_every_model_is_one_public_class_with_sites(llama, t5):
     assert type(llama) is type(t5) is interp.HookedModel  # no subclass per architecture: what differs is data
     assert type(interp.HookedModel(_tiny("bart"))) is interp.HookedModel  # the class itself takes seq2seq models
-    assert type(copy.deepcopy(t5)) is interp.HookedModel and interp.Seq2SeqHookedModel is interp.HookedModel
+    assert type(copy.deepcopy(t5)) is interp.HookedModel
     assert (llama.cfg.stacks, t5.cfg.stacks) == (("decoder",), ("encoder", "decoder"))
     assert [s.name for s in llama.cfg.sites] == [f"blocks.{l}.attn" for l in range(llama.cfg.n_layers)]
     assert {s.stack for s in llama.cfg.sites} == {"decoder"} and all(s.causal for s in llama.cfg.sites)

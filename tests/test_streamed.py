@@ -15,12 +15,12 @@ from transformers import DynamicCache
 
 import interp
 from analyses import ablate_heads, prune_model
-from interp.streamed import CONFIG_KEY, streaming_record
-from interp.streaming import STREAM_ATTR
-from interp.streaming_cache import StreamingCache, StreamingLayer
+from interp.streaming import StreamingCache, StreamingLayer, streaming_record
+from interp.streaming.cache import STREAM_ATTR
+from interp.streaming.model import CONFIG_KEY
 
 # most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
-pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming.KVHeadsNote")
 
 
 @pytest.fixture(scope="module")

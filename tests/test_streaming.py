@@ -16,10 +16,11 @@ from conftest import padded_batch, tiny_hf
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 import interp
-from interp.streaming import STREAM_ATTR, StreamingLayer, streamable_heads, streaming_attention
+from interp.streaming import StreamingLayer, streamable_heads, streaming_attention
+from interp.streaming.cache import STREAM_ATTR
 
 # most tests here stream part of a key/value group on purpose: the note that says so is tested on its own
-pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming_cache.KVHeadsNote")
+pytestmark = pytest.mark.filterwarnings("ignore::interp.streaming.KVHeadsNote")
 TOL = {"eager": 0.0, "flash": 1e-5}
 SINK, WINDOW = 2, 5
 

@@ -130,7 +130,7 @@ def test_detect_heads_computes_the_behaviour_on_corpus_windows():
     assert len(df) == 8 and df["copy_suppression_behaviour"].tolist() == direct["copy_suppression_behaviour"].tolist()
     assert set(df["label"]) == {"none"}  # no published threshold: the score labels no head
     windows = corpus_windows(model, 4, 16, seed=3)
-    from analyses.corpus import _special_frame
+    from analyses.prompts import _special_frame
 
     prefix = _special_frame(model)[0]  # SmolLM2's tokenizer adds none: the config's BOS, as corpus prompts have
     assert windows.shape == (4, 16) and windows[:, :len(prefix)].tolist() == [prefix] * 4

@@ -511,7 +511,7 @@ def test_threads_auto_takes_the_idle_cores(monkeypatch, load, expected):
     one busy process); --threads auto takes the cores that are idle."""
     import os
 
-    from analyses import cli
+    from analyses.cli import common as cli  # _set_threads and UserError live there
 
     before = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})

@@ -14,7 +14,7 @@ from analyses import detect_heads
 from analyses.cli import main
 from analyses import registry
 from interp import progress as progress_module
-from interp.testing import model_class, tiny_model
+from tests.tiny import model_class, tiny_model
 from test_progress import restore  # noqa: F401  (the fixture that puts the progress setting back)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")

@@ -7,7 +7,7 @@ import torch
 
 import interp
 from analyses import ablate_heads, ablation_scan, activation_patching
-from interp.testing import tiny_model
+from tests.tiny import tiny_model
 
 HEADS = [(1, 0), (1, 1), (3, 0)]  # the first group starts at layer 1: blocks before it are replayed
 
@@ -112,8 +112,8 @@ def test_any_nonzero_mask_value_attends_as_in_hf(attn):
 def test_cross_attention_batch_sizes_broadcast_as_hf_or_fail_clearly(family, attn):
     import copy
 
-    from interp.structure import set_attention_key
-    from interp.testing import model_class
+    from interp.probe import set_attention_key
+    from tests.tiny import model_class
 
     hf = tiny_model(family, cls=model_class(family, seq2seq=True))
     ref = copy.deepcopy(hf)
@@ -194,7 +194,7 @@ def test_path_patching_under_a_steering_hook_equals_no_replay(llama4, monkeypatc
 
 
 def test_attention_switched_on_one_stack_of_an_encoder_decoder_is_refused():
-    from interp.testing import model_class
+    from tests.tiny import model_class
 
     model = interp.load_model(tiny_model("t5", cls=model_class("t5", seq2seq=True)), attn="eager")
     ids = _ids()[:1, :5]

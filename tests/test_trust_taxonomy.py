@@ -19,7 +19,7 @@ from analyses.function_vectors import function_vector_scores
 from analyses.labels import head_labels, label_heads
 from analyses.scores import pattern_scores
 from analyses.taxonomy import copy_suppression_scores, successor_scores
-from analyses.taxonomy_base import bootstrap
+from analyses.bootstrap import mean_interval
 from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores, corpus_windows
 from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
 from analyses.tasks import ioi_task
@@ -119,7 +119,7 @@ def test_k_at_least_the_vocabulary_is_refused():
 def test_n_bootstrap_must_be_a_positive_integer_everywhere(n):
     model = interp.load_model(_planted())
     ids = torch.randint(1, 99, (2, 8))
-    calls = [lambda: bootstrap(torch.ones(4, 2), n, 0),
+    calls = [lambda: mean_interval(torch.ones(4, 2), n, 0),
              lambda: successor_scores(model, lists={"a": [5, 6, 7]}, n_bootstrap=n),
              lambda: copy_suppression_scores(model, n_bootstrap=n),
              lambda: copy_suppression_behaviour_scores(model, tokens=ids, n_bootstrap=n),

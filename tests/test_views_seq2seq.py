@@ -22,7 +22,7 @@ from test_seq2seq import _batch, _tiny  # noqa: E402
 import interp  # noqa: E402
 from analyses import detect_heads  # noqa: E402
 from analyses.views import attention_grid, head_view  # noqa: E402
-from analyses.views.plots import ablation_heatmap, head_score_grid  # noqa: E402
+from analyses.views.study_plots import ablation_heatmap, head_score_grid  # noqa: E402
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib 3.11 plans to deprecate; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
@@ -138,7 +138,7 @@ def test_a_text_pair_is_tokenized_on_both_sides():
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    model = interp.Seq2SeqHookedModel(_tiny("t5"), tokenizer=tokenizer)
+    model = interp.HookedModel(_tiny("t5"), tokenizer=tokenizer)
     data = head_view(model, ("the cat sat on the mat", "die katze sass"), layers=CROSS).data
     assert data["source"]["tokens"] == ["the", "cat", "sat", "on", "the", "mat", "</s>"]
     assert data["target"]["tokens"] == ["<pad>", "die", "katze", "sass"]  # T5 starts the decoder with its pad token
@@ -160,7 +160,7 @@ def test_bad_input_is_refused_with_the_fix(model, batch, cache, scores):
         head_view(cache, "some text")
     with pytest.raises(ValueError, match="5 source token labels"):
         head_view(cache, (["a"] * 5, None), batch=B)
-    with pytest.raises(ValueError, match="seq2seq_heads"):
+    with pytest.raises(ValueError, match="detect_heads \\(of this encoder-decoder model\\)"):
         attention_grid(cache, batch, scores=scores.drop(columns=["site"]))
     toy = interp.load_model("toy-induction")
     with pytest.raises(ValueError, match="site column"):

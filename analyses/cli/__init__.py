@@ -33,7 +33,7 @@ import shutil
 import sys
 
 from . import ablate, attribute, heads, info, patch, plot, prune, report, stream, train_toy, view
-from .common import BUNDLED_NAMES, UserError, _one_line, _Parser, _SCRATCH, _set_threads, _user_mistake  # noqa: F401
+from .common import BUNDLED_NAMES, _one_line, _Parser, _SCRATCH, _set_threads, _user_mistake
 
 __all__ = ["main", "build_parser", "BUNDLED_NAMES"]
 

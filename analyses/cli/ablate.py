@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 def cmd_ablate(args) -> int:
     from ..ablation import ablation_scan
-    from ..views.report import study_inputs
+    from ..prompts import study_inputs
 
     with _Progress(["load", "ablation scan"]) as progress:
         progress("load")

@@ -39,7 +39,7 @@ def cmd_plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..views import plots
+    from ..views import plots, study_plots
 
     if args.out.is_dir():
         raise UserError(f"--out {str(args.out)!r} is a folder; give a .png, .svg or .pdf file path")
@@ -73,7 +73,7 @@ def cmd_plot(args) -> int:
             df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
             from ..ablation import ablation_scan
-            from ..views.report import study_inputs
+            from ..prompts import study_inputs
 
             model = _load(args)
             inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)
@@ -81,11 +81,11 @@ def cmd_plot(args) -> int:
             df = (ablation_scan(model, inputs, metric) if args.kind == "ablation"
                   else _pruning_curves(model, inputs, metric, args.step, args.seed))
         if args.kind == "heads":
-            ax = plots.head_score_grid(df, args.score)
+            ax = study_plots.head_score_grid(df, args.score)
         elif args.kind == "ablation":
-            ax = plots.ablation_heatmap(df, metric_name=metric_name)
+            ax = study_plots.ablation_heatmap(df, metric_name=metric_name)
         else:
-            ax = plots.pruning_curve_plot(df, metric_name=metric_name)
+            ax = study_plots.pruning_curve_plot(df, metric_name=metric_name)
     plots.save_figure(ax, _rank_zero_path(args.out), dpi=110, overwrite=args.force)
     plt.close(ax.figure)
     print(args.out)

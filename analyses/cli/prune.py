@@ -27,7 +27,7 @@ def cmd_prune(args) -> int:
     from interp import distributed
 
     from ..pruning import curve_summary
-    from ..views.report import study_inputs
+    from ..prompts import study_inputs
 
     if args.save is not None:  # check before any work
         if args.fraction is None:

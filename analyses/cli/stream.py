@@ -77,11 +77,12 @@ def cmd_stream(args) -> int:
 
     from interp import distributed, stream_model
     from interp.streaming import KVHeadsNote, check_streamable
-    from interp.streaming_cache import kv_note
+    from interp.streaming.cache import kv_note
     from interp.model_files import save_model
 
-    from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs, streaming_order
-    from ..views.report import study_inputs
+    from ..streaming import streaming_curve, streaming_inputs, streaming_order
+    from ..views.study_plots import streaming_curve_plot
+    from ..prompts import study_inputs
 
     orders = _check_args(args)
     with _Progress(["load", "orders", "streaming curves"]) as progress:

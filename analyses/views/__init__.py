@@ -2,7 +2,8 @@
 
 - ``head_view``, ``attention_grid`` (``attention.py``): one self-contained HTML page or notebook output each,
   with inline JavaScript and CSS (``assets/``) and no network request.
-- ``attention_heatmap``, ``head_score_grid``, ... (``plots.py``): matplotlib figures, for papers and the report.
+- ``attention_heatmap`` (``plots.py``), ``head_score_grid``, ... (``study_plots.py``): matplotlib figures, for
+  papers and the report.
 - ``write_report`` (``report.py``): the page ``interp report`` writes.
 
 Names load on first use, so that importing this package imports neither matplotlib nor the report (which

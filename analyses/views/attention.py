@@ -95,7 +95,7 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
     source, text_or_tokens, window, batch: as in ``head_view`` (an encoder-decoder model or cache too: one row
       per site, labelled with its stack, block and kind; a cross-attention thumbnail is target x source).
     scores: a ``detect_heads`` table (``layer``, ``head``, score columns and their ``_lo``/``_hi`` intervals; for
-      an encoder-decoder model the ``seq2seq_heads`` table, whose ``site`` column places each row).
+      an encoder-decoder model its table, whose ``site`` column places each row).
       None: with a model, ``detect_heads(model)`` is run (about 16 s on SmolLM2-135M with 2 CPU threads; pass a
       table to reuse one);
       with a cache, thumbnails are not coloured. score: the column coloured first (default the first of
@@ -250,7 +250,7 @@ def _score_table(df, sites=None) -> dict:
                 entry[offset] = int(r[offset])
         labels = r.get("labels", r.get("label"))
         if not isinstance(labels, str) and isinstance(r.get("label"), str) and r["label"] not in NO_CLASS:
-            labels = r["label"]  # cross-attention rows of seq2seq_heads have a label and no labels
+            labels = r["label"]  # a table without a labels column (an older CSV): its primary label
         entry["labels"] = labels if isinstance(labels, str) else ""  # a CSV reads an empty label as NaN
         if index is not None and r["site"] not in index:
             raise ValueError(f"scores name site {r['site']!r}, which this model has not; its sites: {list(index)}.")

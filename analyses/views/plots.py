@@ -1,21 +1,11 @@
-"""Plots of attention heads: one head's pattern, a score per head, an ablation scan, a pruning curve.
+"""Plots of attention heads: one head's pattern (``attention_heatmap``) and ``save_figure``, which writes PNG, SVG
+or PDF (vector, for papers). The plots of the studies' tables (a score per head, an ablation scan, a pruning
+curve, ...) are in ``study_plots``.
 
 Every function draws on ``ax`` (a new figure when None), returns the Axes, and never calls ``plt.show()``:
 they work with the Agg backend, in notebooks and in the report alike. No text is smaller than 7.5 pt, which is
 10.4 px where a figure is shown at 100 px per inch (the report shows 2x PNGs at that size); grids too dense for
-that leave their cells unannotated. ``save_figure`` writes PNG, SVG or PDF (vector, for papers).
-
->>> import matplotlib; matplotlib.use("Agg")
->>> import pandas as pd
->>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction": [0.1, 0.0, 0.9, 0.2],
-...                    "label": ["none", "none", "induction", "none"]})
->>> head_score_grid(df, "induction").get_title()
-'induction (framed: labelled induction)'
-
-The per-head grids take an encoder-decoder model's tables too (``seq2seq_heads``, or any table with a ``site``
-column): one row per attention site, in the table's order, labelled with its stack, block and kind
-("encoder 0 self", "decoder 0 cross"); a score a head has not (a self-attention score of a cross-attention head,
-NaN in the table) leaves its cell blank.
+that leave their cells unannotated.
 """
 
 from __future__ import annotations
@@ -30,13 +20,12 @@ import seaborn as sns
 import torch
 from matplotlib.figure import FigureBase
 
+from hooks.names import hook_name
+
 from .common import MIN_FONT, _window, model_tokens
 from .fonts import clean_token, token_labels
-from .study_plots import (ablation_heatmap, dla_bars, head_score_grid, patching_heatmap,  # noqa: F401
-                          pruning_curve_plot)
 
-__all__ = ["attention_heatmap", "head_score_grid", "ablation_heatmap", "pruning_curve_plot", "patching_heatmap", "dla_bars",
-           "clean_token", "save_figure"]
+__all__ = ["attention_heatmap", "save_figure"]
 
 FORMATS = ("png", "svg", "pdf")
 
@@ -137,7 +126,7 @@ def _pattern_of(source, layer, head, text, tokens, batch) -> tuple[torch.Tensor,
             raise ValueError("attention_heatmap(model, layer, head, text): give the text (or token ids) to run.")
         _check_head(source.cfg.heads_per_layer, layer, head)
         ids = source._inputs(text)[0][:1]  # one sequence: (1, p)
-        names = [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]
+        names = [hook_name("q", layer), hook_name("k", layer)]
         with source.studying(), torch.no_grad():  # eval mode, the RNG untouched: no dropout in the pattern drawn
             _, cache = source.run_with_cache(ids, names=names)
         pattern = cache.pattern(layer, head)[0, 0].float().cpu()

@@ -23,14 +23,12 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend stays the user's: fi
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from interp.files import staged_folder  # noqa: E402
-from interp.inputs import pad_ids  # noqa: E402
 from interp.progress import progress_enabled  # noqa: E402
 from interp.structure import describe  # noqa: E402
 
-from ..corpus import corpus_sentences, repeated_random_tokens  # noqa: E402
 from ..heads import detect_heads  # noqa: E402
 from ..labels import strongest_heads  # noqa: E402
-from ..metrics import embedding_similarity, lm_loss, second_copy_loss  # noqa: E402
+from ..prompts import repeated_random_tokens, study_inputs  # noqa: E402
 from ..pruning import curve_summary  # noqa: E402
 from ..seq2seq import COPY_LENGTH, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
 from .. import registry  # noqa: E402
@@ -38,70 +36,16 @@ from ..toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
-from .report_parts import _DPI, _Figures, _formats, _png  # noqa: E402,F401
+from .report_parts import _Figures, _formats  # noqa: E402
 from .report_story import class_ablation, findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
 from .runs import _Run  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
 
-__all__ = ["study_inputs", "prompt_batch", "example_prompt", "write_report", "write_seq2seq_report", "REPORT_FILES"]
+__all__ = ["example_prompt", "write_report", "REPORT_FILES"]
 
 REPORT_FILES = ("index.html", "heads.csv", "ablation.csv", "pruning.csv", "summary.json")
-
-
-def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12,
-                 same_length: bool = False):
-    """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
-
-    prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
-    the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
-    with ``len(x) = copy_len``. same_length: the first ``n`` of the project's sentences that have its most common
-    length in tokens, so that no padding is computed (SmolLM2: 14 tokens; the first 4 sentences are 72 positions
-    with padding, 62 real), where it has ``n`` such sentences. The metric: second-copy loss on repeated sequences,
-    causal LM loss on text, and for encoders the embedding similarity to the unablated model. An encoder-decoder
-    model: the copy task or the prompts copied, with the teacher-forced target loss
-    (``analyses.seq2seq.copy_study_inputs``).
-    """
-    if is_seq2seq(model):
-        return copy_study_inputs(model, prompts, n=n, seed=seed)
-    if prompts is None and model.tokenizer is None:
-        generator = torch.Generator().manual_seed(seed)
-        bos = model.hf.config.bos_token_id
-        ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
-        return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
-    what = f"{len(prompts)} given prompts" if prompts is not None else None
-    if prompts is None and same_length:
-        prompts, what = _same_length_sentences(model, n)
-    if prompts is None:
-        prompts = list(corpus_sentences()[:n])
-        what = f"the first {len(prompts)} of the project's sentences"
-    inputs = prompt_batch(model, prompts)
-    if model.cfg.causal:
-        return inputs, lm_loss, what
-    return inputs, embedding_similarity(model, inputs), what
-
-
-def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
-    """The first ``n`` project sentences of the most common token count (ties: the longer), or None where fewer."""
-    sentences = list(corpus_sentences())
-    lengths = model.to_batch(sentences)["attention_mask"].sum(1).tolist()
-    counts = {k: lengths.count(k) for k in set(lengths)}
-    common = max(counts, key=lambda k: (counts[k], k))
-    if counts[common] < n:
-        return None, ""
-    chosen = [s for s, k in zip(sentences, lengths) if k == common][:n]
-    return chosen, f"the first {n} of the project's sentences that are {common} tokens long (its most common length)"
-
-
-def prompt_batch(model, prompts: list) -> dict:
-    """Texts or token-id sequences as one padded batch ``{"input_ids", "attention_mask"}``."""
-    if prompts and all(isinstance(p, str) for p in prompts):
-        return model.to_batch(prompts)
-    if not prompts or any(isinstance(p, str) for p in prompts):
-        raise ValueError("prompts must be a non-empty list of texts or of token-id sequences, not a mix.")
-    ids, mask = pad_ids(prompts, left=model.cfg.causal, pad_id=model.pad_token_id)
-    return {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
 
 
 def example_prompt(model, prompts: list | None = None, seed: int = 0):
@@ -155,11 +99,6 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     with staged_folder(out, overwrite, names=(*REPORT_FILES, "streaming.csv", "figures"), earlier=earlier) as staging, \
             model.studying():  # eval mode and the global RNG untouched for every stage (no dropout in a map)
         return _write_report(model, staging, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming)
-
-
-def write_seq2seq_report(model, out: str | Path, **options) -> dict:
-    """The report of an encoder-decoder model: ``write_report`` (one page for every model), under its former name."""
-    return write_report(model, out, **options)
 
 
 def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_prompts, fmt, streaming=False) -> dict:

@@ -13,6 +13,7 @@ import html
 from pathlib import Path
 
 import torch
+from hooks.names import attn_site
 from interp.sites import one_site_per_layer
 
 from ..ablation import _ablation_hooks, _Replacement, _site_masks
@@ -66,7 +67,7 @@ def head_name(r, form: str = "text"):
     (``blocks.L.attn``, or no site given), else ``"SITE.H"``; ``form="dict"``: ``{layer, head}`` or ``{site, head}``."""
     get = r.get if isinstance(r, dict) else lambda k: getattr(r, k, None)
     site, layer, head = get("site"), get("layer"), int(get("head"))
-    layered = site is None or layer is not None and site == f"blocks.{int(layer)}.attn"
+    layered = site is None or layer is not None and site == attn_site(int(layer))
     if form == "dict":
         return {"layer": int(layer), "head": head} if layered else {"site": site, "head": head}
     return f"{int(layer)}.{head}" if layered else f"{site}.{head}"

@@ -14,7 +14,8 @@ import html
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ..streaming import streaming_curve, streaming_curve_plot, streaming_inputs
+from ..streaming import streaming_curve, streaming_inputs
+from .study_plots import streaming_curve_plot
 
 __all__ = ["check_streaming", "streaming_section", "streaming_html", "streaming_finding"]
 

@@ -15,7 +15,7 @@ from ..ablation import ablation_scan
 from ..attribution import attribution_patching
 from ..logit_attribution import direct_logit_attribution
 from ..engine import copies_per_forward
-from ..metrics import batch_of
+from ..batches import batch_of
 from ..patching import activation_patching
 from ..pruning import pruning_curve
 from ..seq2seq import COPY_LENGTH, copy_patching_task, is_seq2seq

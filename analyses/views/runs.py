@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from hooks.names import attn_site, hook_name
 from interp.sites import MASK_OF
 
 from .common import model_tokens, visible_token
@@ -50,10 +51,10 @@ def _cache_places(cache) -> list[_Place]:
     if sites:
         return _places(sites)
     if cache.meta is not None:
-        return [_Place(f"blocks.{l}.attn", cache.meta.heads(l)[0]) for l in range(len(cache.meta.scaling))]
+        return [_Place(attn_site(l), cache.meta.heads(l)[0]) for l in range(len(cache.meta.scaling))]
     layers = sorted(int(k.split(".")[1]) for k in cache.keys() if k.startswith("blocks.") and
                     k.endswith(".attn.hook_pattern"))
-    return [_Place(f"blocks.{l}.attn", cache["pattern", l].shape[1] if l in layers else 0)
+    return [_Place(attn_site(l), cache["pattern", l].shape[1] if l in layers else 0)
             for l in range(max(layers) + 1 if layers else 0)]
 
 
@@ -144,7 +145,7 @@ class _Run:
         bad = [l for l in layers if not 0 <= l < len(places)]
         if bad:
             raise IndexError(f"{unit} {bad[0]} is out of range: this model has {unit}s 0..{len(places) - 1}.")
-        names = [f"{places[l].name}.hook_{kind}" for l in layers for kind in ("q", "k")]
+        names = [hook_name(kind, places[l].name) for l in layers for kind in ("q", "k")]
         first, *rest = entries
         with model.studying(), torch.no_grad():
             _, cache = model.run_with_cache(rows[first][None], None, names=names, **{e: rows[e][None] for e in rest})
@@ -156,8 +157,9 @@ class _Run:
         places = _cache_places(cache)
         entries = _entries(places)
         rebuilds = cache.meta is not None or bool(getattr(cache, "sites", None))  # q and k give the pattern
-        available = [i for i, p in enumerate(places) if p.n_heads and (f"{p.name}.hook_pattern" in cache or rebuilds
-                     and f"{p.name}.hook_q" in cache and f"{p.name}.hook_k" in cache)]
+        available = [i for i, p in enumerate(places) if p.n_heads and (
+            hook_name("pattern", p.name) in cache
+            or rebuilds and hook_name("q", p.name) in cache and hook_name("k", p.name) in cache)]
         if not available:
             unit = "site" if len(entries) > 1 else "layer"
             raise KeyError(f"This cache holds neither q and k nor patterns of any {unit}; run_with_cache captures q "
@@ -165,11 +167,11 @@ class _Run:
         n_batch, lengths = None, {}
         for i in available:  # each entry's padded length, from the sites captured
             p = places[i]
-            if f"{p.name}.hook_pattern" in cache:
-                n_batch, _, lengths[p.queries], lengths[p.keys] = cache[f"{p.name}.hook_pattern"].shape
+            if hook_name("pattern", p.name) in cache:
+                n_batch, _, lengths[p.queries], lengths[p.keys] = cache[hook_name("pattern", p.name)].shape
             else:
-                n_batch, lengths[p.queries] = cache[f"{p.name}.hook_q"].shape[:2]
-                lengths[p.keys] = cache[f"{p.name}.hook_k"].shape[1]
+                n_batch, lengths[p.queries] = cache[hook_name("q", p.name)].shape[:2]
+                lengths[p.keys] = cache[hook_name("k", p.name)].shape[1]
         if not 0 <= batch < n_batch:
             raise IndexError(f"batch {batch} is out of range: the cache holds {n_batch} {_what(entries)}.")
         masks = _cache_masks(cache)

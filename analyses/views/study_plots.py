@@ -1,7 +1,17 @@
-"""Plots of the studies' tables (``analyses.views.plots`` re-exports them): a score per head (``head_score_grid``), an
-ablation scan, a patching effect, the direct logit attribution and pruning curves. Each draws on ``ax`` (a new
-figure when None) and returns the Axes; no text is smaller than ``MIN_FONT``. The per-head grids take an
-encoder-decoder model's tables too (a ``site`` column): one row per attention site, by stack, block and kind."""
+"""Plots of the studies' tables (importable from ``analyses`` and ``analyses.views``): a score per head
+(``head_score_grid``), an ablation scan, a patching effect, the direct logit attribution, pruning curves and
+streaming curves (``streaming_curve_plot``). Each draws on ``ax`` (a new figure when None) and returns the Axes; no
+text is smaller than ``MIN_FONT``. The per-head grids take an encoder-decoder model's tables too (a ``site``
+column): one row per attention site, in the table's order, labelled with its stack, block and kind ("encoder 0
+self", "decoder 0 cross"); a score a head has not (a self-attention score of a cross-attention head, NaN in the
+table) leaves its cell blank.
+
+>>> import matplotlib; matplotlib.use("Agg")
+>>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "induction": [0.1, 0.0, 0.9, 0.2],
+...                    "label": ["none", "none", "induction", "none"]})
+>>> head_score_grid(df, "induction").get_title()
+'induction (framed: labelled induction)'
+"""
 
 from __future__ import annotations
 
@@ -104,7 +114,6 @@ def head_score_grid(df: pd.DataFrame, score: str, ax=None, annotate: bool = True
     kind = record.gives if record is not None else column
     if mark and "label" in df:
         cols = list(grid.columns)
-        # a cross-attention head of seq2seq_heads names every class it clears in label ("alignment+source_sink")
         labelled = df["label"].map(lambda text: isinstance(text, str) and kind in text.split("+"))
         for r in df[labelled].itertuples():
             # inset, so that neighbouring frames never make an unlabelled cell between them look framed
@@ -198,6 +207,34 @@ def pruning_curve_plot(df: pd.DataFrame, ax=None, metric_name: str | None = None
 
 
 # -- circuits --------------------------------------------------------------------------------------------
+def streaming_curve_plot(df: pd.DataFrame, ax=None):
+    """The metric against the fraction of heads streaming, one line per order (random seeds: mean, range shaded),
+    with the KV-cache fraction on a second axis."""
+    missing = [c for c in ("fraction_streaming", "metric", "order", "kv_fraction") if c not in df]
+    if missing or not len(df):
+        raise ValueError(f"streaming_curve_plot needs streaming_curve's rows; the table lacks {missing or 'rows'}.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    for i, (order, part) in enumerate(df.groupby("order", sort=False)):
+        stats = part.groupby("fraction_streaming")["metric"].agg(["mean", "min", "max"]).sort_index()
+        n_seeds = int(part["seed"].nunique())
+        label = order if n_seeds <= 1 else f"{order} (mean of {n_seeds} seeds, range shaded)"
+        ax.plot(stats.index, stats["mean"], color=f"C{i}", marker="o", markersize=4, label=label)
+        if n_seeds > 1:
+            ax.fill_between(stats.index, stats["min"], stats["max"], color=f"C{i}", alpha=0.2, linewidth=0)
+    kv = df.groupby("fraction_streaming")["kv_fraction"].mean().sort_index()
+    twin = ax.twinx()
+    twin.plot(kv.index, kv.values, color="0.5", linestyle=":", label="KV cache (share of full)")
+    twin.set_ylim(0, 1.05)
+    twin.set_ylabel(f"KV cache at {df.attrs.get('kv_tokens', '?')} tokens (share of full)")
+    ax.set_xlabel(f"fraction of heads streaming (sink {df.attrs.get('sink')}, window {df.attrs.get('window')})")
+    ax.set_ylabel(df.attrs.get("metric", "metric"))
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, loc="upper left")
+    ax.set_title("streaming curve")
+    return ax
+
+
 def patching_heatmap(df: pd.DataFrame, value: str = "effect", ax=None, annotate: bool = True, fmt: str = ".2f",
                      cmap: str = "RdBu_r", title: str | None = None):
     """A layers x heads heatmap of ``activation_patching``, ``attribution_patching`` or ``path_patching``

@@ -1,7 +1,10 @@
-"""The prompts of the studies: a user's prompts checked into token ids, repeated random tokens, prompts drawn from
-the bundled corpus of plain English sentences, and the model's special-token frame and ordinary tokens.
+"""The prompts of the studies: a user's prompts checked into token ids (``prompt_ids``) or padded into one batch
+(``prompt_batch``), repeated random tokens, prompts drawn from the bundled corpus of plain English sentences
+(``corpus_prompts``, a long ``haystack`` of them), the model's special-token frame and ordinary tokens, and the
+inputs and metric of the ablation, pruning and streaming studies (``study_inputs``).
 
-Shared by ``detect_heads`` (``analyses.heads``), the tasks, retrieval heads and the taxonomy; below all of them.
+Shared by ``detect_heads`` (``analyses.heads``), the tasks, retrieval heads, the taxonomy, the CLI and the report;
+below all of them.
 """
 
 from __future__ import annotations
@@ -13,9 +16,14 @@ from pathlib import Path
 
 import torch
 
-from interp.inputs import encode, tokenize
+from interp.inputs import encode, pad_ids, tokenize
 
-__all__ = ["prompt_ids", "repeated_random_tokens", "corpus_prompts", "corpus_sentences", "refuse_unreadable"]
+from .metrics import embedding_similarity, lm_loss, second_copy_loss
+from .seq2seq import copy_study_inputs, is_seq2seq
+from .toy import repeated_sequences
+
+__all__ = ["prompt_ids", "prompt_batch", "repeated_random_tokens", "corpus_prompts", "corpus_sentences", "haystack",
+           "refuse_unreadable", "study_inputs"]
 
 CORPUS = Path(__file__).resolve().parent / "data" / "sentences.txt"
 
@@ -165,3 +173,70 @@ def _ordinary_ids(model) -> torch.Tensor:
     if len(keep) < 2:
         raise ValueError(f"The model's vocabulary has {len(keep)} ordinary tokens; random prompts need at least 2.")
     return keep
+
+
+def haystack(tok, n: int, g: torch.Generator) -> list[int]:
+    """n tokens of corpus sentences, shuffled and repeated as needed (cut at n): the filler of needle prompts and
+    of long streaming inputs. tok: a HF tokenizer; g: the generator that draws the order."""
+    sentences = corpus_sentences()
+    ids: list[int] = []
+    while len(ids) < n:
+        for i in torch.randperm(len(sentences), generator=g).tolist():
+            ids += tok(" " + sentences[i], add_special_tokens=False)["input_ids"]
+            if len(ids) >= n:
+                break
+    return ids[:n]
+
+
+def prompt_batch(model, prompts: list) -> dict:
+    """Texts or token-id sequences as one padded batch ``{"input_ids", "attention_mask"}``."""
+    if prompts and all(isinstance(p, str) for p in prompts):
+        return model.to_batch(prompts)
+    if not prompts or any(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of texts or of token-id sequences, not a mix.")
+    ids, mask = pad_ids(prompts, left=model.cfg.causal, pad_id=model.pad_token_id)
+    return {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
+
+
+def study_inputs(model, prompts: list | None = None, n: int = 32, seed: int = 0, copy_len: int = 12,
+                 same_length: bool = False):
+    """Inputs and metric for ablation and pruning studies: ``(inputs, metric, description)``.
+
+    prompts: texts, or token-id sequences (any lengths; a model without a tokenizer takes only these). None:
+    the project's sentences for models with a tokenizer, else ``n`` repeated random sequences ``[BOS, x, x]``
+    with ``len(x) = copy_len``. same_length: the first ``n`` of the project's sentences that have its most common
+    length in tokens, so that no padding is computed (SmolLM2: 14 tokens; the first 4 sentences are 72 positions
+    with padding, 62 real), where it has ``n`` such sentences. The metric: second-copy loss on repeated sequences,
+    causal LM loss on text, and for encoders the embedding similarity to the unablated model. An encoder-decoder
+    model: the copy task or the prompts copied, with the teacher-forced target loss
+    (``analyses.seq2seq.copy_study_inputs``).
+    """
+    if is_seq2seq(model):
+        return copy_study_inputs(model, prompts, n=n, seed=seed)
+    if prompts is None and model.tokenizer is None:
+        generator = torch.Generator().manual_seed(seed)
+        bos = model.hf.config.bos_token_id
+        ids = repeated_sequences(n, copy_len, model.cfg.vocab_size, generator, bos)
+        return ids, second_copy_loss, f"{n} repeated random sequences [BOS, x, x], len(x) = {copy_len}"
+    what = f"{len(prompts)} given prompts" if prompts is not None else None
+    if prompts is None and same_length:
+        prompts, what = _same_length_sentences(model, n)
+    if prompts is None:
+        prompts = list(corpus_sentences()[:n])
+        what = f"the first {len(prompts)} of the project's sentences"
+    inputs = prompt_batch(model, prompts)
+    if model.cfg.causal:
+        return inputs, lm_loss, what
+    return inputs, embedding_similarity(model, inputs), what
+
+
+def _same_length_sentences(model, n: int) -> tuple[list | None, str]:
+    """The first ``n`` project sentences of the most common token count (ties: the longer), or None where fewer."""
+    sentences = list(corpus_sentences())
+    lengths = model.to_batch(sentences)["attention_mask"].sum(1).tolist()
+    counts = {k: lengths.count(k) for k in set(lengths)}
+    common = max(counts, key=lambda k: (counts[k], k))
+    if counts[common] < n:
+        return None, ""
+    chosen = [s for s, k in zip(sentences, lengths) if k == common][:n]
+    return chosen, f"the first {n} of the project's sentences that are {common} tokens long (its most common length)"

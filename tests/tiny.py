@@ -1,4 +1,5 @@
-"""Tiny random models of any transformers model type, for tests and the family sweep.
+"""Tiny random models of any transformers model type, for the tests and the benchmarks (``tests.tiny``: not part of
+the installed library; the benchmarks put the repository's root on ``sys.path``).
 
 ``tiny_config(model_type)`` sets every size field a config class has (hidden 64, 2 layers, 4 heads on 2
 key/value heads, head dim 16, vocabulary 99, sliding windows of 4 keys) and ``tiny_model`` builds the
@@ -7,7 +8,7 @@ times HF's usual 0.02: at the default scale attention scores are about 0.01, eve
 and a missing feature (a soft-cap, a window, a sink) changes the output by almost nothing, so a parity test
 could not notice it.
 
-    >>> from interp.testing import tiny_model
+    >>> from tests.tiny import tiny_model
     >>> tiny_model("llama").config.num_hidden_layers
     2
 """

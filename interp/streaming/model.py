@@ -12,7 +12,7 @@ a streamed model), so the config is the one source of truth: the specs on the at
 (a bare ``copy.deepcopy(model.hf)`` does not stream until ``interp.load_model`` wraps it). Pruning composes: heads are numbered as in the unpruned
 model, a pruned streaming head simply goes, and the others keep streaming.
 
-``generate`` (``model.hf.generate``) starts with a ``StreamingCache`` (``interp.streaming_cache``: streamed
+``generate`` (``model.hf.generate``) starts with a ``StreamingCache`` (``interp.streaming.cache``: streamed
 key/value heads keep only sink + window entries), unless the call has padding, attention hooks are active, the model
 is in training mode, or a cache is passed: then it uses transformers' ``DynamicCache``, under which the masked model
 computes the same tokens with the full memory.
@@ -29,13 +29,14 @@ from transformers.cache_utils import DynamicCache
 
 from hooks.points import TORCH_HOOK_TABLES
 
-from . import distributed
-from . import model as _model
-from .attention import attached_layer_hooks
-from .pruning import CONFIG_KEY as PRUNED_KEY
-from .pruning import kept_heads, plan_layer
-from .streaming import STREAM_ATTR, _check, _is_int, _LayerStream, layer_windows, streaming_cache
-from .streaming_cache import KVHeadsNote, kv_note
+from .. import distributed
+from .. import model as _model
+from ..attention import attached_layer_hooks
+from ..head_slicing import CONFIG_KEY as PRUNED_KEY
+from ..head_slicing import kept_heads, plan_layer
+from .attention import _LayerStream
+from .cache import STREAM_ATTR, KVHeadsNote, kv_note
+from .heads import _check, _is_int, layer_windows, streaming_cache
 
 __all__ = ["CONFIG_KEY", "stream_model", "streaming_record"]
 

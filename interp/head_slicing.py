@@ -1,4 +1,4 @@
-"""Structural head pruning: slice attention heads out of a HF model's q/k/v/o weights.
+"""Head slicing (structural pruning): cut attention heads out of a HF model's q/k/v/o weights.
 
 ``analyses.prune_model`` decides which heads go; this module does the slicing and the bookkeeping that
 loading needs, so that ``interp`` never imports ``analyses``. A pruned model records the heads it keeps,

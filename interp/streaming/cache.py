@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 __all__ = ["SplitKV", "StreamingLayer", "StreamingCache", "KVHeadsNote", "kv_cache_bytes", "cache_kwarg",
            "output_cache"]
 
-STREAM_ATTR = "_interp_stream"  # an attention module's streaming spec (interp.streaming._LayerStream) while it streams
+STREAM_ATTR = "_interp_stream"  # an attention module's streaming spec (interp.streaming.attention._LayerStream) while it streams
 
 
 def _describe(block) -> str:
