@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from interp.config import real_sites
 from interp.sites import FRONT
 
 from . import registry
 from .labels import head_labels, label_heads, site_kind
 from .registry import HeadScore
-from .bootstrap import check_n_bootstrap
+from .bootstrap import check_n_bootstrap, ratio_interval, resample_counts
 
 __all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs"]
 
@@ -166,15 +167,16 @@ class Tally:
         each argmax score's ``_offset`` and ``_fraction``, and bootstrap 95% intervals over prompts (percentile
         method, prompts resampled with replacement) for the target-rule scores."""
         check_n_bootstrap(n_bootstrap)
-        heads = [(i, h) for i, h in _real_heads(self.model)
-                 if any(self.applies(r, i) for r in self.records)]
+        index = {s.name: i for i, s in enumerate(self.sites)}
+        heads = [(index[s.name], h) for s in real_sites(self.model) for h in range(s.n_heads)
+                 if any(self.applies(r, index[s.name]) for r in self.records)]
         site_at, head_at = torch.tensor([i for i, _ in heads], dtype=torch.long), \
             torch.tensor([h for _, h in heads], dtype=torch.long)
         columns: dict[str, object] = {c: [getattr(self.sites[i], "name" if c == "site" else "block" if c == "layer"
                                                   else c) for i, _ in heads] for c in FRONT[:-1]}
         columns["head"] = head_at.numpy()
         intervals = {}
-        draws = None
+        counts = None  # one set of resamples of the prompts for every score
         for r in self.records:
             ok = torch.tensor([self.applies(r, i) for i, _ in heads], dtype=torch.bool)
             if r.how == "argmax":
@@ -183,39 +185,19 @@ class Tally:
                 offsets = best.indices - (self.max_len - 1)
                 columns[f"{r.name}_offset"] = offsets.numpy() if bool(ok.all()) else pd.array(
                     [o if k else None for o, k in zip(offsets.tolist(), ok.tolist())], dtype="Int64")
-                columns[f"{r.name}_fraction"] = torch.where(ok, _ratio(best.values, hist.sum(-1)), torch.nan).numpy()
+                share = best.values / hist.sum(-1).clamp(min=1)
+                columns[f"{r.name}_fraction"] = torch.where(ok & (hist.sum(-1) > 0), share, torch.nan).numpy()
                 continue
             sums, rows = self.sums[r.name][:, site_at, head_at], self.rows[r.name][:, site_at].double()
-            if draws is None:
-                draws = _draws(sums.shape[0], n_bootstrap, seed)
-            columns[r.name] = torch.where(ok, _ratio(sums.sum(0), rows.sum(0)), torch.nan).numpy()
-            boot = _ratio(draws @ sums, draws @ rows)  # (n_bootstrap, heads)
-            lo_hi = torch.nanquantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=0)
-            intervals[f"{r.name}_lo"] = torch.where(ok, lo_hi[0], torch.nan).numpy()
-            intervals[f"{r.name}_hi"] = torch.where(ok, lo_hi[1], torch.nan).numpy()
+            if counts is None:
+                counts = resample_counts(sums.shape[0], n_bootstrap, seed)
+            value, lo, hi = ratio_interval(sums, rows, counts=counts)
+            columns[r.name] = torch.where(ok, value, torch.nan).numpy()
+            intervals[f"{r.name}_lo"] = torch.where(ok, lo, torch.nan).numpy()
+            intervals[f"{r.name}_hi"] = torch.where(ok, hi, torch.nan).numpy()
         df = pd.DataFrame({**columns, **intervals})
         df.attrs["nonfinite"] = [(int(i), int(h)) for i, h in heads if self.nonfinite[i, h] > 0]
         return df
-
-
-def _real_heads(model) -> list[tuple[int, int]]:
-    """(site index, head) of every real head: a pruned model's placeholder head of an emptied site is not one."""
-    empty = {model.cfg.sites[l].name for l in getattr(model.cfg, "empty_layers", ())} | \
-        set(getattr(model.cfg, "empty_sites", ()))
-    return [(i, h) for i, s in enumerate(model.cfg.sites) if s.name not in empty for h in range(s.n_heads)]
-
-
-def _draws(n_prompts: int, n_bootstrap: int, seed: int) -> torch.Tensor:
-    """(n_bootstrap, n_prompts): how often each prompt is drawn in each resample."""
-    g = torch.Generator().manual_seed(seed)
-    picks = torch.randint(n_prompts, (n_bootstrap, n_prompts), generator=g)
-    return torch.zeros(n_bootstrap, n_prompts, dtype=torch.float64).scatter_add_(
-        1, picks, torch.ones(n_bootstrap, n_prompts, dtype=torch.float64))
-
-
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den, NaN where den is 0 (no row had a target)."""
-    return torch.where(den > 0, num / den.clamp(min=1), torch.nan)
 
 
 def labelled(df: pd.DataFrame, thresholds: dict | None) -> pd.DataFrame:
@@ -266,7 +248,7 @@ def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mas
                          f"{tuple(pattern.shape)}.")
     n_heads = pattern.shape[1]
     site = Site("blocks.0.attn", "decoder" if causal else "encoder", 0, "self", n_heads, n_heads, 1, 1, 1.0, causal)
-    model = SimpleNamespace(cfg=SimpleNamespace(sites=(site,), causal=causal, empty_layers=()), tokenizer=None)
+    model = SimpleNamespace(cfg=SimpleNamespace(sites=(site,), causal=causal, empty_sites=()), tokenizer=None)
     kind = site_kind(site)
     if scores is None:
         records = [r for r in registry.scores(("target", "argmax"), kind) if r.default]
