@@ -257,8 +257,10 @@ def _mark_nonfinite(model, df: pd.DataFrame, nonfinite: set) -> pd.DataFrame:
     df.loc[bad, [c for c in df.columns if c not in keep]] = float("nan")
     df.attrs["nonfinite"] = True
     by_site: dict[str, list[int]] = {}
-    for site, head in sorted(names):
-        by_site.setdefault(site, []).append(head)
+    layered = is_layered(model)
+    for i, head in sorted(nonfinite):
+        site = model.cfg.sites[i]
+        by_site.setdefault(f"layer {site.block}" if layered else site.name, []).append(head)
     where = "; ".join(f"{s}: heads {hs}" for s, hs in by_site.items())
     warnings.warn(f"detect_heads: the attention of {int(bad.sum())} head(s) held NaN or inf ({where}); their scores "
                   "are set to NaN and their label to 'nan', not 'none'. Check the model's weights and inputs for "

@@ -246,7 +246,8 @@ def _label_order() -> tuple[str, ...]:
 # induction head also puts most of its attention on the first token, and a previous-token head is positional too:
 # the primary label names what is special about the head). Read live from the registry.
 DEFAULT_THRESHOLDS = _LiveMap(lambda: {r.name: r.threshold for r in _REGISTRY.values() if r.threshold is not None})
-SCORE_DEFINITIONS = _LiveMap(lambda: {r.name: r.definition for r in _REGISTRY.values()})
+SCORE_DEFINITIONS = _LiveMap(lambda: {r.name: f"{r.definition} ({r.citation})" if r.citation else r.definition
+                                      for r in _REGISTRY.values()})
 LABEL_ORDER = _LiveSequence(_label_order)
 
 

@@ -7,8 +7,8 @@ interleaved (sdpa, scores, retrieval at one length, then the next length):
   row only, as generation does; the n x vocabulary logits would otherwise dominate the peak);
 - ``scores``: ``detect_heads(model, prompts=...)`` on our flash path: previous-token, self, sink, duplicate-token,
   induction and positional on one prompt BOS + x + x (x random ordinary tokens), stopping after the last attention;
-- ``user_score``: ``detect_heads(model, scores=["punctuation"])`` on the same prompt, the score defined in a user's
-  own file (``notebooks/examples/punctuation_heads.py``, registered with ``analyses.head_score``), on our flash path;
+- ``user_score``: ``detect_heads(model, scores=["punctuation"])`` on a prompt of the same length made of corpus text
+  (random tokens have no punctuation), the score defined in a user's own file (``notebooks/examples/punctuation_heads.py``, registered with ``analyses.head_score``), on our flash path;
 - ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens
   as the needle has (the
   same loop as ``run_needle``, without hooks): generation's own memory (the KV cache, growing each step);
@@ -107,8 +107,13 @@ def child(model_name: str, n: int, task: str) -> dict:
     elif task == "user_score":
         import importlib.util
 
+        from analyses.prompts import haystack
+
         spec = importlib.util.spec_from_file_location("punctuation_heads", USER_SCORE)
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        if model.tokenizer is not None:  # corpus text (it has punctuation), BOS first, as long as the others' prompt
+            text = haystack(model.tokenizer, n - 1, torch.Generator().manual_seed(0))
+            ids = torch.tensor([int(ids[0]), *text[: n - 1]])
 
         def run():
             return detect_heads(model, prompts=ids[None], scores=["punctuation"], n_bootstrap=100)

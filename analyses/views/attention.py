@@ -98,9 +98,9 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
       an encoder-decoder model its table, whose ``site`` column places each row).
       None: with a model, ``detect_heads(model)`` is run (about 16 s on SmolLM2-135M with 2 CPU threads; pass a
       table to reuse one);
-      with a cache, thumbnails are not coloured. score: the column coloured first (default the first of
-      induction, duplicate_token, previous_token, ... in the table; for an encoder-decoder model alignment,
-      source_positional_fraction, source_sink, then those); the page can switch to any other. A score a head
+      with a cache, thumbnails are not coloured. score: the column coloured first (default the table's first score
+      in the registry's order, the most specific first: induction, duplicate_token, previous_token, ...; for an
+      encoder-decoder model its first cross-attention score, alignment); the page can switch to any other. A score a head
       has not (a self-attention score of a cross-attention head) leaves its frame grey.
     """
     run = _Run.of(source, text_or_tokens, batch, None)
@@ -112,11 +112,13 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
     data["scores"] = None if scores is None else _score_table(scores, run.places if run.multi else None)
     columns = [] if scores is None else data["scores"]["columns"]
     if score is not None:
-        score = "positional_fraction" if score == "positional" else score
+        record = registry.of_column(score)
+        score = record.label_column if record is not None else score
         if score not in columns:
             raise ValueError(f"score {score!r} is not in the scores table; it has {columns or 'none'}. "
                              "Pass scores=detect_heads(model) to colour by a detect_heads score.")
-    data["score"] = score or (columns[0] if columns else None)
+    cross = [c for c in columns if registry.of_column(c).applies_to("cross")]  # what only a two-stack model has
+    data["score"] = score or (cross[0] if run.multi and cross else columns[0] if columns else None)
     data["title"] = title or f"attention grid: {run.name}"
     return AttentionGrid(data)
 
