@@ -144,7 +144,7 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
     interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
     sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
     ``"repeated"`` (repeated random tokens) when detect_heads generates them; ``precedence`` places its label
-    among the classes (lower: more specific; the pattern classes are 20-26). default: computed when
+    among the classes (lower: more specific; the literature's classes are 10-15, cross-attention 16-18, the pattern classes 20-26). default: computed when
     ``detect_heads`` (and ``interp heads``, the report) is given no score names, beside ours."""
     def decorate(rule: Callable) -> Callable:
         register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
@@ -323,14 +323,14 @@ _OURS = (
               threshold=0.3, precedence=26, rule="analyses.rules:sink", default=True),
     # cross-attention heads of encoder-decoder models (decoder queries on the encoder's output)
     HeadScore("alignment", "cross-attention: the weight a target position i puts on source position i (on the copy "
-              "task, the token being copied)", precedence=30, sites=("cross",), prompts="task",
+              "task, the token being copied)", precedence=16, sites=("cross",), prompts="task",
               rule="analyses.rules:alignment", default=True),
     HeadScore("source_positional", "cross-attention: the share of target rows whose largest weight sits at one fixed "
               "offset from the aligned source position; the offset is source_positional_offset", "argmax",
-              "Voita et al. 2019", 0.9, precedence=31, sites=("cross",), prompts="task",
+              "Voita et al. 2019", 0.9, precedence=17, sites=("cross",), prompts="task",
               column="source_positional_fraction", default=True),
     HeadScore("source_sink", "cross-attention: the weight a target position puts on source position 0", threshold=0.3,
-              precedence=32, sites=("cross",), prompts="task", rule="analyses.rules:source_sink", default=True),
+              precedence=18, sites=("cross",), prompts="task", rule="analyses.rules:source_sink", default=True),
 )
 for _record in _OURS:
     register(HeadScore(**{**_record.__dict__, "builtin": True}))
