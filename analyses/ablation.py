@@ -23,7 +23,7 @@ import torch
 from interp.sites import FRONT, all_heads, check_heads, head_columns, site_of
 
 from .batches import batch_of
-from .engine import Shard, _arguments, copies_per_forward, scan
+from .engine import Shard, _arguments, copies_per_forward, kept_logits, scan
 from .metrics import as_metric
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
@@ -163,7 +163,8 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
         replacement = _Replacement(model, method, reference, [site_of(model, head).name for head in heads])
         zero = _Replacement(model, "zero")
         base = _site_masks(model, [ablated]) if ablated else {}
-        per_forward = heads_per_forward or copies_per_forward(model, batch, memory_budget)
+        kept = kept_logits(model, local, batch).get("logits_to_keep")  # what the scan's runs compute (engine.scan)
+        per_forward = heads_per_forward or copies_per_forward(model, batch, memory_budget, kept)
 
         def hooks_for(group, copies):  # the zero-ablated heads first, then each copy's scanned head
             return (_ablation_hooks(base, zero, copies)

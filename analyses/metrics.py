@@ -92,6 +92,13 @@ class Metric:
     def __call__(self, output, inputs: Batch) -> float:
         return float(self.per_example(output, inputs).detach().float().mean())
 
+    def trailing(self, inputs: Batch) -> int | None:
+        """How many final positions of the output this metric reads, when it counts them from the end, so that a run
+        may compute the logits there only (``logits_to_keep``: the output layer is a fifth of SmolLM2's forward);
+        None (the default) when it reads every position. The metric must then give the same value on the output
+        of those positions as on the whole output."""
+        return None
+
     def rows(self, index: torch.Tensor) -> Metric:
         """The metric for rows ``index`` of the batch it is used on (a study split across processes runs each
         rank's rows). A metric that holds one value per sequence (targets, reference embeddings) returns a copy
@@ -202,6 +209,9 @@ class _LogitDifference(Metric):
                              f"{logits.shape[0]}.")
         return logits[rows, correct] - logits[rows, wrong]
 
+    def trailing(self, inputs: Batch) -> int | None:
+        return -self.position if self.position < 0 else None
+
     def rows(self, index: torch.Tensor) -> Metric:
         part = copy.copy(self)
         part.correct, part.wrong = (t if t.ndim == 0 else t[index.to(t.device)] for t in (self.correct, self.wrong))
@@ -218,13 +228,25 @@ class _NextTokenLoss(Metric):
 
     def per_example(self, output, inputs: Batch) -> torch.Tensor:
         logits = _main_output(output)
-        if logits.shape[:2] != self.targets.shape:
+        ran = (logits.shape[0], inputs["input_ids"].shape[1])
+        start, stop = self._span()
+        offset = self.targets.shape[1] - logits.shape[1]  # 0, or the run computed the logits of the last positions
+        if ran != self.targets.shape or not 0 <= offset <= start:
             raise ValueError(f"next_token_loss was built for inputs of shape {tuple(self.targets.shape)}; the model "
-                             f"ran on {tuple(logits.shape[:2])}.")
-        stop = self.stop if self.stop is not None else logits.shape[1] - 1
-        targets = self.targets[:, self.start + 1:stop + 1].to(logits.device)
-        nll = F.cross_entropy(logits[:, self.start:stop].transpose(1, 2).float(), targets, reduction="none")
+                             f"ran on {ran}.")
+        targets = self.targets[:, start + 1:stop + 1].to(logits.device)
+        nll = F.cross_entropy(logits[:, start - offset:stop - offset].transpose(1, 2).float(), targets,
+                              reduction="none")
         return nll.mean(1)
+
+    def _span(self) -> tuple[int, int]:
+        """The positions ``start <= t < stop`` whose logits are read, counted from the first."""
+        p = self.targets.shape[1]
+        start, stop, _ = slice(self.start, self.stop if self.stop is not None else p - 1).indices(p)
+        return start, stop
+
+    def trailing(self, inputs: Batch) -> int | None:
+        return self.targets.shape[1] - self._span()[0]
 
     def rows(self, index: torch.Tensor) -> Metric:
         return _NextTokenLoss(self.targets[index.to(self.targets.device)], self.start, self.stop)
