@@ -180,6 +180,22 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     return df
 
 
+def _set_values(model, inputs, metric, sets: Sequence[Sequence[Head]], per_forward: int | None = None
+                ) -> tuple[float, list[float]]:
+    """The metric with no head ablated, and with each set of heads zero-ablated together: ``per_forward`` sets per
+    forward (default: the memory budget's copies), each from its set's first layer on (``engine.scan``)."""
+    metric, batch = as_metric(metric), batch_of(model, inputs)
+    zero = _Replacement(model, "zero")
+    with Shard(batch, metric) as shard:
+        batch, local = shard.rows(batch), shard.metric(metric)
+        kept = kept_logits(model, local, batch).get("logits_to_keep")
+        baseline, values = scan(model, batch, list(sets), lambda heads: min(site_of(model, h).block for h in heads),
+                                lambda group, copies: _ablation_hooks(_site_masks(model, group), zero, copies), local,
+                                per_forward or copies_per_forward(model, batch, None, kept), desc=f"{len(sets)} sets")
+        baseline, *values = shard.means([baseline, *values])
+    return baseline, values
+
+
 def check_per_forward(heads_per_forward) -> None:
     """``heads_per_forward`` of a scan: None (sized to the memory budget) or a positive integer."""
     if heads_per_forward is not None and (isinstance(heads_per_forward, bool) or not isinstance(heads_per_forward, int)
