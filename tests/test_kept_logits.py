@@ -1,7 +1,8 @@
 """Scans that compute the logits only where the metric reads them (issue 40: ``Metric.trailing`` and
 ``engine.kept_logits`` pass ``logits_to_keep`` to the HF forward) give the numbers of the whole forward: activation
 patching, path patching, attribution patching and the ablation scan, with and without left padding; the metrics read
-the same value off the last positions as off all of them."""
+the same value off the last positions as off all of them. And the cheaper forms of two per-token computations give
+the same answers: the token losses on contiguous vocabulary rows, the finite check by row sums."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from analyses import (ablation_scan, activation_patching, attribution_patching, 
                       path_patching)
 from analyses import engine
 from analyses.engine import kept_logits
+from analyses.finite import _finite_rows
+from analyses.metrics import _token_nll
 from interp.testing import tiny_model
 
 TOL = 1e-5
@@ -80,3 +83,16 @@ def test_metrics_read_the_same_value_off_the_kept_positions():
             with pytest.raises(ValueError, match="was built for inputs of shape"):
                 metric(out(logits[:, -k:]), {"input_ids": ids[:, -k:], "attention_mask": None})
     assert logit_difference(1, 2, position=3).trailing(batch) is None  # counted from the start: the whole output
+
+
+def test_token_losses_and_finite_checks_equal_the_plain_forms():
+    g = torch.Generator().manual_seed(1)
+    logits, targets = 5 * torch.randn(3, 7, 50, generator=g), torch.randint(0, 50, (3, 7), generator=g)
+    plain = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    assert torch.allclose(_token_nll(logits[:, :], targets), plain, atol=1e-6)
+    assert torch.allclose(_token_nll(logits[:, 2:5], targets[:, 2:5]), plain[:, 2:5], atol=1e-6)  # a strided view
+    x = torch.randn(4, 1000, generator=g)
+    x[1, 3], x[2, 7], x[3, 0], x[3, 1] = float("nan"), float("inf"), float("inf"), -float("inf")
+    assert _finite_rows(x) == [True, False, False, False] == torch.isfinite(x).all(1).tolist()
+    big = torch.full((2, 10), 3e38)  # finite entries whose sum overflows: still finite
+    assert _finite_rows(big) == [True, True]
