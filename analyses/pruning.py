@@ -257,7 +257,8 @@ def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, 
                                        sets_per_forward)
         values = iter(values)
         rows = [{"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned), "order": order,
-                 "seed": seed, "metric": next(values) if pruned else unpruned} for seed in seeds for pruned in sets[seed]]
+                 "seed": seed, "metric": next(values) if pruned else unpruned}
+                for seed in seeds for pruned in sets[seed]]
     df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
     df["seed"] = df["seed"].astype("Int64")
     return df

@@ -376,4 +376,5 @@ def test_the_reports_time_comes_with_its_thread_count(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(report_view, "write_report", lambda *a, **k: {"threads": 3, "attention_maps": []})
     assert main(["report", "--out", str(tmp_path / "r")]) == 0
-    assert re.search(r"wrote .*index\.html in \d+\.\d s on 3 threads \(strongest heads: none\)", capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    assert re.search(r"wrote .*index\.html in \d+\.\d s on 3 threads \(strongest heads: none\)", printed)
