@@ -24,7 +24,7 @@ from hooks.names import hook_name
 from interp.sites import FRONT, all_heads, check_heads, head_columns, site_of
 
 from .batches import batch_of
-from .engine import Shard, _arguments, copies_per_forward, scan
+from .engine import Shard, _arguments, copies_per_forward, kept_logits, scan
 from .metrics import as_metric
 
 __all__ = ["Head", "METHODS", "ablate_heads", "ablation_scan", "all_heads", "check_heads"]
@@ -164,7 +164,8 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
         replacement = _Replacement(model, method, reference, [site_of(model, head).name for head in heads])
         zero = _Replacement(model, "zero")
         base = _site_masks(model, [ablated]) if ablated else {}
-        per_forward = heads_per_forward or copies_per_forward(model, batch, memory_budget)
+        kept = kept_logits(model, local, batch).get("logits_to_keep")  # what the scan's runs compute (engine.scan)
+        per_forward = heads_per_forward or copies_per_forward(model, batch, memory_budget, kept)
 
         def hooks_for(group, copies):  # the zero-ablated heads first, then each copy's scanned head
             return (_ablation_hooks(base, zero, copies)
@@ -178,6 +179,22 @@ def ablation_scan(model, inputs, metric, method: str = "zero", heads=None, refer
     df = pd.DataFrame(rows, columns=[*FRONT, "metric", "delta", "baseline"])
     df.attrs.update(metric=metric.name, method=method)  # for plot titles
     return df
+
+
+def _set_values(model, inputs, metric, sets: Sequence[Sequence[Head]], per_forward: int | None = None
+                ) -> tuple[float, list[float]]:
+    """The metric with no head ablated, and with each set of heads zero-ablated together: ``per_forward`` sets per
+    forward (default: the memory budget's copies), each from its set's first layer on (``engine.scan``)."""
+    metric, batch = as_metric(metric), batch_of(model, inputs)
+    zero = _Replacement(model, "zero")
+    with Shard(batch, metric) as shard:
+        batch, local = shard.rows(batch), shard.metric(metric)
+        kept = kept_logits(model, local, batch).get("logits_to_keep")
+        baseline, values = scan(model, batch, list(sets), lambda heads: min(site_of(model, h).block for h in heads),
+                                lambda group, copies: _ablation_hooks(_site_masks(model, group), zero, copies), local,
+                                per_forward or copies_per_forward(model, batch, None, kept), desc=f"{len(sets)} sets")
+        baseline, *values = shard.means([baseline, *values])
+    return baseline, values
 
 
 def check_per_forward(heads_per_forward) -> None:

@@ -20,7 +20,7 @@ from interp.inputs import encode
 from interp.norms import norm_centres, norm_eps
 from interp.sites import FRONT, check_heads, head_columns, site_of
 
-from .engine import Shard, _arguments, _run
+from .engine import Shard, _arguments, _run, kept_logits
 from .patching import paired_batches, scalar_metric
 
 __all__ = ["attribution_patching", "frozen_norm", "token_ids"]
@@ -77,10 +77,11 @@ def _first_order(model, clean, corrupted, metric, names, n: int | None):
     h)``. ``n``: None for the whole batch; else these are one rank's rows of ``n`` prompts, the metric returns
     per-example values and the gradient is of their sum / n (the whole batch's mean). Batches with
     ``decoder_input_ids`` run as encoder-decoder batches."""
+    keep = kept_logits(model, metric, corrupted)  # the logits the metric reads, and no others
     with model.studying():
         with torch.no_grad():
             args, kwargs = _arguments(clean)
-            out, cache = model.run_with_cache(*args, names=names, **kwargs)
+            out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
             clean_value = metric(out, clean)
         deltas, z_corrupted = {}, {}
 
@@ -93,7 +94,7 @@ def _first_order(model, clean, corrupted, metric, names, n: int | None):
             for p in model.hf.parameters():
                 p.requires_grad_(False)
             with model.hooks([(names, opening)]):
-                out = _run(model, corrupted)
+                out = _run(model, corrupted, **keep)
             per_example = metric.per_example(out, corrupted).float()
             value = per_example.mean() if n is None else per_example.sum() / n
             if not value.requires_grad:

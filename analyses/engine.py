@@ -11,6 +11,7 @@ and combines the per-example metric values of every rank, so that each rank retu
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 
@@ -24,7 +25,7 @@ from .batches import Batch, _main_output
 from .finite import check_finite, finite_copies, warn_non_finite, watching
 from .metrics import Metric
 
-__all__ = ["scan", "copies_per_forward", "slice_output", "Shard"]
+__all__ = ["scan", "copies_per_forward", "kept_logits", "slice_output", "Shard"]
 
 
 def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], int],
@@ -42,11 +43,12 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
     an item whose run gives a non-finite output gets NaN (whatever the metric made of it), with one warning.
     """
     values, broken = [], []
+    keep = kept_logits(model, metric, batch)
     with model.studying(), torch.no_grad():
         prefix = Prefix(model)
         with model.hooks(list(base_hooks)), prefix.recording():
             with watching(model, "The baseline run (no intervention)"):
-                output = _run(model, batch)
+                output = _run(model, batch, **keep)
             check_finite(model, output, "The baseline run (no intervention)")
             baseline = metric(output, batch)
             del output
@@ -59,10 +61,10 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
             first = min(first_layer(item) for item in group)
             with model.hooks(hooks_for(group, copies)):
                 with prefix.replaying(first, copies):
-                    output = _run(model, batch, copies)
+                    output = _run(model, batch, copies, **keep)
                 if first > 0 and prefix.enabled and not checked:  # the first group that replays: check it once
                     checked = True                                 # against a full forward
-                    full = _run(model, batch, copies)
+                    full = _run(model, batch, copies, **keep)
                     prefix.enabled = _same_output(output, full)
                     if not prefix.enabled:  # the replay is off for every later group, and this one's values
                         output = full       # come from the full forward too
@@ -73,6 +75,28 @@ def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], i
             del output
     warn_non_finite(broken)
     return baseline, values
+
+
+def kept_logits(model, metric, batch: Batch) -> dict:
+    """``{"logits_to_keep": k}`` for the model's runs when ``metric`` reads only the last k positions of a causal
+    LM's logits (``Metric.trailing``): the output layer then runs on those only, the rest of the forward unchanged
+    (SmolLM2's output layer is a fifth of its forward). Else ``{}``: the whole output, as before."""
+    trailing = getattr(metric, "trailing", None)
+    return logits_to_keep(model, batch, trailing(batch) if trailing is not None else None)
+
+
+def logits_to_keep(model, batch: Batch, k: int | None) -> dict:
+    """``{"logits_to_keep": k}`` where the model takes it and it leaves positions out, else ``{}``."""
+    if not k or batch.get("decoder_input_ids") is not None or k >= batch["input_ids"].shape[1]:
+        return {}
+    return {"logits_to_keep": int(k)} if _takes_logits_to_keep(model.hf) else {}
+
+
+def _takes_logits_to_keep(hf) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(hf.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _same_output(a, b, tol: float = 1e-5) -> bool:
@@ -110,9 +134,10 @@ def _arguments(batch: Batch, copies: int = 1) -> tuple[tuple, dict]:
     return (repeat(batch["input_ids"]), repeat(batch.get("attention_mask"))), kwargs
 
 
-def _run(model, batch: Batch, copies: int = 1):
+def _run(model, batch: Batch, copies: int = 1, **options):
+    """The model on ``copies`` copies of a batch; ``options`` go to the HF forward (``kept_logits``)."""
     args, kwargs = _arguments(batch, copies)
-    return model(*args, **kwargs)
+    return model(*args, **kwargs, **options)
 
 
 class Prefix:
@@ -179,11 +204,11 @@ def _repeat(value, copies: int, device):
     return value
 
 
-def copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
+def copies_per_forward(model, batch: Batch, memory_budget: float | None, kept: int | None = None) -> int:
     """How many copies of the batch fit in ``memory_budget`` bytes of activations (an estimate).
 
     Per token: the output row (vocab logits or d_model) on the tokens the model outputs (the last input entry: the
-    target of an encoder-decoder model), about 12 x d_model of layer activations alive at once (residual, q/k/v,
+    target of an encoder-decoder model; only the last ``kept`` positions of each row with ``kept_logits``), about 12 x d_model of layer activations alive at once (residual, q/k/v,
     z, MLP), and on the eager path one pattern row per head for each key sequence its sites read.
     Default budget: 1 GiB on CUDA, where one large forward beats many small ones; 16 MiB on CPU, where a
     forward is compute-bound beyond a few hundred tokens and larger batches only add memory traffic
@@ -198,11 +223,12 @@ def copies_per_forward(model, batch: Batch, memory_budget: float | None) -> int:
     per_copy = 0
     for entry in entries:
         b, p = batch[entry].shape
-        per_token = 12 * cfg.d_model + ((cfg.vocab_size if has_head else cfg.d_model) if entry == entries[-1] else 0)
+        per_token = 12 * cfg.d_model
         if model.attn == "eager":
             keys = {s.keys for s in cfg.sites if s.queries == entry}
             per_token += 2 * heads * sum(batch[k].shape[1] for k in keys)
-        per_copy += b * p * per_token
+        out = (cfg.vocab_size if has_head else cfg.d_model) if entry == entries[-1] else 0
+        per_copy += b * p * per_token + b * min(p, kept or p) * out
     return max(1, int(memory_budget // (per_copy * torch.finfo(model.dtype).bits // 8)))
 
 
@@ -245,6 +271,9 @@ class _Local(Metric):
 
     def loss(self, output, inputs: Batch) -> torch.Tensor:
         return self.metric.loss(output, inputs)
+
+    def trailing(self, inputs: Batch) -> int | None:
+        return self.metric.trailing(inputs)
 
     def __call__(self, output, inputs: Batch) -> torch.Tensor:
         return self.metric.per_example(output, inputs).float()

@@ -84,15 +84,25 @@ def watching(model, what: str):
 
 def check_finite(model, output, what: str) -> None:
     """A ValueError when the main tensor of a model output (logits or hidden states) holds NaN or inf."""
-    if not bool(torch.isfinite(_main_output(output)).all()):
+    if not _finite_rows(_main_output(output).reshape(1, -1))[0]:
         raise ValueError(f"{what} gave a non-finite output, {_where(model, None)}. No number of a run with "
                          "non-finite activations means anything, so none is returned.")
 
 
 def finite_copies(output, copies: int) -> list[bool]:
     """Whether each of ``copies`` equal slices (along the batch) of a model output's main tensor is finite."""
-    x = _main_output(output)
-    return torch.isfinite(x.reshape(copies, -1)).all(1).tolist()
+    return _finite_rows(_main_output(output).reshape(copies, -1))
+
+
+def _finite_rows(x: torch.Tensor) -> list[bool]:
+    """Whether each row of ``x: (n, m)`` is finite. A finite row sum means every entry is (NaN and inf stay in a sum)
+    and costs about a twentieth of ``torch.isfinite``, a composite of several full-size temporaries (four copies of
+    SmolLM2's logits: 0.02 s instead of 0.3 s on one thread); a row whose sum is not finite (also one of finite
+    entries that overflow it) is checked entry by entry."""
+    finite = torch.isfinite(x.sum(1))
+    if not bool(finite.all()):
+        finite = torch.isfinite(x).all(1)
+    return finite.tolist()
 
 
 def warn_non_finite(items: list) -> None:

@@ -26,7 +26,8 @@ from interp.config import real_sites
 from interp.sites import FRONT, MASK_OF, check_heads, head_columns, is_layered, site_of
 
 from .ablation import check_per_forward
-from .engine import Prefix, Shard, _arguments, _run, copies_per_forward, scan, slice_output
+from .engine import (Prefix, Shard, _arguments, _run, copies_per_forward, kept_logits, logits_to_keep, scan,
+                     slice_output)
 from .finite import check_finite, finite_copies, warn_non_finite, watching
 from .batches import Batch, _main_output, batch_of
 from .metrics import Metric, as_metric
@@ -69,6 +70,9 @@ class _Scalar(Metric):
 
     def loss(self, output, inputs):
         return self.inner.loss(output, inputs)
+
+    def trailing(self, inputs) -> int | None:
+        return self.inner.trailing(inputs)
 
     def rows(self, index) -> Metric:
         return _Scalar(self.inner.rows(index))
@@ -179,15 +183,16 @@ def activation_patching(model, clean, corrupted, metric, by: str = "head", what:
     names = [hook_name(what, site) for site in dict.fromkeys(item[0] for item in items)]
     with Shard(corrupted, metric) as shard:  # this rank's prompts under torch.distributed, else all of them
         clean, corrupted, local = shard.rows(clean), shard.rows(corrupted), shard.metric(metric)
+        keep = kept_logits(model, local, clean)  # the logits the metric reads, and no others
         with model.studying(), torch.no_grad():
             args, kwargs = _arguments(clean)
             with watching(model, "The clean run"):
-                output, cache = model.run_with_cache(*args, names=names, **kwargs)
+                output, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
             check_finite(model, output, "The clean run")
             clean_value = local(output, clean)
         sources = {name.rsplit(".", 1)[0]: cache[name] for name in names}
         if heads_per_forward is None:
-            heads_per_forward = copies_per_forward(model, corrupted, memory_budget)
+            heads_per_forward = copies_per_forward(model, corrupted, memory_budget, keep.get("logits_to_keep"))
         corrupted_value, values = scan(
             model, corrupted, items, lambda item: model.sites[item[0]].block,
             lambda group, copies: _patch_hooks(what, group, sources, copies),
@@ -246,19 +251,20 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
                        r[1] // (site_of(model, r).n_heads // site_of(model, r).n_kv_heads)) for r in receivers},
                      key=lambda t: (order[t[0]], t[1]))
     first_target = min(model.sites[site].block for site, _ in targets)
+    keep = kept_logits(model, metric, corrupted)  # the logits the metric reads, and no others
     with model.studying(), torch.no_grad():
         caches, value = {}, {}
         for which, batch in (("clean", clean), ("corrupted", corrupted)):
             args, kwargs = _arguments(batch)
             with watching(model, f"The {which} run"):
-                out, caches[which] = model.run_with_cache(*args, names=z_names, **kwargs)
+                out, caches[which] = model.run_with_cache(*args, names=z_names, **kwargs, **keep)
             check_finite(model, out, f"The {which} run")
             value[which] = metric(out, batch)
         (clean_cache, corrupted_cache), (clean_value, corrupted_value) = caches.values(), value.values()
-        per_forward = heads_per_forward or copies_per_forward(model, corrupted, None)
+        per_forward = heads_per_forward or copies_per_forward(model, corrupted, None, keep.get("logits_to_keep"))
         prefix = Prefix(model)
         with prefix.recording():
-            _run(model, corrupted)
+            _run(model, corrupted, **keep)
         b = corrupted["input_ids"].shape[0]
         values, broken = [], []
         for start in range(0, len(senders), per_forward):
@@ -267,7 +273,7 @@ def path_patching(model, clean, corrupted, receivers, metric, senders=None, via:
             patched = _receiver_inputs(model, corrupted, group, copies, clean_cache, corrupted_cache, z_names, via,
                                        {site for site, _ in targets}, prefix)
             with model.hooks(_receiver_hooks(via, targets, patched)), prefix.replaying(first_target, copies):
-                output = _run(model, corrupted, copies)
+                output = _run(model, corrupted, copies, **keep)
             for sender, finite, i in zip(senders[start:start + per_forward], finite_copies(output, copies),
                                          range(copies)):
                 values.append(metric(slice_output(output, i * b, (i + 1) * b, copies * b), corrupted) if finite
@@ -297,7 +303,7 @@ def _receiver_inputs(model, batch, group, copies, clean_cache, corrupted_cache, 
 
     hooks = [(z_names, freeze), ([hook_name(via, site) for site in sites], keep)]
     with model.hooks(hooks), prefix.replaying(min(model.sites[site].block for site, _ in group), copies):
-        _run(model, batch, copies)
+        _run(model, batch, copies, **logits_to_keep(model, batch, 1))  # only the receivers' inputs are read
     return captured
 
 

@@ -28,7 +28,7 @@ from interp.progress import progress
 from interp.head_slicing import CONFIG_KEY, kept_heads, plan_layer, slice_heads, slice_sites
 from interp.sites import FRONT, head_columns, head_key, is_layered, row_head
 
-from .ablation import Head, ablate_heads, ablation_scan, all_heads, check_heads
+from .ablation import Head, _set_values, ablate_heads, ablation_scan, all_heads, check_heads
 from .batches import _main_output, batch_of
 from .engine import Shard, _arguments, _mean_of_examples, _run, take_rows
 from .finite import check_finite, watching
@@ -66,6 +66,12 @@ def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None
     are gathered, so every rank returns the one-process result; a loss that is not per-example (a plain callable)
     runs whole on every rank.
     """
+    return _importance(model, inputs, loss, ablated, batch_size)[0]
+
+
+def _importance(model, inputs, loss=None, ablated=(), batch_size: int | None = None, metric=None):
+    """``head_importance``'s table, and ``metric`` on its forward's output where that is one forward of the whole
+    batch in one process (gates of 1 and 0: the run with ``ablated`` zero-ablated; else None)."""
     _loss_fn(loss)  # a clear error without one
     source = as_metric(loss)
     batch = batch_of(model, inputs)
@@ -86,7 +92,7 @@ def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None
         for rows in [mine] if batch_size is None else mine.split(batch_size):
             whole = shard.index is None and len(rows) == shard.n
             part, loss_fn = (batch, source.loss) if whole else (take_rows(batch, rows), source.rows(rows).loss)
-            grads = _gate_gradients(model, part, loss_fn, units)
+            grads, value = _gate_gradients(model, part, loss_fn, units, metric if whole else None)
             parts.append(torch.cat([torch.zeros(len(rows), s.n_heads) if g is None else g.detach().abs().float().cpu()
                                     for g, s in zip(grads, sites)], dim=1))  # (rows, heads of all sites): |dL/dxi_h|
         per_example = shard.gather(torch.cat(parts))  # every rank's examples, in order
@@ -97,12 +103,12 @@ def head_importance(model, inputs, loss=None, ablated=(), batch_size: int | None
         norm = float(raw[live].norm()) if live else 0.0
         rows += [{**head_columns(model, head_key(model, s, h)), "importance": float(raw[h]) / norm if norm > 0
                   else 0.0, "importance_raw": float(raw[h])} for h in live]
-    return pd.DataFrame(rows, columns=[*FRONT, "importance", "importance_raw"])
+    return pd.DataFrame(rows, columns=[*FRONT, "importance", "importance_raw"]), value
 
 
-def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]]]) -> tuple:
+def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]]], metric=None) -> tuple:
     """Per unit ``(z hook name, kept: one flag per head)``, d loss / d gate: (b, h) with one gate per example and
-    head (None where a unit's gates are unused); a head not kept has its gate at 0."""
+    head (None where a unit's gates are unused); a head not kept has its gate at 0. And ``metric`` of the output."""
     b = batch["input_ids"].shape[0]
     gates = {name: torch.ones(b, len(kept), device=model.device, dtype=model.dtype, requires_grad=True)
              for name, kept in units}
@@ -120,6 +126,8 @@ def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]
                 output = model(*args, **kwargs)
             check_finite(model, output, "head_importance's forward")
             value = loss_fn(output, batch)
+            with torch.no_grad():
+                seen = None if metric is None else metric(output, batch)
         if not isinstance(value, torch.Tensor) or value.ndim > 1 or value.ndim == 1 and value.shape[0] != b:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"The loss must return a scalar or ({b},) per-example losses; got {got}.")
@@ -128,7 +136,7 @@ def _gate_gradients(model, batch, loss_fn, units: Sequence[tuple[str, list[bool]
         if not bool(torch.isfinite(total)) or any(g is not None and not bool(torch.isfinite(g).all()) for g in grads):
             raise ValueError(f"head_importance: the loss ({float(total.detach()):.4g}) or its gradient is not finite on a "
                              "finite forward: the loss overflows (float16: load with dtype=torch.float32).")
-        return grads
+        return grads, seen
 
 
 def _evaluate(model, batch, metric, pruned: Sequence[Head]) -> float:
@@ -153,26 +161,28 @@ def _pick(ranked: Sequence[Head], n: int, remaining: Counter, allow_empty_layers
 
 
 def _ranking(model, inputs, metric, loss, order, pruned, candidates, rng, higher_is_better, normalize,
-             batch_size=None) -> list[Head]:
-    """``candidates`` from least to most important."""
+             batch_size=None) -> tuple[list[Head], float | None]:
+    """``candidates`` from least to most important, and the metric with ``pruned`` ablated where the ranking's own
+    forward gave it (else None)."""
     if order == "random":
-        return [candidates[i] for i in rng.permutation(len(candidates))]
+        return [candidates[i] for i in rng.permutation(len(candidates))], None
     if order == "importance":
-        df = head_importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned,
-                             batch_size=batch_size)
+        df, value = _importance(model, inputs, loss=loss if loss is not None else metric, ablated=pruned,
+                                batch_size=batch_size, metric=metric)
         column = "importance" if normalize else "importance_raw"
         score = {row_head(model, r): getattr(r, column) for r in df.itertuples()}
     else:
         df = ablation_scan(model, inputs, metric, heads=candidates, ablated=pruned)
+        value = float(df["baseline"].iloc[0])  # its baseline: the run with ``pruned`` ablated
         sign = 1.0 if higher_is_better else -1.0  # damage: how much worse the metric gets
         score = {row_head(model, r): -sign * r.delta for r in df.itertuples()}
-    return sorted(candidates, key=lambda head: (score[head], head))
+    return sorted(candidates, key=lambda head: (score[head], head)), value
 
 
 def pruning_curve(model, inputs, metric, order: str = "importance", step: float = 0.1, seeds: Sequence[int] = (0, 1, 2),
                   loss=None, allow_empty_layers: bool = False, max_fraction: float = 1.0,
                   higher_is_better: bool | None = None, normalize: bool = True,
-                  batch_size: int | None = None) -> pd.DataFrame:
+                  batch_size: int | None = None, sets_per_forward: int | None = None) -> pd.DataFrame:
     """Prune the least important ``step`` of the remaining heads at a time, recording ``metric``.
 
     Returns one row per step: ``fraction_pruned``, ``heads_pruned``, ``metric``, ``order``, ``seed``.
@@ -182,7 +192,9 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     normalize: rank by Michel's per-layer L2-normalised importance (default) or, when False, by the raw
     E|dL/dxi|. Normalising assumes layers matter alike; where they do not (MiniLM's embeddings depend most on
     its last layer) the raw ranking prunes better. batch_size: rows per backward pass of the importance order
-    (``head_importance``'s; for large vocabularies).
+    (``head_importance``'s; for large vocabularies). sets_per_forward: the random orders' pruned sets run per forward
+    (``engine.scan``'s copies; default: the memory budget's). Each step of the importance and ablation orders is
+    evaluated on its ranking's own forward (the same heads ablated), not on a second one.
     Heads are zero-ablated, as ``prune_model`` removes them. The last head of a layer is never pruned unless
     ``allow_empty_layers``. Stops once ``max_fraction`` of the heads are pruned or none is left to prune.
     Under torch.distributed (``torchrun``) every evaluation, importance and ablation scan is split across ranks
@@ -210,41 +222,44 @@ def pruning_curve(model, inputs, metric, order: str = "importance", step: float 
     batch = batch_of(model, inputs)
     with model.studying():
         df = _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction,
-                     higher_is_better, normalize, batch_size)
+                     higher_is_better, normalize, batch_size, sets_per_forward)
     df.attrs["metric"] = metric.name  # for plot titles
     return df
 
 
 def _curves(model, batch, metric, loss, order, step, seeds, allow_empty_layers, max_fraction, higher_is_better,
-            normalize, batch_size=None) -> pd.DataFrame:
-    heads = all_heads(model)
-    rows = []
+            normalize, batch_size=None, sets_per_forward=None) -> pd.DataFrame:
+    heads, rows, sets = all_heads(model), [], {}
     bar = progress(desc=f"pruning curve ({order})", unit="step")
-    unpruned = None  # every curve starts from the whole model: evaluated once, not once per seed
     for seed in (seeds if order == "random" else [None]):
         rng = np.random.default_rng(seed)
         pruned: list[Head] = []
+        sets[seed] = [pruned]  # a random order does not depend on the metric: its sets are evaluated together below
         while True:
-            if pruned:
-                value = _evaluate(model, batch, metric, pruned)
-            else:
-                unpruned = value = _evaluate(model, batch, metric, pruned) if unpruned is None else unpruned
-            rows.append({"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned),
-                         "metric": value, "order": order, "seed": seed})
             remaining = Counter(l for l, h in heads if (l, h) not in pruned)
             candidates = [head for head in heads if head not in pruned]
             n = max(1, round(step * len(candidates)))
             n = min(n, math.floor(max_fraction * len(heads) + 1e-9) - len(pruned))
-            if n <= 0 or not candidates:
-                break
-            ranked = _ranking(model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better,
-                              normalize, batch_size)
-            chosen = _pick(ranked, n, remaining, allow_empty_layers)
+            ranked, value = (None, None) if n <= 0 or not candidates else _ranking(
+                model, batch, metric, loss, order, sorted(pruned), candidates, rng, higher_is_better, normalize,
+                batch_size)  # the importance and ablation orders' forward is this step's evaluation too
+            if order != "random":
+                rows.append({"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned), "order": order,
+                             "metric": _evaluate(model, batch, metric, pruned) if value is None else value})
+            chosen = [] if ranked is None else _pick(ranked, n, remaining, allow_empty_layers)
             if not chosen:
                 break
-            pruned += chosen
+            pruned = pruned + chosen
+            sets[seed].append(pruned)
             bar.update()
     bar.close()
+    if order == "random":  # several sets per forward, the unpruned model once (ablation._set_values)
+        unpruned, values = _set_values(model, batch, metric, [s for seed in seeds for s in sets[seed][1:]],
+                                       sets_per_forward)
+        values = iter(values)
+        rows = [{"fraction_pruned": len(pruned) / len(heads), "heads_pruned": len(pruned), "order": order,
+                 "seed": seed, "metric": next(values) if pruned else unpruned}
+                for seed in seeds for pruned in sets[seed]]
     df = pd.DataFrame(rows, columns=["fraction_pruned", "heads_pruned", "metric", "order", "seed"])
     df["seed"] = df["seed"].astype("Int64")
     return df

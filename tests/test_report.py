@@ -368,3 +368,13 @@ def test_heads_whose_scores_were_not_measured_are_not_listed_as_labelled():
     table = _labelled_table(heads)
     assert "0.0" in table and "0.1" not in table and "0.2" not in table
     assert _labelled_table(heads.iloc[1:]) == "<p>No head passes a threshold.</p>"
+
+
+def test_the_reports_time_comes_with_its_thread_count(tmp_path, monkeypatch, capsys):
+    """issue 40: the printed time says how many threads it ran on (one thread and two differ by about 2x)."""
+    import analyses.views.report as report_view
+
+    monkeypatch.setattr(report_view, "write_report", lambda *a, **k: {"threads": 3, "attention_maps": []})
+    assert main(["report", "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"wrote .*index\.html in \d+\.\d s on 3 threads \(strongest heads: none\)", printed)

@@ -57,5 +57,7 @@ def cmd_report(args) -> int:
         labelled = ", ".join(f"{m['class']} {m.get('site', m.get('layer'))}.{m['head']}"
                              for m in summary["attention_maps"]) or "none"
         found = f"strongest heads: {labelled}"
-    print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s ({found})")
+    threads = summary.get("threads")  # the time means little without the threads it ran on
+    ran = f" on {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+    print(f"wrote {args.out / 'index.html'} in {time.perf_counter() - t0:.1f} s{ran} ({found})")
     return 0

@@ -29,15 +29,19 @@ __all__ = ["circuit_task", "pruning_step"]
 _MANY_HEADS = 100
 
 
+def _copies(model, inputs) -> int | None:
+    """Copies of a small batch per forward of a scan: on CPU about 256 tokens, where the engine's memory budget would
+    give fewer (SmolLM2's 4 prompts: 3 copies took 12% less CPU time than 1, 9 copies more; BENCHMARKS.md)."""
+    if model.device.type != "cpu":
+        return None
+    batch = batch_of(model, inputs)
+    return max(copies_per_forward(model, batch, None), 256 // batch["input_ids"].numel())
+
+
 def _ablation(model, inputs, metric, figures, out: Path, size) -> pd.DataFrame:
-    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports). On CPU a small batch
-    runs as several copies per forward, about 256 tokens, where the engine's memory budget would give fewer
-    (SmolLM2's 4 prompts: 3 copies took 12% less CPU time than 1, 9 copies more; BENCHMARKS.md)."""
-    per_forward = None
-    if model.device.type == "cpu":
-        batch = batch_of(model, inputs)
-        per_forward = max(copies_per_forward(model, batch, None), 256 // batch["input_ids"].numel())
-    scan = ablation_scan(model, inputs, metric, heads_per_forward=per_forward)
+    """The zero-ablation scan of every head: ``ablation.csv`` and its heatmap (both reports), several copies of a
+    small batch per forward (``_copies``)."""
+    scan = ablation_scan(model, inputs, metric, heads_per_forward=_copies(model, inputs))
     scan.to_csv(out / "ablation.csv", index=False)
     fig, ax = plt.subplots(figsize=size)
     ablation_heatmap(scan, ax=ax)
@@ -52,10 +56,12 @@ def pruning_step(n_heads: int) -> float:
 
 
 def _pruning(model, inputs, metric, figures, out: Path, n_heads: int, threshold: float | None = None) -> pd.DataFrame:
-    """Pruning curves by importance and by 3 random orders: ``pruning.csv`` and the plot (both reports)."""
+    """Pruning curves by importance and by 3 random orders (their pruned sets several per forward, as the ablation
+    scan's heads): ``pruning.csv`` and the plot (both reports)."""
     step_size = pruning_step(n_heads)
     curves = pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step_size),
-                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2))])
+                        pruning_curve(model, inputs, metric, order="random", step=step_size, seeds=(0, 1, 2),
+                                      sets_per_forward=_copies(model, inputs))])
     curves.to_csv(out / "pruning.csv", index=False)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     pruning_curve_plot(curves, ax=ax, metric_name=metric.name, threshold=threshold)
