@@ -16,7 +16,7 @@ from analyses import engine
 from analyses.engine import kept_logits
 from analyses.finite import _finite_rows
 from analyses.metrics import _token_nll
-from interp.testing import tiny_model
+from tests.tiny import tiny_model
 
 TOL = 1e-5
 
