@@ -252,7 +252,7 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
         from .qk_causal import causal_check
 
         for head in heads:
-            df.attrs["causal"] += causal_check(model, batch, head, by_head[head], df, top=top, draws=draws,
+            df.attrs["causal"] += causal_check(model, batch, head, by_head[head], df, rec, top=top, draws=draws,
                                                seed=seed)
     return df
 

@@ -78,6 +78,8 @@ class Record:
     def __init__(self, model, rows: dict, targets: list):
         self.model, self.rows, self.targets = model, rows, targets
         self.hooks, self.at, self.bias, self.handles, self._weights = [], {}, {}, [], {}
+        self.post_norms: dict = {}  # site -> the norm its block puts its output through (Gemma 2/3), or None
+        self.final_norm = None  # the norm between the key stack and cross-attention keys (T5's encoder), or None
         names = set(model.hook_names())
         for prefix, kept in rows.items():
             wanted = [n for n in names if n.startswith(prefix + ".") and (".hook_resid_" in n or "attn_out" in n
@@ -221,7 +223,7 @@ def stream_parts(model, rec: Record, prefix: str, upto=None) -> tuple[list[dict]
             heads = torch.einsum("nhe,hem->hnm", z, weights["W_O"])
             bias = weights["b_O"].expand_as(first)
             attn_out = at[out_hook(prefix, site)].double()
-            apply, const = _post_norm(model, rec, prefix, site, attn_out, stream)
+            apply, const, rec.post_norms[site.name] = _post_norm(model, rec, prefix, site, attn_out, stream)
             parts += list(apply(heads))
             out_bias = out_bias + apply(bias) + const
             labels += [_label("head", site, h, f"{short}L{site.block}{'x' if site.kind == 'cross' else ''}H{h}")
@@ -248,10 +250,10 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
     mid = rec.at.get(f"{prefix}.{site.block}.hook_resid_mid")
     first = min((s for s in stack_sites(model, prefix) if s.block == site.block), key=lambda s: s.kind != "self")
     if mid is None or site.name != first.name:
-        return (lambda c: c), 0.0
+        return (lambda c: c), 0.0, None
     added = mid.double() - stream
     if close(attn_out, added, 1e-4):
-        return (lambda c: c), 0.0
+        return (lambda c: c), 0.0, None
     blocks = model._blocks[prefix.split(".")[0]] if isinstance(model._blocks, dict) else model._blocks
     for norm in _norms(blocks[site.block].modules(), attn_out.shape[-1], skip=(model.in_norm_of(site),)):
         if True:
@@ -260,12 +262,12 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
                 dtype = param.dtype if param is not None else torch.float32
                 out = norm(attn_out.to(device=model.device, dtype=dtype)).double().cpu()
             if close(out, added, 1e-4):
-                return frozen(norm, attn_out)
+                return (*frozen(norm, attn_out), norm)
     _refuse(f"{prefix}.{site.block}: the stream does not grow by the attention output or a norm of it",
             float((added - attn_out).abs().max()))
 
 
-def _final_norm(model, prefix: str, stream: torch.Tensor, k_input: torch.Tensor):
+def _final_norm(model, rec: Record, prefix: str, stream: torch.Tensor, k_input: torch.Tensor):
     """The norm between a stack's last block and what reads it (an encoder's final norm), frozen; or none."""
     if close(stream, k_input, 1e-4):
         return (lambda c: c), 0.0
@@ -277,6 +279,7 @@ def _final_norm(model, prefix: str, stream: torch.Tensor, k_input: torch.Tensor)
                 param = next(norm.parameters(), None)
                 out = norm(stream.to(device=model.device, dtype=param.dtype if param is not None else torch.float32))
             if close(out.double().cpu(), k_input, 1e-4):
+                rec.final_norm = norm
                 return frozen(norm, stream)
     _refuse(f"the keys' input is neither the {prefix} stack's output nor a norm of it",
             float((stream - k_input.double()).abs().max()))
@@ -307,7 +310,7 @@ def side_vectors(model, rec: Record, site, side: str, index: int, cache: dict):
                                           "is not a sum of the sublayers' outputs, so scores have no exact split.")
         labels, parts, stream = stream_parts(model, rec, prefix, None if cross_k else site)
         if cross_k:
-            apply, const = _final_norm(model, prefix, stream, rec.at[f"{site.name}.k_input"])
+            apply, const = _final_norm(model, rec, prefix, stream, rec.at[f"{site.name}.k_input"])
         else:
             real = rec.at[f"{site.name}.in_norm"]
             if not close(parts.sum(0), real, 1e-4):
