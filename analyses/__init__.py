@@ -9,7 +9,7 @@ _VIEWS = {
     "head_view": "attention", "attention_grid": "attention", "HeadView": "attention", "AttentionGrid": "attention",
     "attention_heatmap": "plots", "head_score_grid": "plots", "ablation_heatmap": "plots",
     "pruning_curve_plot": "plots", "patching_heatmap": "plots", "dla_bars": "plots", "save_figure": "plots",
-    "write_report": "report", "long_view": "long", "LongView": "long",
+    "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
 }
 
 _LAZY = {
