@@ -58,11 +58,12 @@ def _needle(model, n: int):
         ids = repeated_sequences(1, n // 2, model.cfg.vocab_size, torch.Generator().manual_seed(0), 0)[0]
         half = n // 2
         return ids, [(0, half + k, k + 1) for k in range(8, 16)]
-    prompt = needle_prompts(model, [n], [0.5])[0]
+    extra = len(needle_prompts(model, [n], [0.5])[0].answer) - 1  # the appended tokens: n in all
+    prompt = needle_prompts(model, [n - extra], [0.5])[0]
     answer = prompt.answer
     ids = torch.cat([prompt.ids, answer[:-1]])
     start = prompt.needle[0]
-    return ids, [(0, len(prompt.ids) - 1 + k, start + k) for k in range(len(answer))]
+    return ids[:n], [(0, len(prompt.ids) - 1 + k, start + k) for k in range(len(answer)) if len(prompt.ids) - 1 + k < n]
 
 
 def child(model_name: str, n: int, task: str, draws: int) -> dict:

@@ -212,3 +212,28 @@ def test_post_norm_blocks_and_cross_rules_are_refused():
     batch = {"input_ids": torch.tensor([[3, 4, 5]]), "decoder_input_ids": torch.tensor([[0, 4]])}
     with pytest.raises(ValueError, match="cross-attention site"):
         qk_attribution(t5, batch, [("decoder.blocks.0.cross_attn", 0)], pairs="previous_token")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "t5"])
+def test_the_causal_check_runs_through_post_attention_norms_and_an_encoders_final_norm(family):
+    """The path intervention with nothing removed is the run itself (its baseline is the pairs' attention weight), and
+    removing the top heads of a side changes that side's attention: through Gemma 3's frozen post-attention norms,
+    and on T5's cross-attention keys through the encoder's final norm."""
+    if family == "t5":
+        model = interp.load_model(tiny_model("t5", cls=T5ForConditionalGeneration), attn="flash")
+        batch = {"input_ids": torch.tensor([[3, 4, 5, 6, 7, 8]]), "decoder_input_ids": torch.tensor([[0, 4, 5, 6]])}
+        head = ("decoder.blocks.1.cross_attn", 1)
+    else:
+        model = interp.load_model(tiny_model("gemma3_text"), attn="flash")
+        batch, head = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]]), (1, 1)
+    df = qk_attribution(model, batch, [head], pairs="top1", top=2, draws=3)
+    weight = pd.DataFrame(df.attrs["pairs"])["weight"].mean()
+    summary = causal_summary(df.attrs["causal"])
+    assert set(summary["side"]) == {"key", "query"} and (summary["draws"] == 3).all()
+    assert summary["baseline"].to_numpy() == pytest.approx([weight, weight], rel=1e-5)
+    assert (summary["top_drop"].abs() > 1e-4).all()
+    if family == "t5":
+        removed = summary.set_index("side")["removed"]
+        assert all(r.startswith("enc.") for r in removed["key"].split("+"))
+        assert all(r.startswith("dec.") for r in removed["query"].split("+"))
+    assert no_torch_hooks(model.hf)

@@ -130,8 +130,9 @@ def _cmd_qk(args) -> int:
         seq2seq = is_seq2seq(model)
         if args.text is not None:
             inputs = _text_or_ids(args.text, model)
-            if seq2seq:
-                inputs = {"input_ids": inputs, "decoder_input_ids": model.decoder_inputs(inputs)}
+            if seq2seq:  # the decoder reads the source itself, teacher-forced (a copy)
+                source = inputs["input_ids"] if hasattr(inputs, "keys") else inputs
+                inputs = {"input_ids": source, "decoder_input_ids": model.decoder_inputs(source)}
             pairs = args.pairs or "top1"
         elif seq2seq:
             from ..seq2seq import copy_task
