@@ -24,8 +24,7 @@ from interp.sites import FRONT, check_heads, head_columns, site_of
 from interp.stats import attention_stats
 
 from .batches import batch_of
-from .engine import _arguments
-from .qk_parts import Record, Rows, key_prefix, prefix_of, side_vectors
+from .qk_parts import Record, Rows, key_prefix, prefix_of, run_until, side_vectors
 
 __all__ = ["qk_attribution", "target_rule"]
 
@@ -139,10 +138,7 @@ def _top1(model, batch, heads, queries) -> dict:
         b = model._layer_hooks[site].bias
         bias[site] = None if b is None else b.detach()
 
-    names = [f"{s}.hook_{x}" for s in sites for x in ("q", "k")]
-    with model.studying(), torch.no_grad(), model.hooks([(names, hold)]):
-        args, kwargs = _arguments(batch)
-        model(*args, **kwargs)
+    run_until(model, batch, [([f"{s}.hook_{x}" for s in sites for x in ("q", "k")], hold)], sites.values())
     out = {}
     for head in heads:
         site = site_of(model, head)
@@ -233,9 +229,7 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
     targets = list({site_of(model, h).name: site_of(model, h) for h in heads}.values())
     rec = Record(model, rows, targets)
     try:
-        with model.studying(), torch.no_grad(), model.hooks(rec.hooks):
-            args, kwargs = _arguments(batch)
-            model(*args, **kwargs)
+        run_until(model, batch, rec.hooks, targets)
     finally:
         rec.close()
     cache: dict = {}

@@ -20,14 +20,9 @@ import pandas as pd
 
 from interp.sites import head_columns, site_of
 
-from .engine import _arguments
-from .qk_parts import _rotate, frozen, key_prefix, out_hook, qk_norm, stack_sites
+from .qk_parts import _rotate, frozen, key_prefix, out_hook, qk_norm, run_until, stack_sites
 
 __all__ = ["causal_check", "causal_summary"]
-
-
-class _Stop(Exception):
-    """Raised once the head's weights are read: the rest of the forward is not needed."""
 
 
 def causal_check(model, batch, head, pairs, df: pd.DataFrame, rec, top: int = 3, draws: int = 20,
@@ -133,17 +128,10 @@ def _weight(model, batch, site, h: int, side: str, removed: list, pairs: list, r
         b = model._layer_hooks[site.name].bias
         held["bias"] = None if b is None else b[:, h].detach()
 
-    def stop(t, hook):
-        raise _Stop
-
     hooks += [(f"{site.name}.hook_{side}", edit), (f"{site.name}.hook_{'k' if side == 'q' else 'q'}", other),
-              (f"{site.name}.hook_lse", lse), (f"{site.name}.hook_z", stop)]
+              (f"{site.name}.hook_lse", lse)]
     try:
-        with model.studying(), torch.no_grad(), model.hooks(hooks):
-            args, kwargs = _arguments(batch)
-            model(*args, **kwargs)
-    except _Stop:
-        pass
+        run_until(model, batch, hooks, [site])
     finally:
         for handle in handles:
             handle.remove()

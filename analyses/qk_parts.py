@@ -25,8 +25,31 @@ import torch
 from interp.circuits import head_biases, head_weights
 from interp.norms import norm_bias, norm_centres, norm_eps, norm_weight
 
+from .engine import _arguments
+
 # The q/k norms are children of the attention module that no hook of ours sees; these are HF's names for them.
 QK_NORMS = {"q": ("q_norm", "q_layernorm", "query_layernorm"), "k": ("k_norm", "k_layernorm", "key_layernorm")}
+
+
+class _Stop(Exception):
+    """Raised once the last head asked about has run: the rest of the forward (the logits) is not needed."""
+
+
+def run_until(model, batch, hooks: list, sites) -> None:
+    """One forward of ``batch`` with ``hooks``, stopped after the last of ``sites`` (call order) has attended: the
+    blocks after it and the output layer (at 8k tokens SmolLM2's logits alone are 1.6 GB) never run."""
+    order = {s.name: i for i, s in enumerate(model.cfg.sites)}
+    last = max(sites, key=lambda s: order[s.name]).name
+
+    def stop(t, hook):
+        raise _Stop
+
+    try:
+        with model.studying(), torch.no_grad(), model.hooks([*hooks, (f"{last}.hook_z", stop)]):
+            args, kwargs = _arguments(batch)
+            model(*args, **kwargs)
+    except _Stop:
+        pass
 
 
 def prefix_of(site) -> str:
