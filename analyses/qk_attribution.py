@@ -194,7 +194,8 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
     T5's position bias as its own term. Norm scales (input norms, q/k norms, post-attention norms, an encoder's
     final norm) are frozen at this run's values: the split is exact for this forward and linear in each component,
     the frozen scales being the forward's own. Its terms sum to the score within float error on every supported
-    family and on both attention paths (``df.attrs["pairs"]`` lists score, sum and error per pair).
+    family and on both attention paths (``df.attrs["pairs"]`` lists score, sum and error per pair): about 1e-6 of
+    the score in float32; in bfloat16 the run rounds q and k themselves, so about 1e-2 (the terms are float64).
 
     Returns one row per (head, component): the head's columns (``stack``, ``kind``, ``site``, ``layer``, ``head``),
     ``component`` (``embed``, ``pos_embed``, ``head``, ``mlp``, ``out_bias``, ``qk_bias``), ``label`` (``L3H1``,

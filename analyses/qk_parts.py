@@ -103,6 +103,8 @@ class Record:
         self.hooks, self.at, self.bias, self.handles, self._weights = [], {}, {}, [], {}
         self.post_norms: dict = {}  # site -> the norm its block puts its output through (Gemma 2/3), or None
         self.final_norm = None  # the norm between the key stack and cross-attention keys (T5's encoder), or None
+        # how closely the run's own tensors must agree with their sums (float32: 1e-4 of their size; bf16 rounds)
+        self.tol = 1e-4 if model.dtype in (torch.float32, torch.float64) else 2e-2
         names = set(model.hook_names())
         for prefix, kept in rows.items():
             wanted = [n for n in names if n.startswith(prefix + ".") and (".hook_resid_" in n or "attn_out" in n
@@ -275,7 +277,7 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
     if mid is None or site.name != first.name:
         return (lambda c: c), 0.0, None
     added = mid.double() - stream
-    if close(attn_out, added, 1e-4):
+    if close(attn_out, added, rec.tol):
         return (lambda c: c), 0.0, None
     blocks = model._blocks[prefix.split(".")[0]] if isinstance(model._blocks, dict) else model._blocks
     for norm in _norms(blocks[site.block].modules(), attn_out.shape[-1], skip=(model.in_norm_of(site),)):
@@ -284,7 +286,7 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
                 param = next(norm.parameters(), None)
                 dtype = param.dtype if param is not None else torch.float32
                 out = norm(attn_out.to(device=model.device, dtype=dtype)).double().cpu()
-            if close(out, added, 1e-4):
+            if close(out, added, rec.tol):
                 return (*frozen(norm, attn_out), norm)
     _refuse(f"{prefix}.{site.block}: the stream does not grow by the attention output or a norm of it",
             float((added - attn_out).abs().max()))
@@ -292,7 +294,7 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
 
 def _final_norm(model, rec: Record, prefix: str, stream: torch.Tensor, k_input: torch.Tensor):
     """The norm between a stack's last block and what reads it (an encoder's final norm), frozen; or none."""
-    if close(stream, k_input, 1e-4):
+    if close(stream, k_input, rec.tol):
         return (lambda c: c), 0.0
     blocks = model._blocks[prefix.split(".")[0]] if isinstance(model._blocks, dict) else model._blocks
     inside = {id(m) for b in blocks for m in b.modules()}
@@ -301,7 +303,7 @@ def _final_norm(model, rec: Record, prefix: str, stream: torch.Tensor, k_input: 
             with torch.no_grad():
                 param = next(norm.parameters(), None)
                 out = norm(stream.to(device=model.device, dtype=param.dtype if param is not None else torch.float32))
-            if close(out.double().cpu(), k_input, 1e-4):
+            if close(out.double().cpu(), k_input, rec.tol):
                 rec.final_norm = norm
                 return frozen(norm, stream)
     _refuse(f"the keys' input is neither the {prefix} stack's output nor a norm of it",
@@ -336,7 +338,7 @@ def side_vectors(model, rec: Record, site, side: str, index: int, cache: dict):
             apply, const = _final_norm(model, rec, prefix, stream, rec.at[f"{site.name}.k_input"])
         else:
             real = rec.at[f"{site.name}.in_norm"]
-            if not close(parts.sum(0), real, 1e-4):
+            if not close(parts.sum(0), real, rec.tol):
                 _refuse(f"{site.name}: the components do not add up to the stream its norm reads",
                         float((parts.sum(0) - real.double()).abs().max()))
             apply, const = frozen(model.in_norm_of(site), real)
@@ -359,7 +361,7 @@ def side_vectors(model, rec: Record, site, side: str, index: int, cache: dict):
     if table is not None:
         vectors = _rotate(vectors, table)
     real = rec.at[f"{site.name}.hook_{side}"][:, index].double()  # (n, d)
-    if not close(vectors.sum(0), real):
+    if not close(vectors.sum(0), real, 10 * rec.tol):
         _refuse(f"{site.name}: the components' images do not add up to its {side} (head {index})",
                 float((vectors.sum(0) - real).abs().max()))
     return labels + [_label("qk_bias")], vectors, real, rows
