@@ -152,6 +152,9 @@ def test_weights_are_the_eager_pattern_and_rules_give_their_targets(toy, toy_ids
     assert [(r["query"], r["key"]) for r in pairs] == [(i, i - 1) for i in range(1, 41)]
     for r in pairs:
         assert r["weight"] == pytest.approx(float(pattern[0, 3, r["query"], r["key"]]), rel=1e-4, abs=1e-7)
+    last = qk_attribution(toy, toy_ids[:2], [(1, 1)], pairs="top1", queries=[-1], causal=False)
+    assert [(r["batch"], r["query"]) for r in last.attrs["pairs"]] == [(0, 40), (1, 40)]  # one row each: the last
+    assert all(r["weight"] >= 0.2 for r in last.attrs["pairs"])  # a top-1 key holds a real share of the row
     ids = torch.tensor([[5, 6, 7, 5, 8, 6]])
     assert target_rule("induction")(ids).tolist() == [[-1, -1, -1, 1, -1, 2]]
     custom = qk_attribution(eager, toy_ids[:1], [(1, 1)], pairs=lambda ids: torch.full(ids.shape, 0),
