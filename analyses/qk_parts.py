@@ -281,13 +281,12 @@ def _post_norm(model, rec: Record, prefix: str, site, attn_out: torch.Tensor, st
         return (lambda c: c), 0.0, None
     blocks = model._blocks[prefix.split(".")[0]] if isinstance(model._blocks, dict) else model._blocks
     for norm in _norms(blocks[site.block].modules(), attn_out.shape[-1], skip=(model.in_norm_of(site),)):
-        if True:
-            with torch.no_grad():
-                param = next(norm.parameters(), None)
-                dtype = param.dtype if param is not None else torch.float32
-                out = norm(attn_out.to(device=model.device, dtype=dtype)).double().cpu()
-            if close(out, added, rec.tol):
-                return (*frozen(norm, attn_out), norm)
+        with torch.no_grad():
+            param = next(norm.parameters(), None)
+            dtype = param.dtype if param is not None else torch.float32
+            out = norm(attn_out.to(device=model.device, dtype=dtype)).double().cpu()
+        if close(out, added, rec.tol):
+            return (*frozen(norm, attn_out), norm)
     _refuse(f"{prefix}.{site.block}: the stream does not grow by the attention output or a norm of it",
             float((added - attn_out).abs().max()))
 

@@ -29,7 +29,8 @@ def _head_of(df: pd.DataFrame, head) -> tuple[str, int]:
     raise ValueError(f"head {head!r} is not in this table; it explains {[(s, h) for s, h, _ in heads]}.")
 
 
-def _keep(labels: list[str], weight: np.ndarray, top: int) -> list[int]:
+def _keep(weight: np.ndarray, top: int) -> list[int]:
+    """The ``top`` entries of largest size, in their order."""
     order = np.argsort(-np.abs(weight))[:top]
     return sorted(order.tolist())
 
@@ -47,7 +48,7 @@ def qk_attribution_plot(df: pd.DataFrame, head=None, top: int = 12, figsize=(12.
     site, h = _head_of(df, head)
     matrix = df.attrs["matrices"][f"{site}:{h}"]
     values = np.asarray(matrix["values"], dtype=float)
-    rows, cols = _keep(matrix["rows"], values.sum(1), top), _keep(matrix["cols"], values.sum(0), top)
+    rows, cols = _keep(values.sum(1), top), _keep(values.sum(0), top)
     shown = _fold(values, rows, cols)
     row_labels = [matrix["rows"][i] for i in rows] + (["other"] if len(rows) < values.shape[0] else [])
     col_labels = [matrix["cols"][i] for i in cols] + (["other"] if len(cols) < values.shape[1] else [])
