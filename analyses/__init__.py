@@ -10,7 +10,7 @@ _VIEWS = {
     "attention_heatmap": "plots", "save_figure": "plots", "head_score_grid": "study_plots",
     "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
-    "write_report": "report", "long_view": "long", "LongView": "long",
+    "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
 }
 
 _LAZY = {
@@ -40,6 +40,8 @@ _LAZY = {
     # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
     **dict.fromkeys(["streaming_curve", "streaming_inputs", "streaming_order"], "streaming"),
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
+    # Why a head attends (issue 39): exact query/key attribution of attention scores, checked causally
+    **dict.fromkeys(["qk_attribution", "target_rule"], "qk_attribution"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -4,8 +4,10 @@ cross-attention sites alike)."""
 
 from __future__ import annotations
 
-from .common import (UserError, _Progress, _emit, _format_option, _id_line, _load, _model_options, _positive_int,
-                     _text_or_ids, _token)
+from pathlib import Path
+
+from .common import (UserError, _at_least, _emit, _format_option, _id_line, _load, _model_options, _parse_heads,
+                     _positive_int, _Progress, _text_or_ids, _token)
 
 
 def add_parser(sub) -> None:
@@ -22,10 +24,23 @@ def add_parser(sub) -> None:
     p.add_argument("--lens", action="store_true", help="print the logit lens instead")
     p.add_argument("--n-prompts", type=_positive_int, default=16)
     p.add_argument("--top", type=_positive_int, default=20, help="table: the largest components")
+    p.add_argument("--qk", default=None, metavar="HEADS", help="explain why these heads attend where they do (LAYER.HEAD "
+                   "or SITE.HEAD, comma-separated): their attention scores split exactly into query-side and key-side "
+                   "components, with the causal check")
+    p.add_argument("--pairs", default=None, help="--qk: the (query, key) pairs to explain: top1 (each query's top key) "
+                   "or a registered target-rule score, e.g. previous_token or induction (yours with --score-module; "
+                   "default: induction on the default prompts, top1 with --text)")
+    p.add_argument("--draws", type=_at_least(0), default=20, help="--qk: random head sets for the causal check "
+                   "(0: no causal check)")
+    p.add_argument("--plot", type=Path, default=None, help="--qk: save the first head's figure here (.png, .pdf, .svg)")
     p.set_defaults(func=cmd_attribute)
 
 
 def cmd_attribute(args) -> int:
+    if args.qk is not None:
+        return _cmd_qk(args)
+    if args.pairs is not None or args.plot is not None:
+        raise UserError("--pairs and --plot go with --qk HEADS (the heads whose attention to explain)")
     from ..attribution import token_ids
     from ..logit_attribution import direct_logit_attribution, logit_lens
     from ..seq2seq import is_seq2seq
@@ -97,3 +112,63 @@ def _pair(model, source, target: str | None, answer) -> dict:
     labels = torch.tensor([[*ids, int(answer[0])]], device=model.device)
     return {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"),
             "decoder_input_ids": model.decoder_inputs(labels)}
+
+
+def _cmd_qk(args) -> int:
+    """`interp attribute --qk HEADS`: each head's scores split into query-side and key-side components."""
+    from ..qk_attribution import qk_attribution
+    from ..qk_causal import causal_summary
+    from ..seq2seq import is_seq2seq
+
+    if args.lens or args.answer is not None or args.wrong is not None:
+        raise UserError("--qk explains attention scores: it takes no --lens, --answer or --wrong")
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--plot is a .png, .pdf or .svg file; got {str(args.plot)!r}")
+    with _Progress(["load", "attribution"]) as progress:
+        progress("load")
+        model = _load(args)
+        heads = _parse_heads(args.qk, model)
+        seq2seq = is_seq2seq(model)
+        if args.text is not None:
+            inputs = _text_or_ids(args.text, model)
+            if seq2seq:  # the decoder reads the source itself, teacher-forced (a copy)
+                source = inputs["input_ids"] if hasattr(inputs, "keys") else inputs
+                inputs = {"input_ids": source, "decoder_input_ids": model.decoder_inputs(source)}
+            pairs = args.pairs or "top1"
+        elif seq2seq:
+            from ..seq2seq import copy_task
+
+            inputs, pairs = copy_task(model, n=args.n_prompts, length=12, seed=args.seed), args.pairs or "top1"
+        else:
+            from ..tasks import induction_task
+
+            inputs, pairs = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)[0], args.pairs or "induction"
+        progress("attribution")
+        try:
+            df = qk_attribution(model, inputs, heads, pairs=pairs, causal=args.draws > 0, draws=args.draws,
+                                seed=args.seed)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    if args.plot is not None:
+        from ..views.qk_view import qk_attribution_plot
+        from ..views.plots import save_figure
+
+        first = (df["site"].iloc[0], int(df["head"].iloc[0]))
+        save_figure(qk_attribution_plot(df, head=first), args.plot, overwrite=True)
+    if args.format != "table":
+        _emit(df, args.format)
+        return 0
+    print(f"# why heads attend: {len(df.attrs['pairs'])} pairs ({pairs if isinstance(pairs, str) else 'given'}), "
+          f"scores split exactly (largest error {df.attrs['max_error']:.2e}), path {df.attrs['path']}")
+    for (site, head), rows in df.groupby(["site", "head"], sort=False):
+        print(f"\n## {site} head {head}: largest terms on the key side, then on the query side")
+        for side in ("key", "query"):
+            best = rows.dropna(subset=[side]).sort_values(side, ascending=False).head(args.top)
+            _emit(best[["label", side, "total"]], "table")
+    summary = causal_summary(df.attrs["causal"])
+    if not summary.empty:
+        print("\n## causal check: the top heads of a side removed from that side's path, against random heads")
+        _emit(summary.drop(columns=["stack", "kind"]), "table")
+    if args.plot is not None:
+        print(f"\nfigure: {args.plot}")
+    return 0
