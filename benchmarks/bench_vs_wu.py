@@ -267,6 +267,8 @@ def main() -> None:
                     continue
                 row = _spawn(args.model, n, task, files[n], args.depths)
                 rows.append(row)
+                if args.json:  # as it goes: a run stopped early keeps what it measured
+                    args.json.write_text(json.dumps(rows, indent=1))
                 print(f"  {n:>6} {task:<9} grew {row['grew_mib']:8.1f} MiB  peak {row['peak_mib']:8.1f} MiB  "
                       f"{row['seconds']:7.1f} s  cpu {row['cpu_seconds']:7.1f} s  counted {sum(row['counted'])}/"
                       f"{row['trials']}", flush=True)
