@@ -197,16 +197,17 @@ def child_ours(spec: dict) -> dict:
 
 
 # -- the parent --------------------------------------------------------------------------------------------------
-def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: float, gate_steps: int) -> dict:
-    """{set name: the key/value heads (layer, kv head) that stream}."""
+def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: float, gate_steps: int,
+              wanted=("retrieval", "gates")) -> dict:
+    """{set name: the key/value heads (layer, kv head) that stream}, for the ``wanted`` sets (gates: SmolLM2 only)."""
     from interp.streaming import streamable_heads
 
     cfg = model.cfg
     group = {l: cfg.heads_per_layer[l] // cfg.kv_heads_per_layer[l] for l in range(cfg.n_layers)}
     kv = sorted({(l, h // group[l]) for l, h in streamable_heads(model)})
     keep = {(l, h // group[l]) for l, h in retrieval}
-    sets = {"retrieval": [g for g in kv if g not in keep]}
-    if name == "smollm2":
+    sets = {"retrieval": [g for g in kv if g not in keep]} if "retrieval" in wanted else {}
+    if name == "smollm2" and "gates" in wanted:
         import pandas as pd
 
         path = VENV.parent / f"gates-{name}-steps{gate_steps}.csv"
@@ -260,7 +261,7 @@ def run_model(name: str, lengths: list[int], depths: list[float], args, python: 
 
     model = interp.load_model(name, attn="flash")
     retrieval = [tuple(int(x) for x in h.split(".")) for h in (args.retrieval_heads or RETRIEVAL[name].split())]
-    sets = head_sets(model, name, retrieval, args.gate_share, args.gate_steps)
+    sets = head_sets(model, name, retrieval, args.gate_share, args.gate_steps, args.sets)
     print(f"{name}: retrieval heads {' '.join('%d.%d' % h for h in retrieval)}; key/value heads streaming: "
           + "; ".join(f"{s} {len(kv)}" for s, kv in sets.items()), flush=True)
     plan = {}
@@ -314,6 +315,8 @@ def main() -> None:
     parser.add_argument("--gemma-lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--retrieval-heads", nargs="+", help="layer.head (one model only)")
+    parser.add_argument("--sets", nargs="+", default=["retrieval", "gates"], choices=["retrieval", "gates"],
+                        help="head sets (gates: SmolLM2 only; computed once, about 10 minutes, then cached)")
     parser.add_argument("--gate-share", type=float, default=0.75, help="share of key/value heads streaming (gates)")
     parser.add_argument("--gate-steps", type=int, default=40)
     parser.add_argument("--json", type=Path, help="write the rows here")
