@@ -232,3 +232,11 @@ def test_the_docs_table_is_the_registry():
     text = (ROOT / "notebooks" / "head_scores.md").read_text(encoding="utf-8")
     table = text.split("<!-- scores -->\n", 1)[1].split("\n<!-- /scores -->", 1)[0]
     assert table == registry.markdown_table()
+
+
+def test_the_reports_attention_maps_say_how_to_explain_each_head(tmp_path):
+    """Each map's caption carries the QK-attribution command for its head, on its class's target rule."""
+    from analyses.views.report_page import _why_command
+
+    assert _why_command({}, "induction", 1, 3) == "interp attribute --model MODEL --qk 1.3 --pairs induction"
+    assert _why_command({}, "positional", "decoder.blocks.0.attn", 2).endswith("--qk decoder.blocks.0.attn.2 --pairs top1")

@@ -378,3 +378,9 @@ def test_the_reports_time_comes_with_its_thread_count(tmp_path, monkeypatch, cap
     assert main(["report", "--out", str(tmp_path / "r")]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"wrote .*index\.html in \d+\.\d s on 3 threads \(strongest heads: none\)", printed)
+
+
+def test_each_attention_map_says_how_to_explain_its_head(report):
+    """The report's head section links QK attribution (issue 39): every map's caption gives the command."""
+    text = (report / "index.html").read_text()
+    assert text.count("interp attribute --model MODEL --qk ") >= 1

@@ -59,6 +59,14 @@ def _inputs_text(inputs: dict | None) -> str:
 _DEFINITIONS = registry.SCORE_DEFINITIONS
 
 
+def _why_command(summary: dict, kind: str, layer, head: int) -> str:
+    """The command that explains one head's attention (``analyses.qk_attribution``) on the pairs of its class: the
+    class's target rule where it has one, else each query's top-1 key (MODEL: the model as the report was given it)."""
+    record = registry.of_column(kind.split("+")[0])
+    pairs = record.name if record is not None and record.how == "target" else "top1"
+    return f"interp attribute --model MODEL --qk {layer}.{head} --pairs {pairs}"
+
+
 def _column(kind: str) -> str:
     """The score column of a class (of a label's primary class): a positional class reads its fraction."""
     record = registry.of_column(kind.split("+")[0])
@@ -120,7 +128,9 @@ def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) 
         for s in scores)
     maps_html = "".join(
         f"<figure>{figures.img(name, f'attention map of {kind} head {l}.{h} on {what}')}<figcaption>{esc(kind)}: "
-        f"{esc(_DEFINITIONS.get(kind, ''))}.</figcaption></figure>" for kind, l, h, what, name in maps)
+        f"{esc(_DEFINITIONS.get(kind, ''))}. Why it attends there, split into the upstream parts of its queries and "
+        f"keys (QK attribution, with a causal check): <code>{esc(_why_command(summary, kind, l, h))}</code>."
+        f"</figcaption></figure>" for kind, l, h, what, name in maps)
     files = ["heads.csv", "ablation.csv", "pruning.csv", "summary.json"] + \
         (["attribution.csv", "dla.csv"] if summary.get("circuits") else []) + \
         (["streaming.csv"] if summary.get("streaming") else [])
