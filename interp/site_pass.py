@@ -88,7 +88,7 @@ class SiteRead:
             allowed = self._inside(qi[:, None], kj[None]) & self.key_valid.to(pattern.device)[:, None, :]
             top = pattern.masked_fill(~allowed[:, None], -1.0).argmax(dim=-1)
             return top.masked_fill(~allowed.any(-1)[:, None], -1)
-        bias = None if self.bias is None else self.bias[..., first:, :]
+        bias = self.bias if self.bias is None or not first else self.bias[..., first:, :]
         stats = attention_stats(self.q[:, first:].transpose(1, 2), self.k.transpose(1, 2), 1.0,
                                 causal=self.site.causal, window=self.window, key_valid=self.key_valid, bias=bias,
                                 fields=("top_index",), query_offset=self.offset + first)

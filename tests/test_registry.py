@@ -139,8 +139,8 @@ def test_the_report_grid_and_the_long_view_show_a_users_score(punctuation, tmp_p
 
 
 class _Sizes(TorchDispatchMode):
-    """Records every op output with a (query, key) block of positions — two adjacent axes whose sizes are both
-    sequence lengths in ``lengths`` — that interp's own scoring code made (the op's caller,
+    """Records every new tensor (not a view of an op's input) with a (query, key) block of positions — two adjacent
+    axes whose sizes are both sequence lengths in ``lengths`` — that interp's own scoring code made (the op's caller,
     torch's frames aside, is in analyses/, the per-site pass, the statistics or the cache; the model's own forward —
     HF's T5 position bias — is not the scorer's)."""
 
@@ -150,9 +150,11 @@ class _Sizes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(x, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and any(a in self.lengths and b in self.lengths
-                                                   for a, b in zip(t.shape, t.shape[1:])):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given and any(
+                    a in self.lengths and b in self.lengths for a, b in zip(t.shape, t.shape[1:])):
                 caller = [f for f in traceback.extract_stack() if "/torch/" not in f.filename][-2]  # -1: this method
                 if any(part in caller.filename for part in ("/analyses/", "/interp/site_pass.py", "/interp/stats.py",
                                                             "/hooks/cache.py")):
