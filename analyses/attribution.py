@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import operator
+from contextlib import contextmanager
 
 import torch
 
@@ -93,7 +94,7 @@ def _first_order(model, clean, corrupted, metric, names, n: int | None):
         with torch.enable_grad():
             for p in model.hf.parameters():
                 p.requires_grad_(False)
-            with model.hooks([(names, opening)]):
+            with model.hooks([(names, opening)]), _contiguous_output_layer(model):
                 out = _run(model, corrupted, **keep)
             per_example = metric.per_example(out, corrupted).float()
             value = per_example.mean() if n is None else per_example.sum() / n
@@ -108,6 +109,23 @@ def _first_order(model, clean, corrupted, metric, names, n: int | None):
                 diff = cache[name].float() - z_corrupted[name].float()  # (b, p, h, e)
                 estimates[name] = (diff * grad.float()).sum(3) if grad is not None else torch.zeros(diff.shape[:3])
     return clean_value, corrupted_value, estimates
+
+
+@contextmanager
+def _contiguous_output_layer(model):
+    """The output layer's input made contiguous. With ``logits_to_keep`` it is a slice of the last positions (a
+    strided view), and on a view that needs a gradient torch's matmul does not fold the batch into one matrix
+    product: it runs a batched product against the weight expanded per row, forward and backward (on SmolLM2 with
+    12 of 25 positions kept, 0.37 s of a 2.2 s attribution run on one thread, against 0.7 s for a whole forward).
+    A copy of the kept rows costs next to nothing and gives the same values."""
+    layer = getattr(model.hf, "get_output_embeddings", lambda: None)()
+    handle = None if layer is None else layer.register_forward_pre_hook(
+        lambda module, args: (args[0].contiguous(), *args[1:]) if args and torch.is_tensor(args[0]) else None)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 # -- the final norm, frozen --------------------------------------------------------------------------------------

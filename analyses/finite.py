@@ -64,7 +64,11 @@ def watching(model, what: str):
     def hook_for(name):
         def hook(module, args, output):
             for t in _tensors(output):
-                flags.append((name, torch.isnan(t).any()))
+                # on CPU, a sum first: it is NaN whenever an entry is (and where +inf meets -inf, checked entry by
+                # entry then), one pass without isnan's full-size temporary (the check of a SmolLM2 forward of 8 x 33
+                # tokens: 0.116 -> 0.056 CPU s, 1 thread)
+                if t.device.type != "cpu" or bool(torch.isnan(t.sum())):
+                    flags.append((name, torch.isnan(t).any()))
         return hook
 
     handles = [m.register_forward_hook(hook_for(name)) for name, m in model.hf.named_modules()]

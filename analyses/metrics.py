@@ -192,7 +192,17 @@ class _CopyLoss(Metric):
         # logits at p predict ids at p + 1: the first copy's targets, or x_1 .. x_{L-1} of the second
         start, stop = (max(offset - 1, 0), offset - 1 + length) if self.which == "first" else \
             (offset + length, offset - 1 + 2 * length)
-        return _token_nll(logits[:, start:stop], ids[:, start + 1:stop + 1]).mean(1)
+        cut = ids.shape[1] - logits.shape[1]  # a run that kept the last positions only (``trailing``)
+        if cut > start:
+            raise ValueError(f"{self.name} reads the logits from position {start} on; the output holds the last "
+                             f"{logits.shape[1]} of {ids.shape[1]} positions. Run the model with logits_to_keep >= "
+                             f"{ids.shape[1] - start}, or on the whole output.")
+        return _token_nll(logits[:, start - cut:stop - cut], ids[:, start + 1:stop + 1]).mean(1)
+
+    def trailing(self, inputs: Batch) -> int | None:
+        """The second copy reads the last ``len(x)`` positions (from the second copy's first token on); the first
+        copy reads from the start."""
+        return inputs["input_ids"].shape[1] // 2 if self.which == "second" else None
 
 
 class _LogitDifference(Metric):

@@ -322,3 +322,35 @@ def test_an_item_whose_run_is_not_finite_gets_nan_and_a_warning():
     broken = heads.index((1, 2))
     assert baseline == baseline and all(v == v for i, v in enumerate(values) if i != broken)
     assert values[broken] != values[broken]  # NaN, not the argmax of NaN logits
+
+
+def test_watching_finds_nan_by_sums_and_lets_infinities_through():
+    """``finite.watching`` sums each module's output first on CPU: a NaN entry makes the sum NaN and is named; +inf
+    and -inf in one output (a NaN sum, no NaN entry) are checked entry by entry and pass."""
+    from analyses.finite import watching
+    model = interp.load_model(tiny_hf("llama"))
+    ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
+    layer = model.hf.model.layers[1].mlp.down_proj
+
+    def put(value):
+        def hook(module, args, output):
+            output = output.clone()
+            output[0, 0, 0] = value
+            output[1, 0, 0] = -float("inf") if value == float("inf") else output[1, 0, 0]
+            return output
+        return layer.register_forward_hook(hook)
+
+    handle = put(float("inf"))  # +inf and -inf, no NaN: allowed inside a watched run
+    try:
+        with torch.no_grad(), watching(model, "the run"):
+            model.hf.model.layers[1](model.hf.model.embed_tokens(ids),
+                                     position_embeddings=model.hf.model.rotary_emb(torch.zeros(1), torch.arange(10)[None]))
+    finally:
+        handle.remove()
+    handle = put(float("nan"))
+    try:
+        with pytest.raises(ValueError, match=r"the run computed NaN, first in module 'model\.layers\.1\.mlp\.down_proj'"):
+            with torch.no_grad(), watching(model, "the run"):
+                model(ids)
+    finally:
+        handle.remove()

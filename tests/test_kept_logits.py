@@ -96,3 +96,64 @@ def test_token_losses_and_finite_checks_equal_the_plain_forms():
     assert _finite_rows(x) == [True, False, False, False] == torch.isfinite(x).all(1).tolist()
     big = torch.full((2, 10), 3e38)  # finite entries whose sum overflows: still finite
     assert _finite_rows(big) == [True, True]
+
+
+def test_copy_losses_read_the_kept_positions():
+    from analyses.metrics import first_copy_loss, second_copy_loss
+    from analyses.toy import repeated_sequences
+
+    g = torch.Generator().manual_seed(2)
+    for bos in (None, 0):
+        ids = repeated_sequences(2, 5, 11, g, bos)
+        batch = {"input_ids": ids, "attention_mask": None}
+        logits = torch.randn(*ids.shape, 11, generator=g)
+        out = lambda x: type("Output", (), {"logits": x})()  # noqa: E731
+        k = second_copy_loss.trailing(batch)
+        assert k == 5 and first_copy_loss.trailing(batch) is None
+        assert second_copy_loss(out(logits[:, -k:]), batch) == pytest.approx(second_copy_loss(out(logits), batch),
+                                                                              abs=1e-6)
+        with pytest.raises(ValueError, match="logits_to_keep >= 5"):
+            second_copy_loss(out(logits[:, -k + 1:]), batch)
+
+
+def test_the_class_ablation_gives_the_numbers_of_whole_forwards():
+    """The report's class ablation (second-copy loss on the kept logits, the first-copy loss from one clean forward)
+    against the way it was computed before: every set through the scan engine with a plain function reading both
+    losses off whole outputs."""
+    from analyses import detect_heads
+    from analyses.ablation import _ablation_hooks, _Replacement, _site_masks
+    from analyses.engine import scan
+    from analyses.metrics import first_copy_loss, second_copy_loss
+    from analyses.views import report_story
+
+    def old(model, batch, sets):
+        zero, clean = _Replacement(model, "zero"), []
+
+        def metric(output, inputs):
+            if not clean:
+                clean.append(float(first_copy_loss(output, inputs)))
+            return float(second_copy_loss(output, inputs))
+
+        baseline, values = scan(model, batch, sets, lambda heads: min((l for l, _ in heads), default=0),
+                                lambda group, copies: _ablation_hooks(_site_masks(model, group), zero, copies),
+                                metric, 1)
+        return (clean[0], baseline), values
+
+    model = interp.load_model("toy-induction")
+    heads = detect_heads(model)
+    new = report_story.class_ablation(model, heads)
+    assert new is not None and new["rows"]
+    original = report_story._second_copy_losses
+    try:
+        report_story._second_copy_losses = old
+        before = report_story.class_ablation(model, heads)
+    finally:
+        report_story._second_copy_losses = original
+    for key in ("first_copy_loss", "second_copy_loss"):
+        assert new[key] == pytest.approx(before[key], abs=TOL)
+    assert new["first_copy_loss"] - new["second_copy_loss"] > 0.1  # the toy learns in context: the shares mean something
+    for a, b in zip(new["rows"], before["rows"], strict=True):
+        assert a["heads"] == b["heads"]
+        assert a["ablated"] == pytest.approx(b["ablated"], abs=TOL)
+        assert a["random"] == pytest.approx(b["random"], abs=TOL)
+        assert a["share"] == pytest.approx(b["share"], abs=TOL)

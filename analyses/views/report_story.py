@@ -16,8 +16,7 @@ import torch
 from hooks.names import attn_site
 from interp.sites import one_site_per_layer
 
-from ..ablation import _ablation_hooks, _Replacement, _site_masks
-from ..engine import scan
+from ..ablation import _set_values
 from ..metrics import first_copy_loss, second_copy_loss
 from .. import registry
 from ..labels import LABEL_ORDER
@@ -127,22 +126,14 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
 
 def _second_copy_losses(model, batch, sets: list) -> tuple[tuple[float, float], list[float]]:
     """The clean run's (first-copy, second-copy) loss, and the second-copy loss with each set of heads zero-ablated:
-    one forward per set through the scan engine, which replays the clean run's blocks before the set's first layer
-    (exact, ``engine.Prefix``; most classes sit in later layers)."""
-    zero = _Replacement(model, "zero")
-    clean: list[float] = []
-
-    def metric(output, inputs) -> float:
-        if not clean:  # the engine's first call is the clean run (its baseline): keep its first-copy loss too
-            clean.append(float(first_copy_loss(output, inputs)))
-        return float(second_copy_loss(output, inputs))
-
-    def hooks_for(group, copies):
-        return _ablation_hooks(_site_masks(model, group), zero, copies)
-
-    first_layer = lambda heads: min((l for l, _ in heads), default=0)  # noqa: E731
-    baseline, values = scan(model, batch, sets, first_layer, hooks_for, metric, 1, desc=f"{len(sets)} sets of heads")
-    return (clean[0], baseline), values
+    through the scan engine (``ablation._set_values``), which replays the clean run's blocks before a set's first
+    layer (exact, ``engine.Prefix``; most classes sit in later layers) and, since the second-copy loss reads only
+    the second copy's logits (``Metric.trailing``), computes the output layer there only. The first-copy loss: one
+    clean forward that keeps the first copy's logits, before the second's."""
+    baseline, values = _set_values(model, batch, second_copy_loss, sets)
+    with model.studying(), torch.no_grad():
+        first = first_copy_loss(model(batch["input_ids"]), batch)
+    return (first, baseline), values
 
 
 def _span(values) -> str:
