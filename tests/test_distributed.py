@@ -181,7 +181,11 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    """The ranks' environment: one thread each, and the repository on the path (this file runs as a script there,
+    and imports the tiny models as ``tests.tiny``)."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
 
 
 def _torchrun(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
