@@ -35,15 +35,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench_long_context import _status  # the /proc/self/status reader of the memory benchmarks
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = (20, 3)
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _needle(model, n: int):
