@@ -1,0 +1,79 @@
+"""How stable a head ranking is: a score computed on two disjoint halves of its items (prompts, trials, tokens), and
+the two rankings of heads compared (Spearman's rank correlation, and how many of the top ``k`` heads the halves
+share). The one home of that comparison and of what "unstable" means; every score's runner reports it in its
+table's ``df.attrs["stability"][score]`` and the report and the atlas read it from there.
+
+>>> a = torch.tensor([0.9, 0.8, 0.1, 0.05, 0.0])
+>>> s = stability(a, a.flip(0), k=2)
+>>> s["spearman"] < 0, s["top_k_overlap"], s["unstable"]
+(True, 0.0, True)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["UNSTABLE_SPEARMAN", "UNSTABLE_OVERLAP", "halves", "spearman", "stability"]
+
+# A ranking is called unstable when its halves' Spearman is under this, or they share under this share of their top k.
+UNSTABLE_SPEARMAN = 0.8
+UNSTABLE_OVERLAP = 0.5
+
+
+def halves(n_items: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two disjoint halves of ``n_items`` items: even and odd indices (so each half spans every length, depth or
+    prompt kind that the items cycle through)."""
+    if n_items < 2:
+        raise ValueError(f"Two halves need at least 2 items (prompts or trials); got {n_items}.")
+    index = torch.arange(n_items)
+    return index[0::2], index[1::2]
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Average ranks (ties share the mean of their ranks), float64."""
+    x = x.double()
+    order = torch.argsort(x, stable=True)
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(len(x), dtype=torch.float64)
+    values, inverse = torch.unique(x, return_inverse=True)
+    sums = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, ranks)
+    counts = torch.zeros(len(values), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(ranks))
+    return (sums / counts)[inverse]
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of two equal-length vectors (NaN entries of either dropped; NaN when fewer than
+    3 remain or one side is constant)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    if a.shape != b.shape:
+        raise ValueError(f"spearman needs two vectors of one length; got {tuple(a.shape)} and {tuple(b.shape)}.")
+    keep = ~(a.isnan() | b.isnan())
+    a, b = a[keep], b[keep]
+    if len(a) < 3:
+        return math.nan
+    ra, rb = _ranks(a), _ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = (ra.square().sum() * rb.square().sum()).sqrt()
+    return float(ra @ rb / den) if den > 0 else math.nan
+
+
+def stability(first, second, k: int = 10) -> dict:
+    """Compare a score's two halves, one value per head each (NaN heads left out): ``spearman``, ``top_k_overlap``
+    (the share of the first half's top ``k`` heads also in the second's; ``k`` is cut to the number of heads),
+    ``k``, and ``unstable`` (Spearman under ``UNSTABLE_SPEARMAN`` or overlap under ``UNSTABLE_OVERLAP``)."""
+    a, b = torch.as_tensor(first, dtype=torch.float64).flatten(), torch.as_tensor(second, dtype=torch.float64).flatten()
+    if a.shape != b.shape:
+        raise ValueError(f"stability needs one value per head in each half; got {tuple(a.shape)} and {tuple(b.shape)}.")
+    keep = ~(a.isnan() | b.isnan())
+    a, b = a[keep], b[keep]
+    k = min(int(k), len(a))
+    rho = spearman(a, b)
+    if k < 1:
+        return {"spearman": rho, "top_k_overlap": math.nan, "k": 0, "unstable": True}
+    top_a = set(torch.argsort(a, descending=True, stable=True)[:k].tolist())
+    top_b = set(torch.argsort(b, descending=True, stable=True)[:k].tolist())
+    overlap = len(top_a & top_b) / k
+    unstable = not (rho >= UNSTABLE_SPEARMAN) or overlap < UNSTABLE_OVERLAP
+    return {"spearman": rho, "top_k_overlap": overlap, "k": k, "unstable": bool(unstable)}

@@ -1,0 +1,41 @@
+"""analyses.stability: the halves and the comparison of two rankings that every score's stability is read with."""
+
+import math
+
+import pytest
+import torch
+
+from analyses.stability import halves, spearman, stability
+
+
+def test_spearman_matches_pearson_of_ranks_with_ties():
+    a = torch.tensor([1.0, 2.0, 2.0, 3.0, 5.0])
+    b = torch.tensor([10.0, 30.0, 20.0, 40.0, 50.0])
+    ra = torch.tensor([1.0, 2.5, 2.5, 4.0, 5.0])
+    rb = torch.tensor([1.0, 3.0, 2.0, 4.0, 5.0])
+    expected = float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+    assert spearman(a, b) == pytest.approx(expected)
+    assert spearman(a, a) == pytest.approx(1.0)
+    assert spearman(a, -a) == pytest.approx(-1.0)
+
+
+def test_spearman_drops_nan_and_is_nan_when_constant():
+    assert spearman([1.0, float("nan"), 2.0, 3.0], [1.0, 5.0, 2.0, 3.0]) == pytest.approx(1.0)
+    assert math.isnan(spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+
+
+def test_stability_top_k_and_unstable():
+    g = torch.Generator().manual_seed(0)
+    truth = torch.rand(50, generator=g)
+    s = stability(truth, truth + 1e-3 * torch.rand(50, generator=g), k=10)
+    assert s["spearman"] > 0.99 and s["top_k_overlap"] == 1.0 and not s["unstable"]
+    s = stability(truth, torch.rand(50, generator=g), k=10)
+    assert s["unstable"] and s["top_k_overlap"] < 1.0
+    assert stability(truth[:4], truth[:4], k=10)["k"] == 4
+
+
+def test_halves_are_disjoint_and_cover():
+    a, b = halves(7)
+    assert sorted(a.tolist() + b.tolist()) == list(range(7)) and not set(a.tolist()) & set(b.tolist())
+    with pytest.raises(ValueError, match="at least 2"):
+        halves(1)
