@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 __all__ = ["UNSTABLE_SPEARMAN", "UNSTABLE_OVERLAP", "halves", "spearman", "stability"]
@@ -43,10 +44,23 @@ def _ranks(x: torch.Tensor) -> torch.Tensor:
     return (sums / counts)[inverse]
 
 
+def _vector(x) -> torch.Tensor:
+    """A float64 copy, flat (a read-only numpy array, a pandas Series or a tensor alike)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).flatten()
+    return torch.from_numpy(np.array(x, dtype=np.float64)).flatten()
+
+
+def _top(x: torch.Tensor, k: int) -> set[int]:
+    """The indices of the ``k`` largest values, and every index tied with the k-th (a tie is not broken by order)."""
+    kth = torch.sort(x, descending=True).values[k - 1]
+    return set(torch.nonzero(x >= kth).flatten().tolist())
+
+
 def spearman(a, b) -> float:
     """Spearman's rank correlation of two equal-length vectors (NaN entries of either dropped; NaN when fewer than
     3 remain or one side is constant)."""
-    a, b = torch.as_tensor(a, dtype=torch.float64).flatten(), torch.as_tensor(b, dtype=torch.float64).flatten()
+    a, b = _vector(a), _vector(b)
     if a.shape != b.shape:
         raise ValueError(f"spearman needs two vectors of one length; got {tuple(a.shape)} and {tuple(b.shape)}.")
     keep = ~(a.isnan() | b.isnan())
@@ -61,9 +75,10 @@ def spearman(a, b) -> float:
 
 def stability(first, second, k: int = 10) -> dict:
     """Compare a score's two halves, one value per head each (NaN heads left out): ``spearman``, ``top_k_overlap``
-    (the share of the first half's top ``k`` heads also in the second's; ``k`` is cut to the number of heads),
-    ``k``, and ``unstable`` (Spearman under ``UNSTABLE_SPEARMAN`` or overlap under ``UNSTABLE_OVERLAP``)."""
-    a, b = torch.as_tensor(first, dtype=torch.float64).flatten(), torch.as_tensor(second, dtype=torch.float64).flatten()
+    (the share of the first half's top ``k`` heads also in the second's; heads tied with the k-th count in the top,
+    over the larger of the two tops; NaN when a half is constant; ``k`` is cut to the number of heads), ``k``, and
+    ``unstable`` (Spearman under ``UNSTABLE_SPEARMAN`` or overlap under ``UNSTABLE_OVERLAP``)."""
+    a, b = _vector(first), _vector(second)
     if a.shape != b.shape:
         raise ValueError(f"stability needs one value per head in each half; got {tuple(a.shape)} and {tuple(b.shape)}.")
     keep = ~(a.isnan() | b.isnan())
@@ -72,8 +87,9 @@ def stability(first, second, k: int = 10) -> dict:
     rho = spearman(a, b)
     if k < 1:
         return {"spearman": rho, "top_k_overlap": math.nan, "k": 0, "unstable": True}
-    top_a = set(torch.argsort(a, descending=True, stable=True)[:k].tolist())
-    top_b = set(torch.argsort(b, descending=True, stable=True)[:k].tolist())
-    overlap = len(top_a & top_b) / k
+    if bool((a == a[0]).all()) or bool((b == b[0]).all()):  # a constant half ranks nothing: no top k to share
+        return {"spearman": rho, "top_k_overlap": math.nan, "k": k, "unstable": True}
+    top_a, top_b = _top(a, k), _top(b, k)
+    overlap = len(top_a & top_b) / max(len(top_a), len(top_b))
     unstable = not (rho >= UNSTABLE_SPEARMAN) or overlap < UNSTABLE_OVERLAP
     return {"spearman": rho, "top_k_overlap": overlap, "k": k, "unstable": bool(unstable)}

@@ -39,3 +39,20 @@ def test_halves_are_disjoint_and_cover():
     assert sorted(a.tolist() + b.tolist()) == list(range(7)) and not set(a.tolist()) & set(b.tolist())
     with pytest.raises(ValueError, match="at least 2"):
         halves(1)
+
+
+def test_ties_are_not_broken_by_order_and_constant_halves_rank_nothing():
+    zeros = torch.zeros(30)
+    s = stability(zeros, zeros, k=10)
+    assert math.isnan(s["top_k_overlap"]) and s["unstable"]
+    a = torch.tensor([1.0, 0.5, 0.5, 0.5, 0.0, 0.0])  # the 2nd place is a three-way tie
+    b = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.5, 0.5])
+    assert stability(a, b, k=2)["top_k_overlap"] == pytest.approx(2 / 4)
+
+
+def test_read_only_numpy_is_accepted_without_warning(recwarn):
+    import numpy as np
+    x = np.arange(5, dtype=float)
+    x.setflags(write=False)
+    assert spearman(x, x) == pytest.approx(1.0)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
