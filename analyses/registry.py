@@ -295,7 +295,7 @@ _OURS = (
               "maps to the next item's logit, highest among the successor tokens of the item's task", "weights",
               "Gould et al. 2023", 0.4, precedence=13,
               prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
-    HeadScore("copy_suppression", "the share of tokens (1000 drawn from the vocabulary) whose effective embedding "
+    HeadScore("copy_suppression", "the share of tokens (a uniform sample of the vocabulary) whose effective embedding "
               "(block 0 without attention) the head's OV maps to that token among the 10 most negative logits of "
               "the whole vocabulary", "weights", "McDougall et al. 2023", 0.4, precedence=14,
               prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),

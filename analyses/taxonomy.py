@@ -28,8 +28,8 @@ Every head of every layer is scored on the same effective embedding, layer 0 inc
   Head"): the share of tokens ``t`` for which ``logits_h(block0(t))`` puts ``t`` itself among the ``k`` (10) most
   *negative* logits of the whole vocabulary (their OV test of GPT-2 small's L10H7: 84.7% of all tokens). The paper
   scores every token of the vocabulary; ``tokens="all"`` does that (a GPU's job for a 50k+ vocabulary: every row
-  is a whole-vocabulary product); the default is a uniform sample of ``n_tokens`` non-special tokens, an unbiased
-  estimate of that share with its bootstrap interval.
+  is a whole-vocabulary product); the default is a uniform sample of non-special tokens (as many, up to 1000, as
+  fit about a minute of one CPU thread), an unbiased estimate of that share with its bootstrap interval.
 
 Intervals: 95% percentile bootstrap over items (ordinal items, tokens). Stability (``analyses.stability``): each
 score on the even and the odd items, in ``df.attrs["stability"][name]``.
@@ -62,6 +62,7 @@ __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding",
 ORDINAL_LISTS = Path(__file__).resolve().parent / "data" / "ordinal_lists.json"
 EMBEDDINGS = ("mlp0", "block0")
 CANDIDATES = ("targets", "list", "ordinal", "vocab")
+_BUDGET = 1.5e12  # multiply-adds the default token sample of copy_suppression may cost: about a minute on one thread
 _CELLS = 1 << 24  # floats in one block of logits (64 MiB): rows x vocabulary columns are computed in such blocks
 _EMBED_CHUNK = 4096  # one-token inputs per forward of block 0
 
@@ -189,7 +190,7 @@ def _vocab_counts(values: torch.Tensor, w_o: torch.Tensor, w_u: torch.Tensor,
     many logits of the whole vocabulary are strictly below and strictly above the logit of ``target[i]`` (the target
     itself not counted). Columns in blocks of at most ``_CELLS`` logits, in the cheaper multiplication order."""
     n, (e, m), vocab = len(values), w_o.shape, len(w_u)
-    direct = n * m < e * (m + n)  # (values @ W_O) @ W_U.T, else values @ (W_O @ W_U.T)
+    direct = n * m <= e * (m + n)  # (values @ W_O) @ W_U.T, else values @ (W_O @ W_U.T); see _cost
     out = values @ w_o  # (n, m)
     own = (out * w_u[target]).sum(-1)  # (n,)
     below, above = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
@@ -203,6 +204,21 @@ def _vocab_counts(values: torch.Tensor, w_o: torch.Tensor, w_u: torch.Tensor,
         below += (logits < own[:, None]).sum(-1)
         above += (logits > own[:, None]).sum(-1)
     return below, above
+
+
+def _cost(n: int, e: int, m: int, vocab: int) -> int:
+    """Multiply-adds of one head's whole-vocabulary logits on ``n`` rows, in the order ``_vocab_counts`` picks."""
+    return vocab * min(n * m, e * (m + n))
+
+
+def _auto_tokens(model) -> int:
+    """The default sample of copy_suppression: the most tokens, from 100 to 1000, whose whole-vocabulary logits on
+    every head cost at most ``_BUDGET`` multiply-adds (SmolLM2-135M: 1000; Gemma 3 270M, 262k tokens: about 120)."""
+    cfg = model.cfg
+    e, m, vocab = cfg.d_head_v or cfg.d_head, cfg.d_model, cfg.vocab_size
+    heads = sum(cfg.heads_per_layer[layer] for layer in _scored_layers(model))
+    fits = [n for n in range(100, 1001, 10) if heads * _cost(n, e, m, vocab) <= _BUDGET]
+    return fits[-1] if fits else 100
 
 
 def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, seed: int) -> pd.DataFrame:
@@ -281,14 +297,15 @@ def successor_scores(model, lists=None, embedding: str = "mlp0", candidates: str
     return df
 
 
-def copy_suppression_scores(model, tokens=None, n_tokens: int = 1000, k: int = 10, n_bootstrap: int = 1000,
+def copy_suppression_scores(model, tokens=None, n_tokens: int | None = None, k: int = 10, n_bootstrap: int = 1000,
                             seed: int = 0) -> pd.DataFrame:
     """Every head's negative copy score (McDougall et al. 2023; module docstring): one row per (layer, head) with
     ``copy_suppression``, ``copy_suppression_lo``, ``copy_suppression_hi``.
 
     tokens: the token ids to score; ``"all"`` (every non-special token of the vocabulary, the paper's statistic;
-    slow on a CPU: about a second per 100 tokens on SmolLM2); default ``n_tokens`` non-special tokens drawn
-    uniformly with ``seed``. k: a token counts when it is among the ``k`` most negative logits of the whole
+    slow on a CPU); default ``n_tokens`` non-special tokens drawn uniformly with ``seed`` (None: as many, from 100
+    to 1000, as fit about a minute of one CPU thread: 1000 on SmolLM2-135M, about 120 on Gemma 3's 262k-token
+    vocabulary; the interval and the stability say what that sample size buys). k: a token counts when it is among the ``k`` most negative logits of the whole
     vocabulary. ``df.attrs``: ``tokens`` (how many), ``k``, ``stability`` (even vs odd tokens).
     """
     from .prompts import _ordinary_ids
@@ -301,6 +318,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int = 1000, k: int = 1
             raise ValueError(f"tokens must be token ids, 'all' or None (a sample of n_tokens); got {tokens!r}.")
         tokens = _ordinary_ids(model)
     elif tokens is None:
+        n_tokens = _auto_tokens(model) if n_tokens is None else n_tokens
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
             raise ValueError(f"n_tokens must be an integer of at least 2 (two halves for the stability); "
                              f"got {n_tokens!r}.")

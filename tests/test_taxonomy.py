@@ -182,6 +182,16 @@ def test_copy_suppression_whole_vocabulary_and_stability_attrs():
     finally:
         taxonomy._CELLS = cells
     assert blocked["copy_suppression"].tolist() == every["copy_suppression"].tolist()
+    # the default sample: as many tokens as the budget of multiply-adds allows, from 100 to 1000
+    assert taxonomy._auto_tokens(model) == 1000
+    budget = taxonomy._BUDGET
+    try:
+        taxonomy._BUDGET = 8 * taxonomy._cost(300, 32, 32, 99)  # 8 heads: exactly 300 tokens fit
+        assert taxonomy._auto_tokens(model) == 300
+        taxonomy._BUDGET = 1.0
+        assert taxonomy._auto_tokens(model) == 100
+    finally:
+        taxonomy._BUDGET = budget
     s = every.attrs["stability"]["copy_suppression"]
     assert set(s) == {"spearman", "top_k_overlap", "k", "unstable"} and s["k"] == 8
     # the same numbers as analyses.stability on the halves of the per-token hits, recomputed here
