@@ -184,31 +184,33 @@ def _scored_layers(model) -> list[int]:
     return [s.block for s in real_sites(model)]
 
 
-def _vocab_counts(values: torch.Tensor, w_o: torch.Tensor, w_u: torch.Tensor,
-                  target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _vocab_count(values: torch.Tensor, w_o: torch.Tensor, w_u: torch.Tensor, target: torch.Tensor,
+                 side: str) -> torch.Tensor:
     """For one head, ``values: (n, e)`` (its inputs times W_V), ``w_o: (e, m)``, ``w_u: (vocab, m)``: per row, how
-    many logits of the whole vocabulary are strictly below and strictly above the logit of ``target[i]`` (the target
-    itself not counted). Columns in blocks of at most ``_CELLS`` logits, in the cheaper multiplication order."""
+    many logits of the whole vocabulary are strictly ``side`` (``"below"`` or ``"above"``) the logit of
+    ``target[i]`` (the target itself not counted). Columns in blocks of at most ``_CELLS`` logits, in the cheaper
+    multiplication order (``_cost``)."""
     n, (e, m), vocab = len(values), w_o.shape, len(w_u)
-    direct = n * m <= e * (m + n)  # (values @ W_O) @ W_U.T, else values @ (W_O @ W_U.T); see _cost
+    direct = n * m <= e * (m + n)  # (values @ W_O) @ W_U.T, else values @ (W_O @ W_U.T)
     out = values @ w_o  # (n, m)
     own = (out * w_u[target]).sum(-1)  # (n,)
-    below, above = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    count = torch.zeros(n, dtype=torch.int32)
     rows = torch.arange(n)
     width = max(1, _CELLS // max(n, e))
+    compare = torch.lt if side == "below" else torch.gt
     for start in range(0, vocab, width):
         block = w_u[start:start + width]  # (c, m)
         logits = out @ block.T if direct else values @ (w_o @ block.T)  # (n, c)
         inside = (target >= start) & (target < start + len(block))
         logits[rows[inside], target[inside] - start] = own[inside]  # the target is neither below nor above itself
-        below += (logits < own[:, None]).sum(-1)
-        above += (logits > own[:, None]).sum(-1)
-    return below, above
+        # a uint8 sum into int32: twice as fast as summing the booleans (which adds in int64)
+        count += compare(logits, own[:, None]).view(torch.uint8).sum(-1, dtype=torch.int32)
+    return count
 
 
 def _cost(n: int, e: int, m: int, vocab: int) -> int:
-    """Multiply-adds of one head's whole-vocabulary logits on ``n`` rows, in the order ``_vocab_counts`` picks."""
-    return vocab * min(n * m, e * (m + n))
+    """Multiply-adds of one head's whole-vocabulary logits on ``n`` rows."""
+    return vocab * min(n * m, e * (m + n))  # the order _vocab_count picks
 
 
 def _auto_tokens(model) -> int:
@@ -284,7 +286,7 @@ def successor_scores(model, lists=None, embedding: str = "mlp0", candidates: str
             layer_hits = torch.zeros(len(sources), w_v.shape[0], dtype=torch.bool)
             if candidates == "vocab":
                 for head in range(w_v.shape[0]):
-                    layer_hits[:, head] = _vocab_counts(values[head], w_o[head], w_u, targets)[1] == 0
+                    layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, targets, "above") == 0
             else:
                 out = values @ w_o  # (h, n, m)
                 for rows, ids, succ in groups:
@@ -336,7 +338,7 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int | None = None, k: 
             values = _head_inputs(model, norm_in, eff) @ w_v  # (h, n, e)
             layer_hits = torch.zeros(len(tokens), w_v.shape[0], dtype=torch.bool)
             for head in range(w_v.shape[0]):
-                layer_hits[:, head] = _vocab_counts(values[head], w_o[head], w_u, tokens)[0] < k
+                layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, tokens, "below") < k
             hits[layer] = layer_hits
     df = _frame(model, "copy_suppression", hits, n_bootstrap, seed)
     df.attrs.update(tokens=len(tokens), k=k)
