@@ -8,8 +8,9 @@ halves of its items, ``analyses.stability``).
 Scores: ``successor`` (published: Gould et al.'s dataset, MLP0's output, argmax among the task's successors),
 ``successor_old`` (the score before issue 38: the bundled lists, block 0 with its residual, argmax among the
 list's tokens), the published score with the argmax over every ordinal token and over the whole vocabulary;
-``copy_suppression`` (1000 uniform non-special tokens, whole-vocabulary ranks) and ``copy_suppression_old``
-(the 200-token sample of before).
+``copy_suppression`` (the default sample of uniform non-special tokens, as many as fit about a minute of one
+thread; whole-vocabulary ranks), ``copy_suppression_1000`` (1000 tokens) and ``copy_suppression_old`` (the
+200-token sample of before). ``--only`` picks runs.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ RUNS = {
     "successor_ordinal": lambda m: successor_scores(m, candidates="ordinal"),
     "successor_vocab": lambda m: successor_scores(m, candidates="vocab"),
     "copy_suppression": lambda m: copy_suppression_scores(m),
+    "copy_suppression_1000": lambda m: copy_suppression_scores(m, n_tokens=1000),
     "copy_suppression_old": lambda m: copy_suppression_scores(m, n_tokens=200),
 }
 PAIRS = [("successor", "successor_old"), ("successor", "successor_ordinal"), ("successor", "successor_vocab"),
-         ("copy_suppression", "copy_suppression_old"), ("successor", "copy_suppression"),
+         ("copy_suppression", "copy_suppression_old"), ("copy_suppression", "copy_suppression_1000"),
+         ("copy_suppression_1000", "copy_suppression_old"), ("successor", "copy_suppression"),
          ("successor_old", "copy_suppression_old")]
 
 
