@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
         df = RUNS[name](model)
         seconds = time.process_time() - start
         column = "successor" if name.startswith("successor") else "copy_suppression"
-        frames[name] = df[column].to_numpy()
+        frames[name] = df[column].to_numpy().copy()
         top = df.sort_values(column, ascending=False).head(args.top)
         stable = df.attrs["stability"][column]
         out["scores"][name] = {
