@@ -137,7 +137,8 @@ def effective_embedding(model, ids, kind: str = "block0") -> torch.Tensor:
         kept[hook.name] = resid[:, 0].detach().float()
 
     hooks = [(hook_name(name, 0), keep) for name in names]
-    with model.studying(), torch.no_grad(), model.hooks(hooks), (ablate_heads(model, layer0) if layer0 else nullcontext()):
+    ablated = ablate_heads(model, layer0) if layer0 else nullcontext()
+    with model.studying(), torch.no_grad(), model.hooks(hooks), ablated:
         for chunk in ids.split(_EMBED_CHUNK):
             model(chunk[:, None].to(model.device))
             x = kept[hook_name("resid_post", 0)]
@@ -306,9 +307,10 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int | None = None, k: 
 
     tokens: the token ids to score; ``"all"`` (every non-special token of the vocabulary, the paper's statistic;
     slow on a CPU); default ``n_tokens`` non-special tokens drawn uniformly with ``seed`` (None: as many, from 100
-    to 1000, as fit about a minute of one CPU thread: 1000 on SmolLM2-135M, about 120 on Gemma 3's 262k-token
-    vocabulary; the interval and the stability say what that sample size buys). k: a token counts when it is among the ``k`` most negative logits of the whole
-    vocabulary. ``df.attrs``: ``tokens`` (how many), ``k``, ``stability`` (even vs odd tokens).
+    to 1000, as fit about a minute of one CPU thread: 360 on SmolLM2-135M, 100 on Gemma 3's 262k-token vocabulary;
+    the interval and the stability say what that sample buys). k: a token counts when it is among the ``k`` most
+    negative logits of the whole vocabulary. ``df.attrs``: ``tokens`` (how many), ``k``, ``stability`` (even vs
+    odd tokens).
     """
     from .prompts import _ordinary_ids
 

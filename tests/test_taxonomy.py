@@ -218,7 +218,9 @@ def test_weight_scores_check_their_input():
     with pytest.raises(ValueError, match="at least 2 distinct"):
         successor_scores(model, lists={"bad": [5, 5]})
     with pytest.raises(ValueError, match="tokenizer"):
-        successor_scores(model)  # no tokenizer: the bundled lists cannot be tokenized
+        successor_scores(model)  # no tokenizer: Gould et al.'s dataset cannot be tokenized
+    with pytest.raises(ValueError, match="ordinal_lists needs the model's tokenizer; give lists="):
+        successor_scores(model, lists="bundled")
     with pytest.raises(ValueError, match="k must be"):
         copy_suppression_scores(model, tokens=[1, 2], k=0)
     with pytest.raises(ValueError, match="embedding must be one of"):
