@@ -115,9 +115,12 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
             more = getattr(importlib.import_module(module), function)(
                 model, names, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds, context=context)
         more = with_head_columns(model, more.drop(columns=["label", "labels"], errors="ignore"))
-        attrs = dict(more.attrs)
+        attrs, before = dict(more.attrs), ({} if df is None else dict(df.attrs))
         df = more if df is None else df.merge(more, on=FRONT, how="left", suffixes=("", "_dup"))
-        df.attrs.update({k: v for k, v in attrs.items() if k not in ("inputs", "trials")})
+        df.attrs.update({**before, **{k: v for k, v in attrs.items() if k not in ("inputs", "trials", "stability")}})
+        stable = {**before.get("stability", {}), **attrs.get("stability", {})}  # every runner adds its own scores'
+        if stable:
+            df.attrs["stability"] = stable
         what = attrs.get("inputs") if isinstance(attrs.get("inputs"), str) else module
         inputs.update(dict.fromkeys(names, what))
         if "trials" in attrs:

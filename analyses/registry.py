@@ -291,11 +291,13 @@ _OURS = (
     HeadScore("function_vector", "the rise in P(answer) when the head's mean few-shot output replaces its output on "
               "shuffled-label prompts, averaged over ICL tasks", "behaviour", "Todd et al. 2024", 0.02,
               precedence=12, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
-    HeadScore("successor", "the share of ordinal items whose effective embedding the head's OV maps to the next "
-              "item's logit, highest among its list", "weights", "Gould et al. 2023", 0.4, precedence=13,
+    HeadScore("successor", "the share of ordinal items (Gould et al.'s dataset) whose MLP0 output the head's OV "
+              "maps to the next item's logit, highest among the successor tokens of the item's task", "weights",
+              "Gould et al. 2023", 0.4, precedence=13,
               prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
-    HeadScore("copy_suppression", "the share of tokens whose effective embedding the head's OV maps to that token "
-              "among the 10 most negative logits", "weights", "McDougall et al. 2023", 0.4, precedence=14,
+    HeadScore("copy_suppression", "the share of tokens (a uniform sample of the vocabulary) whose effective embedding "
+              "(block 0 without attention) the head's OV maps to that token among the 10 most negative logits of "
+              "the whole vocabulary", "weights", "McDougall et al. 2023", 0.4, precedence=14,
               prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
     HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "

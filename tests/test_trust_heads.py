@@ -192,7 +192,8 @@ def test_python_api_stages_in_lines_mode(restore, llama, capsys):
     detect_heads(llama, scores=["copy_suppression"], n_bootstrap=10)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "heads: copy_suppression: 0/1 step"
-    assert err[1].startswith("heads: copy_suppression: 1/1 step, done in")
+    assert err[1] == "copy suppression: 0/2 layer"  # the score's own progress, a layer at a time
+    assert err[-1].startswith("heads: copy_suppression: 1/1 step, done in")
     interp.set_progress(False)
     detect_heads(llama, scores=["copy_suppression"], n_bootstrap=10)
     assert capsys.readouterr().err == ""
