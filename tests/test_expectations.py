@@ -290,9 +290,29 @@ def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, c
 
 
 @pytest.mark.slow
+def test_every_row_is_measured_on_a_random_model_of_gpt2_smalls_shape(tmp_path, capsys):
+    """The whole published table, the IOI and weights scores included, on a random 12 x 12 GPT-2 (d_model 48) with a
+    real tokenizer (SmolLM2's): every row measured, and an untrained model fails the table (a near-uniform score
+    can still put a head in a top k by chance: at most 2 of 19 here)."""
+    from interp.bundled import bundled_folder
+    from analyses.cli.expect import run_expectations
+
+    tok = transformers.AutoTokenizer.from_pretrained(bundled_folder("smollm2"), local_files_only=True)
+    config = transformers.GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=48, n_layer=12, n_head=12,
+                                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = interp.load_model(transformers.GPT2LMHeadModel(config).eval(), tokenizer=tok)
+    assert run_expectations(model, None, "gpt2-small", tmp_path, n_prompts=16) == 1
+    checked = pd.read_csv(tmp_path / "expectations.csv")
+    assert len(checked) == 19 and (checked["status"] != "not measured").all()
+    assert (checked["status"] == "pass").sum() <= 2
+    assert "gpt2-small: FAIL: " in capsys.readouterr().out
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("INTERP_GPT2_SMALL"), reason="INTERP_GPT2_SMALL is not set: give it a local "
-                    "folder of GPT-2 small's weights (save_pretrained of the `gpt2` checkpoint) to check the "
-                    "published table on real weights; this machine has no hub access")
+                    "folder of GPT-2 small (the `gpt2` checkpoint's model and tokenizer, save_pretrained into one "
+                    "folder) to check the published table on real weights; this machine has no hub access")
 def test_gpt2_small_published_table_on_real_weights(tmp_path, capsys):
     """GPT-2 small's published heads (Wang et al. 2022; McDougall et al. 2023), every class measured, on real
     weights: `interp expect --model $INTERP_GPT2_SMALL --expect gpt2-small`."""
