@@ -52,6 +52,8 @@ def run_expectations(model, df_or_atlas, name, out_dir=None, n_prompts: int = 10
     not measured on a model without one). Returns the exit status: 0 when every expected head passes, else 1."""
     import pandas as pd
 
+    from interp import distributed
+
     from ..expectations import check_expectations, check_shape, expectation_set, head_table, needs_scores
     from ..heads import detect_heads
     from ..registry import score
@@ -76,12 +78,12 @@ def run_expectations(model, df_or_atlas, name, out_dir=None, n_prompts: int = 10
     if table is None:
         table = pd.DataFrame({"layer": [l for l, h in model.cfg.heads()], "head": [h for l, h in model.cfg.heads()]})
     checked = check_expectations(table, expected, model)
+    unrun = checked["score"].isin(skipped) & (checked["status"] == "not measured")
+    checked.loc[unrun, "why"] = checked.loc[unrun, "score"] + " needs a tokenizer; this model has none"
     shown = checked.assign(head=[f"{l}.{h}" for l, h in zip(checked["layer"], checked["head"])])
     _emit(shown[["class", "head", "score", "value", "lo", "hi", "rank", "of", "status", "why"]], "table")
-    if skipped:
-        print(f"# not run on a model without a tokenizer: {', '.join(skipped)}")
     print(checked.attrs["summary"])
-    if out_dir is not None:
+    if out_dir is not None and distributed.rank_zero():  # under torchrun every rank checks; rank 0 writes
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         checked.to_csv(Path(out_dir) / CSV_NAME, index=False)
     return 0 if (checked["status"] == "pass").all() else 1
