@@ -279,14 +279,22 @@ def test_interp_expect_on_the_planted_model(tmp_path, capsys, table_model, moved
     assert code == 2 and err.count("\n") == 1 and "12 layers x 12 heads; this model has 2 layers x 4 heads" in err
 
 
-def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, capsys):
+def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, capsys, monkeypatch):
+    import analyses.heads
     from analyses.cli.expect import run_expectations
 
     model = interp.load_model(table_model)
     have = detect_heads(model, scores=["previous_token"], n_prompts=8, n_bootstrap=20)
+    asked = []
+
+    def spy(model, scores, **kwargs):
+        asked.append(list(scores))
+        return detect_heads(model, scores, **kwargs)
+
+    monkeypatch.setattr(analyses.heads, "detect_heads", spy)
     assert run_expectations(model, have, "gpt2-small", n_prompts=8) == 1  # IOI and weights scores need a tokenizer
-    out = capsys.readouterr().out
-    assert "INCOMPLETE: 9 of 19 expected heads pass" in out
+    assert asked == [["induction", "duplicate_token"]]  # what the table lacks and this model can take
+    assert "INCOMPLETE: 9 of 19 expected heads pass" in capsys.readouterr().out
 
 
 @pytest.mark.slow
