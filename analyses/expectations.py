@@ -10,8 +10,8 @@ An *expectation set* names a model's shape and lists entries; each entry is one 
 - ``"label"``: the head carries the score's label (its value clears the score's threshold).
 
 A head's rank counts the heads whose score is at least as high as its own (as low, for ``"negative"``), itself
-included: a tie (scores within ``TIE``) never lifts a head into the top ``k``. A head whose score was not computed (no column, no row, or
-NaN) is ``"not measured"``, never a pass.
+included: a tie (scores within ``TIE``) never lifts a head into the top ``k``. A head whose score was not computed
+(no column, no row, or NaN) is ``"not measured"``, never a pass.
 
 ``"gpt2-small"`` is GPT-2 small's table (Wang et al. 2022; McDougall et al. 2023). The ``k`` of each entry is ours:
 the papers name heads, not ranks under our scores; each ``k`` leaves room for heads the papers name in the same
@@ -41,7 +41,8 @@ import pandas as pd
 from . import registry
 
 __all__ = ["EXPECTATION_SETS", "Expectation", "ExpectationSet", "TESTS", "check_expectations", "check_shape",
-           "expectation_set", "head_table", "load_expectations", "needs_scores", "register_expectations", "summary_line"]
+           "expectation_set", "head_table", "load_expectations", "needs_scores", "register_expectations",
+           "summary_line"]
 
 TESTS = ("top", "negative", "label")
 STATUSES = ("pass", "fail", "not measured")
@@ -198,7 +199,9 @@ def _judge(table: pd.DataFrame, entry: Expectation, layer: int, head: int, thres
     out = {"value": math.nan, "lo": math.nan, "hi": math.nan, "rank": pd.NA, "of": pd.NA, "test": entry.how()}
     column = entry.score if entry.score in table else registry.score(entry.score).label_column
     if column not in table:
-        return {**out, "status": "not measured", "why": f"{entry.score} was not computed"}
+        why = table.attrs.get("not_run", {}).get(entry.score)
+        return {**out, "status": "not measured", "why": f"{entry.score} did not run: {why}" if why
+                else f"{entry.score} was not computed"}
     at = table[(table["layer"] == layer) & (table["head"] == head)]
     value = float(at[column].iloc[0]) if len(at) else math.nan
     out.update(value=value, **{b: float(at[f"{column}_{b}"].iloc[0]) if len(at) and f"{column}_{b}" in table
@@ -226,11 +229,35 @@ def _judge(table: pd.DataFrame, entry: Expectation, layer: int, head: int, thres
 
 
 def head_table(df) -> pd.DataFrame:
-    """The head table of ``df``: a DataFrame itself, or the ``.heads`` of an object holding one (an atlas)."""
+    """The head table of ``df``: a DataFrame itself, the ``.heads`` of an object holding one, or an atlas
+    (``build_atlas``'s dict: ``heads`` as rows of ``values``, each ``{"value", "lo", "hi"}``; its thresholds go to
+    ``attrs["thresholds"]``, its scores that did not run, with why, to ``attrs["not_run"]``)."""
+    if isinstance(df, dict) and isinstance(df.get("heads"), list):
+        return _atlas_table(df)
     table = df if isinstance(df, pd.DataFrame) else getattr(df, "heads", df)
     if not isinstance(table, pd.DataFrame) or not {"layer", "head"} <= set(table.columns):
-        raise TypeError(f"check_expectations needs a head table with layer and head columns (detect_heads's, or an "
-                        f"object holding one as .heads); got {type(df).__name__}.")
+        raise TypeError(f"check_expectations needs a head table with layer and head columns (detect_heads's, an "
+                        f"object holding one as .heads, or an atlas); got {type(df).__name__}.")
+    return table
+
+
+def _atlas_table(atlas: dict) -> pd.DataFrame:
+    rows = []
+    for h in atlas["heads"]:
+        row = {"layer": h.get("layer"), "head": h.get("head"), "labels": h.get("labels", "")}
+        for column, entry in (h.get("values") or {}).items():
+            for part, suffix in (("value", ""), ("lo", "_lo"), ("hi", "_hi")):
+                if part in entry:
+                    row[column + suffix] = math.nan if entry[part] is None else entry[part]
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty or table["layer"].isna().any():
+        raise ValueError("The atlas has no (layer, head) rows (a model with one attention site per layer); "
+                         "expectation sets name heads by layer.")
+    table = table.astype({"layer": int, "head": int})
+    table.attrs.update(thresholds={n: s["threshold"] for n, s in (atlas.get("scores") or {}).items()
+                                   if s.get("threshold") is not None},
+                       not_run=dict(atlas.get("not_run") or {}))
     return table
 
 

@@ -163,8 +163,9 @@ def test_the_same_planting_on_other_heads_fails(moved_model, attn):
         rows = _rows(checked, cls)
         assert (rows["status"] == "fail").all(), rows
         assert (rows["rank"] > 100).all() and rows["why"].str.contains("outside the 10 needed").all()
-    assert checked.attrs["summary"].startswith("gpt2-small: FAIL: 0 of 19 expected heads pass, 9 fail (induction 5.5 5.8 5.9 6.9; "
-                                           "duplicate token 0.1 0.10 3.0; previous token 2.2 4.11), 10 not measured")
+    assert checked.attrs["summary"].startswith("gpt2-small: FAIL: 0 of 19 expected heads pass, 9 fail (induction "
+                                               "5.5 5.8 5.9 6.9; duplicate token 0.1 0.10 3.0; previous token "
+                                               "2.2 4.11), 10 not measured")
 
 
 def test_induction_needs_the_previous_token_head(table_model):
@@ -279,6 +280,25 @@ def test_interp_expect_on_the_planted_model(tmp_path, capsys, table_model, moved
     assert code == 2 and err.count("\n") == 1 and "12 layers x 12 heads; this model has 2 layers x 4 heads" in err
 
 
+def test_an_atlas_is_checked_like_a_head_table(table_model):
+    """``interp atlas --expect``: the atlas's dict (h-atlas's schema: heads as rows of ``values``, each value with
+    ``lo`` and ``hi``, None for NaN; ``scores`` with thresholds; ``not_run`` with reasons) checks as its table does."""
+    df = _scores(table_model)
+    columns = ["previous_token", "duplicate_token", "induction"]
+    atlas = {"scores": {c: {"threshold": 0.4} for c in columns},
+             "not_run": {"name_mover": "a task-prompted score: ask for it with --scores"},
+             "heads": [{"site": f"blocks.{r.layer}.attn", "layer": int(r.layer), "head": int(r.head), "labels": "",
+                        "values": {c: {"value": None if (r.layer, r.head) == (5, 9) else float(getattr(r, c)),
+                                       "lo": float(getattr(r, f"{c}_lo")), "hi": float(getattr(r, f"{c}_hi"))}
+                                   for c in columns}} for r in df.itertuples()]}
+    checked = check_expectations(atlas, "gpt2-small")
+    by_head = checked.set_index(["class", "layer", "head"])
+    assert by_head.loc[("induction", 5, 9), "status"] == "not measured"  # None in the atlas: NaN, never a pass
+    assert (checked["status"] == "pass").sum() == 8
+    assert by_head.loc[("name mover", 9, 6), "why"] == ("name_mover did not run: a task-prompted score: ask for it "
+                                                         "with --scores")
+
+
 def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, capsys, monkeypatch):
     import analyses.heads
     from analyses.cli.expect import run_expectations
@@ -330,3 +350,13 @@ def test_gpt2_small_published_table_on_real_weights(tmp_path, capsys):
     checked = pd.read_csv(tmp_path / "expectations.csv")
     assert (checked["status"] != "not measured").all(), out
     assert code == 0 and (checked["status"] == "pass").all(), out
+
+
+def test_the_atlas_hooks_do_nothing_without_a_set_and_refuse_another_shape_early(capsys):
+    from analyses.cli.expect import check_expect_model, run_expectations
+
+    toy = interp.load_model("toy-induction")
+    assert check_expect_model(toy, None) is None and run_expectations(toy, None, None) == 0
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="this model has 2 layers x 4 heads"):
+        check_expect_model(toy, "gpt2-small")

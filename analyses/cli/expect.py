@@ -41,26 +41,40 @@ def cmd_expect(args) -> int:
     if args.out is not None:
         _check_out(args.out, args.force)
     model = _load(args)
+    check_expect_model(model, args.expect)
     return run_expectations(model, None, args.expect, args.out, n_prompts=args.n_prompts, seed=args.seed)
+
+
+def check_expect_model(model, name) -> None:
+    """Refuse, before anything long runs, a model that is not the shape of the set ``name`` (None: no set asked
+    for, nothing to check)."""
+    if name is not None:
+        from ..expectations import check_shape, expectation_set
+
+        expected = expectation_set(name)
+        check_shape(expected, model.cfg.n_layers, model.cfg.heads_per_layer)
 
 
 def run_expectations(model, df_or_atlas, name, out_dir=None, n_prompts: int = 100, seed: int = 0) -> int:
     """Check ``model``'s heads against the expectation set ``name`` (a registered name, a JSON file, or an
-    ``ExpectationSet``); print one row per expected head and the summary line; write ``expectations.csv`` into
-    ``out_dir`` when given. ``df_or_atlas``: a head table (or an object holding one as ``.heads``) to check, or None;
-    the scores the set needs that it lacks are computed with ``detect_heads`` (scores needing a tokenizer are left
-    not measured on a model without one). Returns the exit status: 0 when every expected head passes, else 1."""
+    ``ExpectationSet``; None: no set asked for, returns 0 and does nothing); print one row per expected head and the
+    summary line; write the rows as CSV to ``out_dir`` (a ``.csv`` path, or a folder: ``expectations.csv`` in it)
+    when given. ``df_or_atlas``: a head table, an atlas (``build_atlas``'s dict) or None; the scores the set needs
+    that it lacks are computed with ``detect_heads`` (scores needing a tokenizer are left not measured on a model
+    without one). Returns the exit status: 0 when every expected head passes, else 1."""
+    if name is None:
+        return 0
     import pandas as pd
 
     from interp import distributed
 
-    from ..expectations import check_expectations, check_shape, expectation_set, head_table, needs_scores
+    from ..expectations import check_expectations, expectation_set, head_table, needs_scores
     from ..heads import detect_heads
     from ..registry import score
     from .common import _emit
 
+    check_expect_model(model, name)  # before any score is computed
     expected = expectation_set(name)
-    check_shape(expected, model.cfg.n_layers, model.cfg.heads_per_layer)  # before any score is computed
     table = None if df_or_atlas is None else head_table(df_or_atlas)
     have = set() if table is None else set(table.columns)
     missing = [s for s in needs_scores(expected) if s not in have and score(s).label_column not in have]
@@ -84,7 +98,8 @@ def run_expectations(model, df_or_atlas, name, out_dir=None, n_prompts: int = 10
     _emit(shown[["class", "head", "score", "value", "lo", "hi", "rank", "of", "status", "why"]], "table")
     print(checked.attrs["summary"])
     if out_dir is not None and distributed.rank_zero():  # under torchrun every rank checks; rank 0 writes
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        checked.to_csv(Path(out_dir) / CSV_NAME, index=False)
+        path = Path(out_dir) if str(out_dir).endswith(".csv") else Path(out_dir) / CSV_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checked.to_csv(path, index=False)
     return 0 if (checked["status"] == "pass").all() else 1
 
