@@ -275,6 +275,8 @@ def test_interp_expect_on_the_planted_model(tmp_path, capsys, table_model, moved
     out = capsys.readouterr().out
     assert out.count("needs a tokenizer; this model has none") == 10
     assert "gpt2-small: INCOMPLETE: 9 of 19 expected heads pass, 0 fail, 10 not measured" in out
+    assert main(["expect", "--model", str(tmp_path / "table"), "--expect", "gpt2-smal", *base]) == 2
+    assert "Unknown expectation set 'gpt2-smal'. Did you mean 'gpt2-small'?" in capsys.readouterr().err
     code = main(["expect", "--model", "toy-induction", "--expect", "gpt2-small", *base])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "12 layers x 12 heads; this model has 2 layers x 4 heads" in err
