@@ -42,6 +42,9 @@ _LAZY = {
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
     # Why a head attends (issue 39): exact query/key attribution of attention scores, checked causally
     **dict.fromkeys(["qk_attribution", "target_rule"], "qk_attribution"),
+    # Published head tables as checks (issue 38): GPT-2 small's IOI classes, a user's own table
+    **dict.fromkeys(["ExpectationSet", "Expectation", "check_expectations", "needs_scores", "register_expectations"],
+                    "expectations"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
