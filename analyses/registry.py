@@ -311,7 +311,17 @@ _OURS = (
               precedence=20, prompts="repeated", rule="analyses.rules:induction", default=True),
     HeadScore("duplicate_token", "the weight a token puts on earlier occurrences of itself", precedence=21,
               prompts="repeated", rule="analyses.rules:duplicate_token", default=True),
-    HeadScore("previous_token", "the weight a token puts on the token just before it", citation="Olsson et al. 2022",
+    # the same two classes on the bundled corpus of plain English: the text a model sees, where a real head can
+    # fall short on random tokens; each gives its sibling's label, so a head clears the class on either
+    HeadScore("induction_text", "the weight a token puts on the token right after an earlier occurrence of itself, "
+              "on corpus text (bigram induction); rows without an earlier occurrence are left out",
+              citation="Olsson et al. 2022", threshold=0.4, label="induction", precedence=20,
+              rule="analyses.rules:induction", default=True),
+    HeadScore("duplicate_token_text", "the weight a token puts on earlier occurrences of itself, on corpus text",
+              threshold=0.4, label="duplicate_token", precedence=21, rule="analyses.rules:duplicate_token",
+              default=True),
+    HeadScore("previous_token", "the weight a token puts on the token just before it, on corpus text (no random-token "
+              "sibling: a sequence's own order is its target)", citation="Olsson et al. 2022",
               precedence=22, rule="analyses.rules:previous_token", default=True),
     HeadScore("next_token", "the weight a token puts on the token just after it (bidirectional models only)",
               precedence=23, sites=("bidirectional",), rule="analyses.rules:next_token", default=True),
