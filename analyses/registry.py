@@ -361,7 +361,8 @@ def markdown_table(ours_only: bool = True) -> str:
     for r in sorted(_REGISTRY.values(), key=lambda r: r.precedence):
         if ours_only and not r.builtin:
             continue
-        threshold = "no label" if r.threshold is None else f"{r.threshold:g} on `{r.label_column}`"
+        threshold = "no label" if r.threshold is None else f"{r.threshold:g} on `{r.label_column}`" + (
+            f", label `{r.gives}`" if r.gives != r.name else "")
         rows.append(f"| `{r.name}` | {how[r.how]} ({r.prompts}) | {', '.join(r.sites)} | {threshold} | "
                     f"{r.definition} | {r.citation or 'interp'} |")
     return "\n".join(rows)
