@@ -198,3 +198,22 @@ def test_gemma3_head_5_3_is_induction_on_natural_text():
     assert head.induction_text_lo >= registry.score("induction_text").threshold
     assert head.labels.split("+")[0] == "induction" and head.evidence == "induction: induction_text only"
     assert df.induction_text.idxmax() == (5, 3)
+
+
+# -- the report ---------------------------------------------------------------------------------------------------------
+def test_the_report_shows_both_scores_where_they_disagree_and_names_unstable_rankings():
+    from analyses.views.report_page import _evidence_html, _stability_html
+
+    low, high = registry.score("induction_text").threshold, registry.score("induction").threshold
+    df = pattern_scores(*_planted((low + high) / 2), scores=["induction", "induction_text", "sink"])
+    text = _evidence_html(df, dict(registry.DEFAULT_THRESHOLDS))
+    assert 'data-role="evidence"' in text and "1 clear one only" in text
+    cells = text.split("<tr>")[2]  # the head's row: cleared on natural text, not on random tokens
+    assert cells.index(f"induction_text {df.induction_text[0]:.3f}") < cells.index(f"induction {df.induction[0]:.3f}")
+    assert _evidence_html(df.drop(columns=["evidence"]), {}) == ""
+    stable = {"induction": {"spearman": 0.95, "top_k_overlap": 0.9, "k": 10, "unstable": False, "halves": "prompts"},
+              "retrieval": {"spearman": 0.41, "top_k_overlap": 0.3, "k": 10, "unstable": True, "halves": "trials"}}
+    line = _stability_html(stable)
+    assert "Unstable rankings" in line and "retrieval (halves of its trials: Spearman 0.41" in line
+    assert "induction" not in line.split("):", 1)[1]
+    assert "agrees" in _stability_html({"induction": stable["induction"]}) and _stability_html({}) == ""

@@ -126,19 +126,22 @@ def _evidence_html(heads: pd.DataFrame, thresholds: dict) -> str:
             if which in ("both", "all"):
                 agreed[kind] = agreed.get(kind, 0) + 1
                 continue
-            cells = {}
+            cleared = which.removesuffix(" only").split("+")
+            said = {True: [], False: []}
             for r in by_class[kind]:
                 c = r.label_column
-                cells[f"{r.name} (threshold {thresholds.get(r.name, 0):g})"] = \
-                    f"{row[c]:.3f} [{_interval(row.get(f'{c}_lo', float('nan')), row.get(f'{c}_hi', float('nan')))}]"
-            rows.append({"head": head_name(row), "class": kind, "cleared": which, **cells})
+                interval = _interval(row.get(f"{c}_lo", float("nan")), row.get(f"{c}_hi", float("nan")))
+                said[r.name in cleared].append(f"{r.name} {row[c]:.3f} [{interval}], threshold "
+                                               f"{thresholds.get(r.name, 0):g}")
+            rows.append({"head": head_name(row), "class": kind, "cleared": "; ".join(said[True]),
+                         "not cleared": "; ".join(said[False])})
     said = "; ".join(f"{k}: {' and '.join(r.name for r in rs)}, {agreed.get(k, 0)} heads clear every one"
                      for k, rs in by_class.items() if len(rs) > 1)
     text = (f'<p data-role="evidence">Classes that more than one score gives, each on its own prompts '
             f"({html.escape(said)}); a head takes the class when any of them clears its threshold. ")
     if not rows:
         return text + "No head clears one without the other.</p>"
-    return text + f"{len(rows)} clear one only (the scores disagree):</p>" + _table(pd.DataFrame(rows).fillna(""))
+    return text + f"{len(rows)} clear one only (the scores disagree):</p>" + _table(pd.DataFrame(rows))
 
 
 def _stability_html(stable: dict | None) -> str:
@@ -206,8 +209,8 @@ The model's internals (what discovery found) are at the end of the page.</p>
 measures; <b>labels</b> lists every class a head clears, most specific first (the first is its primary label).
 Label counts: {esc(counts)}. Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
 {_strongest_table(strongest, thresholds) if len(strongest) else '<p>No head passes a threshold.</p>'}
-{_evidence_html(heads, thresholds)}{_stability_html(heads.attrs.get("stability"))}
 <details><summary>All {n_labelled} labelled heads</summary>{_labelled_table(heads)}</details>
+{_evidence_html(heads, thresholds)}{_stability_html(heads.attrs.get("stability"))}
 <p class="muted">Every head with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
 
 {_class_ablation_html(summary.get("class_ablation")) or _skipped(summary, "class_ablation",
