@@ -32,11 +32,15 @@ def _takes(model) -> str:
 def choose_scores(names, model) -> list[registry.HeadScore]:
     """detect_heads's ``scores`` on ``model`` as registry records, in registry order. None asks for the defaults:
     every default score that applies to one of the model's sites (next_token on bidirectional sites, the
-    cross-attention scores on an encoder-decoder model's cross-attention sites). A name that is no score, or a score
+    cross-attention scores on an encoder-decoder model's cross-attention sites), less those that need a tokenizer
+    (the natural-text scores) on a model without one or an encoder-decoder model, whose generated prompts are random
+    tokens. A name that is no score, or a score
     that does not apply to the model, is refused with the reason and the scores the model takes."""
     kinds = {site_kind(s) for s in model.cfg.sites}
-    if names is None:
-        return [r for r in registry.scores() if r.default and set(r.sites) & kinds]
+    if names is None:  # a score that needs text only where detect_heads generates text (a tokenizer, one stack)
+        text = getattr(model, "tokenizer", None) is not None and is_layered(model)
+        return [r for r in registry.scores() if r.default and set(r.sites) & kinds
+                and (text or "tokenizer" not in r.needs)]
     names = [names] if isinstance(names, str) else list(names)
     if not names:
         raise ValueError(f"scores is empty; pass None for the defaults, or some of the scores. {_takes(model)}")

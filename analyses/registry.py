@@ -320,13 +320,15 @@ _OURS = (
     # BERT without induction heads, random-token induction <= 0.017) and every other head of the three (<= 0.121),
     # under Gemma 3's 5.3 (0.227) and SmolLM2's 17.5 and 17.3 (0.328, 0.148); duplicate_token_text 0.3 sits above
     # the even tail of SmolLM2's early heads (99th percentile 0.296) that spread weight over repeated common tokens.
+    # Thresholds for 64-token prompts (the default seq_len): at 256 tokens more heads clear 0.14 (SmolLM2's 20.2,
+    # 20.5, 20.6, random-token induction heads or close). Defaults only where detect_heads generates text (needs).
     HeadScore("induction_text", "the weight a token puts on the token right after an earlier occurrence of itself, "
               "on corpus text (bigram induction); rows without an earlier occurrence are left out",
               citation="Olsson et al. 2022", threshold=0.14, label="induction", precedence=20,
-              rule="analyses.rules:induction", default=True),
+              needs=("tokenizer",), rule="analyses.rules:induction", default=True),
     HeadScore("duplicate_token_text", "the weight a token puts on earlier occurrences of itself, on corpus text",
-              threshold=0.3, label="duplicate_token", precedence=21, rule="analyses.rules:duplicate_token",
-              default=True),
+              threshold=0.3, label="duplicate_token", precedence=21, needs=("tokenizer",),
+              rule="analyses.rules:duplicate_token", default=True),
     HeadScore("previous_token", "the weight a token puts on the token just before it, on corpus text (no random-token "
               "sibling: a sequence's own order is its target)", citation="Olsson et al. 2022",
               precedence=22, rule="analyses.rules:previous_token", default=True),

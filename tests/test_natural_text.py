@@ -17,7 +17,7 @@ from conftest import tiny_hf
 import interp
 from analyses import registry
 from analyses.heads import detect_heads
-from analyses.labels import head_labels, label_evidence
+from analyses.labels import choose_scores, head_labels, label_evidence
 from analyses.scores import pattern_scores, rule_pairs
 from analyses.stability import stability
 
@@ -88,6 +88,14 @@ def test_evidence_is_generic_over_the_registry_and_absent_with_one_score_per_cla
     assert "evidence" not in one
 
 
+def test_text_scores_are_defaults_only_where_detect_heads_generates_text(tiny_llama, minilm):
+    """A model without a tokenizer gets repeated random tokens for every score: a natural-text threshold on them
+    would label what natural text never showed, so the defaults leave the text scores out there."""
+    assert not set(TEXT) & {r.name for r in choose_scores(None, tiny_llama)}
+    assert set(TEXT) <= {r.name for r in choose_scores(None, minilm)}
+    assert "evidence" not in detect_heads(tiny_llama, n_prompts=4, seq_len=20, n_bootstrap=10)
+
+
 # -- stability -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama():
@@ -96,7 +104,7 @@ def tiny_llama():
 
 def test_every_target_rule_score_reports_its_stability_over_two_halves_of_the_prompts(tiny_llama):
     df = detect_heads(tiny_llama, n_prompts=10, seq_len=40, n_bootstrap=20)
-    targets = [r.name for r in registry.scores(("target",), "causal") if r.default]
+    targets = [r.name for r in choose_scores(None, tiny_llama) if r.how == "target"]
     stable = df.attrs["stability"]
     assert sorted(stable) == sorted(targets), stable.keys()
     for name, s in stable.items():
