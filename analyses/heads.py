@@ -79,9 +79,10 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     per score (an argmax score as ``<score>_offset`` and ``<score>_fraction``), ``label`` (the most specific class
     whose score clears its threshold, ``analyses.LABEL_ORDER``; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each
-    score, the thresholds and the attention path, and ``df.attrs["stability"][score]`` how stable each score's ranking of
-    heads is on two disjoint halves of its prompts or trials (``analyses.stability``; every target-rule score, and
-    the runners' scores that report it).
+    score, the thresholds and the attention path, and ``df.attrs["stability"][score]`` how stable each score's
+    ranking of heads is on two disjoint halves of its prompts or trials (``analyses.stability``; every target-rule
+    score, and the runners' scores that report it). ``evidence`` (where two scores give one class, e.g.
+    ``induction`` on random tokens and ``induction_text`` on the corpus): which of them each head cleared.
     """
     check_n_bootstrap(n_bootstrap)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size),

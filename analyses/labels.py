@@ -34,8 +34,8 @@ def choose_scores(names, model) -> list[registry.HeadScore]:
     every default score that applies to one of the model's sites (next_token on bidirectional sites, the
     cross-attention scores on an encoder-decoder model's cross-attention sites), less those that need a tokenizer
     (the natural-text scores) on a model without one or an encoder-decoder model, whose generated prompts are random
-    tokens. A name that is no score, or a score
-    that does not apply to the model, is refused with the reason and the scores the model takes."""
+    tokens. A name that is no score, or a score that does not apply to the model, is refused with the reason and the
+    scores the model takes."""
     kinds = {site_kind(s) for s in model.cfg.sites}
     if names is None:  # a score that needs text only where detect_heads generates text (a tokenizer, one stack)
         text = getattr(model, "tokenizer", None) is not None and is_layered(model)
@@ -88,6 +88,8 @@ def label_evidence(df: pd.DataFrame, thresholds: dict[str, float] | None = None)
     than two), ``"induction: induction_text only"``, or for three or more the cleared ones joined by ``+``; classes
     joined by ``"; "``, ``""`` for a head that clears no such class. ``head_labels`` gives the class on either."""
     limits = resolve_thresholds(thresholds)
+    if not len(df):
+        return pd.Series([], index=df.index, name="evidence", dtype=object)
     by_class: dict[str, list] = {}
     for record in registry.labelled():
         if record.label_column in df:

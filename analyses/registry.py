@@ -329,8 +329,8 @@ _OURS = (
     HeadScore("duplicate_token_text", "the weight a token puts on earlier occurrences of itself, on corpus text",
               threshold=0.3, label="duplicate_token", precedence=21, needs=("tokenizer",),
               rule="analyses.rules:duplicate_token", default=True),
-    HeadScore("previous_token", "the weight a token puts on the token just before it, on corpus text (a position, not a "
-              "repeat: no random-token sibling needed)", citation="Olsson et al. 2022",
+    HeadScore("previous_token", "the weight a token puts on the token just before it, on corpus text (a position, "
+              "not a repeat: no random-token sibling needed)", citation="Olsson et al. 2022",
               precedence=22, rule="analyses.rules:previous_token", default=True),
     HeadScore("next_token", "the weight a token puts on the token just after it (bidirectional models only)",
               precedence=23, sites=("bidirectional",), rule="analyses.rules:next_token", default=True),

@@ -105,7 +105,8 @@ def main() -> None:
         df["top1_on_bigram_target"] = share.flatten().numpy() if len(df) == share.numel() else float("nan")
         tables[n] = df
         print(f"seq_len {n}: {time.process_time() - t:.1f} s CPU")
-        cols = ["layer", "head"] + [c for s in SCORES for c in (s, f"{s}_lo", f"{s}_hi")] + ["top1_on_bigram_target", "labels"]
+        cols = ["layer", "head", *[c for s in SCORES for c in (s, f"{s}_lo", f"{s}_hi")], "top1_on_bigram_target",
+                "labels"]
         print(df.sort_values("top1_on_bigram_target", ascending=False)[cols].head(8).round(3).to_string(index=False))
         for s in SCORES:
             print(s, df[s].quantile([0.5, 0.9, 0.95, 0.99, 1.0]).round(3).tolist(), "stability",

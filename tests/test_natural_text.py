@@ -24,14 +24,15 @@ from analyses.stability import stability
 TEXT = {"induction_text": "induction", "duplicate_token_text": "duplicate_token"}
 
 
-# -- the records -------------------------------------------------------------------------------------------------
+# -- the records ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, sibling", TEXT.items())
 def test_each_text_score_runs_its_siblings_rule_on_the_corpus_and_gives_its_label(name, sibling):
     text, random = registry.score(name), registry.score(sibling)
     assert text.function is random.function and text.prompts == "corpus" and random.prompts == "repeated"
     assert text.gives == random.gives == sibling and text.default and text.how == "target"
     assert text.threshold is not None and text.threshold < random.threshold  # natural text spreads the weight
-    assert list(registry.LABEL_ORDER).count(sibling) == 1 and len(set(registry.LABEL_ORDER)) == len(registry.LABEL_ORDER)
+    order = list(registry.LABEL_ORDER)
+    assert order.count(sibling) == 1 and len(set(order)) == len(order)
 
 
 def test_natural_text_targets_on_hand_made_ids():
@@ -48,7 +49,7 @@ def test_natural_text_targets_on_hand_made_ids():
     assert pairs("duplicate_token_text") == ([(2, 0), (4, 0), (4, 2), (5, 1)], [3])
 
 
-# -- labels and evidence -----------------------------------------------------------------------------------------
+# -- labels and evidence -------------------------------------------------------------------------------------------
 def _planted(weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Two heads on ids with repeats: head 0 puts ``weight`` on every induction target (shared evenly) and the rest
     on the first token; head 1 puts everything on the first token."""
@@ -113,7 +114,8 @@ def test_every_target_rule_score_reports_its_stability_over_two_halves_of_the_pr
         assert isinstance(s["unstable"], bool)
     # the same numbers as analyses.stability on the two halves computed here: 10 prompts, even and odd
     half = [detect_heads(tiny_llama, scores=["sink"], prompts=p, n_bootstrap=20).sink for p in _halves(tiny_llama)]
-    assert stable["sink"]["spearman"] == pytest.approx(stability(half[0].to_numpy(copy=True), half[1].to_numpy(copy=True))["spearman"])
+    by_hand = stability(half[0].to_numpy(copy=True), half[1].to_numpy(copy=True))
+    assert stable["sink"]["spearman"] == pytest.approx(by_hand["spearman"])
 
 
 def _halves(model):
@@ -150,7 +152,7 @@ def test_stability_survives_the_merge_with_a_runner(tiny_llama):
     assert df.attrs["stability"]["fake_weights"]["halves"] == "tokens" and df.fake_weights.notna().all()
 
 
-# -- both paths, a real model with a tokenizer -------------------------------------------------------------------------
+# -- both paths, a real model with a tokenizer ---------------------------------------------------------------------
 def test_flash_equals_eager_on_natural_text_scores_of_minilm(minilm):
     eager = interp.load_model("minilm", attn="eager", device="cpu")
     kwargs = dict(scores=list(TEXT), n_prompts=12, seq_len=48, n_bootstrap=50)
@@ -165,7 +167,7 @@ def test_flash_equals_eager_on_natural_text_scores_of_minilm(minilm):
         assert a["spearman"] == pytest.approx(b["spearman"], abs=1e-3) and a["halves"] == "prompts", (a, b)
 
 
-# -- real models ---------------------------------------------------------------------------------------------------------
+# -- real models ---------------------------------------------------------------------------------------------------
 def _disagreements(df, sibling: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The heads under the random-token threshold but over the natural-text one, and the other way round."""
     text = f"{sibling}_text"
@@ -208,7 +210,7 @@ def test_gemma3_head_5_3_is_induction_on_natural_text():
     assert df.induction_text.idxmax() == (5, 3)
 
 
-# -- the report ---------------------------------------------------------------------------------------------------------
+# -- the report ----------------------------------------------------------------------------------------------------
 def test_the_report_shows_both_scores_where_they_disagree_and_names_unstable_rankings():
     from analyses.views.report_page import _evidence_html, _stability_html
 
