@@ -21,7 +21,7 @@ _LAZY = {
     **dict.fromkeys(["curve_summary", "head_importance", "prune_model", "pruning_curve"], "pruning"),
     # Head detection (issue 3)
     "detect_heads": "heads",
-    **dict.fromkeys(["head_labels", "label_heads", "strongest_heads"], "labels"),
+    **dict.fromkeys(["head_labels", "label_evidence", "label_heads", "strongest_heads"], "labels"),
     # The registry of head scores (issue 36): ours and a user's, one record each
     **dict.fromkeys(["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "SCORE_DEFINITIONS", "head_score"], "registry"),
     "pattern_scores": "scores",

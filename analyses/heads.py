@@ -79,7 +79,10 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     per score (an argmax score as ``<score>_offset`` and ``<score>_fraction``), ``label`` (the most specific class
     whose score clears its threshold, ``analyses.LABEL_ORDER``; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each
-    score, the thresholds and the attention path.
+    score, the thresholds and the attention path, and ``df.attrs["stability"][score]`` how stable each score's
+    ranking of heads is on two disjoint halves of its prompts or trials (``analyses.stability``; every target-rule
+    score, and the runners' scores that report it). ``evidence`` (where two scores give one class, e.g.
+    ``induction`` on random tokens and ``induction_text`` on the corpus): which of them each head cleared.
     """
     check_n_bootstrap(n_bootstrap)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size),
@@ -97,7 +100,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     extra = [r.name for r in records if r.how in ("weights", "behaviour") and r.prompts != "needle"]
     what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
-    df, inputs = None, {}
+    df, inputs, stable = None, {}, {}  # stable: each score's halves (df.attrs["stability"]), from every frame
     if attention:
         sets = prompt_sets(model, attention, prompts, n_prompts, seq_len, seed, what)
         frames, nonfinite = [], set()
@@ -105,6 +108,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
             for set_records, rows, what in sets:
                 frame = _tally(model, rows, set_records, batch_size).frame(n_bootstrap, seed)
                 nonfinite |= set(frame.attrs.pop("nonfinite"))
+                stable.update(frame.attrs.pop("stability", {}))
                 frames.append(frame.set_index(FRONT))
                 inputs.update(dict.fromkeys((r.name for r in set_records), what))
         df = pd.concat(frames, axis=1).reset_index() if len(frames) > 1 else frames[0].reset_index()
@@ -115,18 +119,16 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
             more = getattr(importlib.import_module(module), function)(
                 model, names, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds, context=context)
         more = with_head_columns(model, more.drop(columns=["label", "labels"], errors="ignore"))
-        attrs, before = dict(more.attrs), ({} if df is None else dict(df.attrs))
+        attrs, kept = dict(more.attrs), ({} if df is None else dict(df.attrs))  # a merge keeps no attrs
+        stable.update(attrs.pop("stability", {}))
         df = more if df is None else df.merge(more, on=FRONT, how="left", suffixes=("", "_dup"))
-        df.attrs.update({**before, **{k: v for k, v in attrs.items() if k not in ("inputs", "trials", "stability")}})
-        stable = {**before.get("stability", {}), **attrs.get("stability", {})}  # every runner adds its own scores'
-        if stable:
-            df.attrs["stability"] = stable
+        df.attrs.update({**kept, **{k: v for k, v in attrs.items() if k not in ("inputs", "trials")}})
         what = attrs.get("inputs") if isinstance(attrs.get("inputs"), str) else module
         inputs.update(dict.fromkeys(names, what))
         if "trials" in attrs:
             df.attrs["retrieval_trials"] = attrs["trials"]
     df = labelled(df, limits)
-    df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn)
+    df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn, stability=stable)
     return df
 
 

@@ -12,8 +12,8 @@ from interp.sites import is_layered, one_site_per_layer
 from . import registry
 from .registry import DEFAULT_THRESHOLDS, LABEL_ORDER, SCORE_DEFINITIONS
 
-__all__ = ["DEFAULT_THRESHOLDS", "SCORE_DEFINITIONS", "LABEL_ORDER", "NO_CLASS", "choose_scores", "head_labels",
-           "label_heads", "resolve_thresholds", "site_kind", "strongest_heads"]
+__all__ = ["DEFAULT_THRESHOLDS", "SCORE_DEFINITIONS", "LABEL_ORDER", "NO_CLASS", "choose_scores", "has_evidence",
+           "head_labels", "label_evidence", "label_heads", "resolve_thresholds", "site_kind", "strongest_heads"]
 
 # -- which scores a model takes ---------------------------------------------------------------------------------
 def site_kind(site) -> str:
@@ -32,11 +32,15 @@ def _takes(model) -> str:
 def choose_scores(names, model) -> list[registry.HeadScore]:
     """detect_heads's ``scores`` on ``model`` as registry records, in registry order. None asks for the defaults:
     every default score that applies to one of the model's sites (next_token on bidirectional sites, the
-    cross-attention scores on an encoder-decoder model's cross-attention sites). A name that is no score, or a score
-    that does not apply to the model, is refused with the reason and the scores the model takes."""
+    cross-attention scores on an encoder-decoder model's cross-attention sites), less those that need a tokenizer
+    (the natural-text scores) on a model without one or an encoder-decoder model, whose generated prompts are random
+    tokens. A name that is no score, or a score that does not apply to the model, is refused with the reason and the
+    scores the model takes."""
     kinds = {site_kind(s) for s in model.cfg.sites}
-    if names is None:
-        return [r for r in registry.scores() if r.default and set(r.sites) & kinds]
+    if names is None:  # a score that needs text only where detect_heads generates text (a tokenizer, one stack)
+        text = getattr(model, "tokenizer", None) is not None and is_layered(model)
+        return [r for r in registry.scores() if r.default and set(r.sites) & kinds
+                and (text or "tokenizer" not in r.needs)]
     names = [names] if isinstance(names, str) else list(names)
     if not names:
         raise ValueError(f"scores is empty; pass None for the defaults, or some of the scores. {_takes(model)}")
@@ -78,6 +82,37 @@ def head_labels(df: pd.DataFrame, thresholds: dict[str, float] | None = None) ->
     return labels.where(measured, "nan")
 
 
+def label_evidence(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
+    """For a class that two or more scores in the table give (``induction`` and ``induction_text``: the same class
+    on random tokens and on corpus text), which of them a head clears: ``"induction: both"`` (``"all"`` for more
+    than two), ``"induction: induction_text only"``, or for three or more the cleared ones joined by ``+``; classes
+    joined by ``"; "``, ``""`` for a head that clears no such class. ``head_labels`` gives the class on either."""
+    limits = resolve_thresholds(thresholds)
+    if not len(df):
+        return pd.Series([], index=df.index, name="evidence", dtype=object)
+    by_class: dict[str, list] = {}
+    for record in registry.labelled():
+        if record.label_column in df:
+            by_class.setdefault(record.gives, []).append(record)
+    notes = [pd.Series("", index=df.index, dtype=object)]
+    for kind, records in by_class.items():
+        if len(records) < 2:
+            continue
+        hits = pd.DataFrame({r.name: df[r.label_column].astype(float) >= limits[r.name] for r in records})
+        every = "both" if len(records) == 2 else "all"
+        notes.append(hits.apply(lambda row, kind=kind, every=every: "" if not row.any() else f"{kind}: {every}"
+                                if row.all() else f"{kind}: {'+'.join(n for n, hit in row.items() if hit)} only",
+                                axis=1).astype(object))
+    joined = pd.concat(notes, axis=1).apply(lambda row: "; ".join(n for n in row if n), axis=1)
+    return joined.astype(object).rename("evidence")
+
+
+def has_evidence(df: pd.DataFrame) -> bool:
+    """Whether some class of the table is given by two or more of its score columns (``label_evidence``)."""
+    kinds = [r.gives for r in registry.labelled() if r.label_column in df]
+    return len(kinds) != len(set(kinds))
+
+
 def label_heads(df: pd.DataFrame, thresholds: dict[str, float] | None = None) -> pd.Series:
     """Each head's primary class: the most specific class whose score clears its threshold (order:
     ``LABEL_ORDER``, induction and duplicate-token before previous-token, positional before self and sink),
@@ -108,7 +143,10 @@ def strongest_heads(df: pd.DataFrame, per_class: int = 3, order: tuple[str, ...]
     interval ``lo``/``hi`` (where the frame has one), ``labels``, and ``site`` first where the table's sites are not
     one per layer. A short table where a 30-layer model labels hundreds of heads (most of them sinks)."""
     sites = not one_site_per_layer(df)
-    columns = {r.gives: r.label_column for r in registry.labelled()}
+    columns = {}
+    for r in registry.labelled():  # a class two scores give ranks by the first in the table (induction, then _text)
+        if r.label_column in df:
+            columns.setdefault(r.gives, r.label_column)
     rows = []
     for kind in order:
         column = columns.get(kind, kind)

@@ -25,9 +25,10 @@ from interp.config import real_sites
 from interp.sites import FRONT
 
 from . import registry
-from .labels import head_labels, label_heads, site_kind
+from .labels import has_evidence, head_labels, label_evidence, label_heads, site_kind
 from .registry import HeadScore
 from .bootstrap import check_n_bootstrap, ratio_interval, resample_counts
+from .stability import halves, stability
 
 __all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs"]
 
@@ -165,7 +166,9 @@ class Tally:
     def frame(self, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
         """One row per real head of every site that a score applies to: the scores (NaN where one does not apply),
         each argmax score's ``_offset`` and ``_fraction``, and bootstrap 95% intervals over prompts (percentile
-        method, prompts resampled with replacement) for the target-rule scores."""
+        method, prompts resampled with replacement) for the target-rule scores. ``df.attrs["stability"][score]``: each
+        target-rule score's ranking of heads on the even against the odd prompts (``analyses.stability``: Spearman,
+        top-10 overlap, ``unstable``; ``"halves": "prompts"``), where there are at least 2 prompts."""
         check_n_bootstrap(n_bootstrap)
         index = {s.name: i for i, s in enumerate(self.sites)}
         heads = [(index[s.name], h) for s in real_sites(self.model) for h in range(s.n_heads)
@@ -175,7 +178,7 @@ class Tally:
         columns: dict[str, object] = {c: [getattr(self.sites[i], "name" if c == "site" else "block" if c == "layer"
                                                   else c) for i, _ in heads] for c in FRONT[:-1]}
         columns["head"] = head_at.numpy()
-        intervals = {}
+        intervals, stable = {}, {}
         counts = None  # one set of resamples of the prompts for every score
         for r in self.records:
             ok = torch.tensor([self.applies(r, i) for i, _ in heads], dtype=torch.bool)
@@ -192,30 +195,38 @@ class Tally:
             if counts is None:
                 counts = resample_counts(sums.shape[0], n_bootstrap, seed)
             value, lo, hi = ratio_interval(sums, rows, counts=counts)
+            if sums.shape[0] >= 2:  # the ranking on each half of the prompts (0 / 0 rows: NaN, left out)
+                first, second = (torch.where(ok, sums[half].sum(0) / rows[half].sum(0), torch.nan)
+                                 for half in halves(sums.shape[0]))
+                stable[r.name] = {**stability(first, second, k=10), "halves": "prompts"}
             columns[r.name] = torch.where(ok, value, torch.nan).numpy()
             intervals[f"{r.name}_lo"] = torch.where(ok, lo, torch.nan).numpy()
             intervals[f"{r.name}_hi"] = torch.where(ok, hi, torch.nan).numpy()
         df = pd.DataFrame({**columns, **intervals})
         df.attrs["nonfinite"] = [(int(i), int(h)) for i, h in heads if self.nonfinite[i, h] > 0]
+        df.attrs["stability"] = stable
         return df
 
 
 def labelled(df: pd.DataFrame, thresholds: dict | None) -> pd.DataFrame:
-    """The table with its ``label`` and ``labels`` columns, in ``order_columns``'s order."""
+    """The table with its ``label`` and ``labels`` columns (and ``evidence`` where two of its scores give one class,
+    ``analyses.labels.label_evidence``), in ``order_columns``'s order."""
     attrs = dict(df.attrs)
     df = df.assign(label=label_heads(df, thresholds), labels=head_labels(df, thresholds))
+    if has_evidence(df):  # a class two scores give: which of them each head cleared
+        df = df.assign(evidence=label_evidence(df, thresholds))
     df = order_columns(df)
     df.attrs.update(attrs)
     return df
 
 
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """The head columns, the scores in registry order (an argmax score's offset and fraction), label, labels, then
-    the interval columns and anything else."""
+    """The head columns, the scores in registry order (an argmax score's offset and fraction), label, labels,
+    evidence, then the interval columns and anything else."""
     main = [c for c in FRONT if c in df]
     for r in registry.scores():
         main += [f"{r.name}_offset", f"{r.name}_fraction"] if r.how == "argmax" else [r.name]
-    main += ["label", "labels"]
+    main += ["label", "labels", "evidence"]
     intervals = [f"{r.name}_{end}" for r in registry.scores() for end in ("lo", "hi")]
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]

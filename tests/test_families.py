@@ -127,7 +127,7 @@ def test_head_scores_flash_equal_eager(family, hf):
     model.set_attn("flash")
     flash = detect_heads(model, **kwargs)
     scores = [c for c in eager.columns if c not in ("stack", "kind", "site", "layer", "head", "label", "labels",
-                                                    "positional_offset")]
+                                                    "evidence", "positional_offset")]
     assert eager[["stack", "kind", "site"]].equals(flash[["stack", "kind", "site"]])
     for column in scores:
         assert (eager[column] - flash[column]).abs().max() <= 1e-5, f"{family}: {column}"

@@ -195,11 +195,12 @@ def _compare_paths(flash_df, eager_df):
     assert list(flash_df.columns) == list(eager_df.columns)
     names = ["stack", "kind", "site"]
     assert flash_df[names].equals(eager_df[names])
-    numeric = [c for c in flash_df.columns if c not in ("label", "labels", "positional_offset", *names)]
+    numeric = [c for c in flash_df.columns if c not in ("label", "labels", "evidence", "positional_offset", *names)]
     diff = (flash_df[numeric] - eager_df[numeric]).abs().max()
     assert (diff <= FLASH_TOL).all(), diff[diff > FLASH_TOL]
     assert flash_df.positional_offset.tolist() == eager_df.positional_offset.tolist()
     assert flash_df.label.tolist() == eager_df.label.tolist() and flash_df["labels"].equals(eager_df["labels"])
+    assert "evidence" not in flash_df or flash_df["evidence"].equals(eager_df["evidence"])
 
 
 def _ragged_prompts(vocab: int, lengths=(23, 9, 30, 4, 17), seed: int = 0) -> list[list[int]]:
@@ -232,7 +233,8 @@ def test_pruned_model_scores_its_remaining_heads():
     df, before = detect_heads(pruned, **kwargs), detect_heads(full, **kwargs)
     assert df.groupby("layer").size().tolist() == [3, 2]
     kept = before[(before.layer == 0) & (before["head"] != 1)]
-    numeric = [c for c in df.columns if c not in ("stack", "kind", "site", "layer", "head", "label", "labels")]
+    numeric = [c for c in df.columns if c not in ("stack", "kind", "site", "layer", "head", "label", "labels",
+                                                  "evidence")]
     torch.testing.assert_close(torch.tensor(df[df.layer == 0][numeric].values), torch.tensor(kept[numeric].values),
                                atol=FLASH_TOL, rtol=0)
     _compare_paths(df, detect_heads(interp.load_model(copy.deepcopy(pruned.hf), attn="eager"), **kwargs))

@@ -144,7 +144,8 @@ def test_gemma3_sliding_layer_patterns_and_scores_equal_on_both_paths(gemma3):
     gemma3.set_attn("eager")
     on_eager = detect_heads(gemma3, **kwargs)
     gemma3.set_attn("flash")
-    for column in ("previous_token", "induction", "sink", "duplicate_token", "self"):
+    for column in ("previous_token", "induction", "sink", "duplicate_token", "self", "induction_text",
+                   "duplicate_token_text"):
         assert (on_flash[column] - on_eager[column]).abs().max() <= 1e-5, column
 
 

@@ -58,10 +58,10 @@ def cmd_heads(args) -> int:
 
 
 def _labels_first(df):
-    """The head columns, then ``label`` and ``labels``, then the scores."""
+    """The head columns, then ``label``, ``labels`` and ``evidence``, then the scores."""
     from interp.sites import FRONT
 
-    first = [c for c in (*FRONT, "label", "labels") if c in df]
+    first = [c for c in (*FRONT, "label", "labels", "evidence") if c in df]
     return df[first + [c for c in df.columns if c not in first]]
 
 

@@ -188,6 +188,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "grids_with_intervals": with_intervals,
         "figure_formats": list(formats),
         "thresholds": heads.attrs.get("thresholds"),
+        "stability": heads.attrs.get("stability"),
         "head_inputs": heads.attrs.get("inputs"),
         "study_inputs": inputs_what,
         "metric": metric.name,

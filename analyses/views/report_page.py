@@ -12,6 +12,7 @@ import pandas as pd
 
 from .. import registry
 from ..labels import NO_CLASS
+from ..stability import UNSTABLE_OVERLAP, UNSTABLE_SPEARMAN
 from .report_story import head_name
 from .report_streaming import streaming_html
 
@@ -108,6 +109,57 @@ def _labelled_table(heads: pd.DataFrame) -> str:
     return _table(table)
 
 
+def _evidence_html(heads: pd.DataFrame, thresholds: dict) -> str:
+    """Where two scores give one class (``induction`` on random tokens, ``induction_text`` on corpus text): a
+    sentence with how many heads clear it on all of them, and a table of the heads that clear it on some only, with
+    each of the class's scores and its interval (``analyses.labels.label_evidence``)."""
+    if "evidence" not in heads:
+        return ""
+    by_class: dict[str, list] = {}
+    for r in registry.labelled():
+        if r.label_column in heads:
+            by_class.setdefault(r.gives, []).append(r)
+    rows, agreed = [], {}
+    for row in heads.to_dict(orient="records"):
+        for note in filter(None, str(row["evidence"]).split("; ")):
+            kind, which = note.split(": ", 1)
+            if which in ("both", "all"):
+                agreed[kind] = agreed.get(kind, 0) + 1
+                continue
+            cleared = which.removesuffix(" only").split("+")
+            said = {True: [], False: []}
+            for r in by_class[kind]:
+                c = r.label_column
+                interval = _interval(row.get(f"{c}_lo", float("nan")), row.get(f"{c}_hi", float("nan")))
+                said[r.name in cleared].append(f"{r.name} {row[c]:.3f} [{interval}], threshold "
+                                               f"{thresholds.get(r.name, 0):g}")
+            rows.append({"head": head_name(row), "class": kind, "cleared": "; ".join(said[True]),
+                         "not cleared": "; ".join(said[False])})
+    said = "; ".join(f"{k}: {' and '.join(r.name for r in rs)}, {agreed.get(k, 0)} heads clear every one"
+                     for k, rs in by_class.items() if len(rs) > 1)
+    text = (f'<p data-role="evidence">Classes that more than one score gives, each on its own prompts '
+            f"({html.escape(said)}); a head takes the class when any of them clears its threshold. ")
+    if not rows:
+        return text + "No head clears one without the other.</p>"
+    return text + f"{len(rows)} clear one only (the scores disagree):</p>" + _table(pd.DataFrame(rows))
+
+
+def _stability_html(stable: dict | None) -> str:
+    """One sentence naming the scores whose ranking of heads is unstable between two disjoint halves of their
+    prompts or trials (``analyses.stability``), or saying that none is."""
+    if not stable:
+        return ""
+    bad = {k: v for k, v in stable.items() if v.get("unstable")}
+    if not bad:
+        return (f'<p class="muted" data-role="stability">Every ranking of heads checked agrees between two disjoint '
+                f"halves of its prompts ({html.escape(', '.join(stable))}).</p>")
+    named = "; ".join(f"{k} (halves of its {v.get('halves', 'prompts')}: Spearman {v['spearman']:.2f}, top-{v['k']} "
+                      f"overlap {v['top_k_overlap']:.0%})" for k, v in bad.items())
+    return (f'<p data-role="stability">Unstable rankings, read them with care (two disjoint halves of the inputs '
+            f"rank heads differently: Spearman under {UNSTABLE_SPEARMAN:g} or under {UNSTABLE_OVERLAP:.0%} of the "
+            f"top heads shared): {html.escape(named)}.</p>")
+
+
 def page(summary, heads, strongest, scan, curves, maps, scores, figures, views) -> str:
     """The report's index.html from what ``write_report`` computed; ``figures.img(name, alt)`` embeds a figure."""
     m = summary["model"]
@@ -158,6 +210,7 @@ measures; <b>labels</b> lists every class a head clears, most specific first (th
 Label counts: {esc(counts)}. Inputs: {esc(_inputs_text(summary['head_inputs']))}.</p>
 {_strongest_table(strongest, thresholds) if len(strongest) else '<p>No head passes a threshold.</p>'}
 <details><summary>All {n_labelled} labelled heads</summary>{_labelled_table(heads)}</details>
+{_evidence_html(heads, thresholds)}{_stability_html(heads.attrs.get("stability"))}
 <p class="muted">Every head with every score and interval: <a href="heads.csv"><code>heads.csv</code></a>.</p>
 
 {_class_ablation_html(summary.get("class_ablation")) or _skipped(summary, "class_ablation",
