@@ -5,12 +5,31 @@ and the model reproduces the sequence by greedy decoding with its KV cache. At e
 top-1 attended key comes from ``interp.stats`` on that step's single query row (O(n), never n x n); the head
 scores ``1 / |needle|`` when that key lies inside the needle and holds the token being generated. A head's
 retrieval score is its mean over trials (lengths x depths), counting, as Wu et al. do, only the trials the model
-answered (at least ``min_recall`` of the needle's tokens generated); 95% intervals resample the trials.
+answered; 95% intervals resample the trials, and ``df.attrs["stability"]["retrieval"]`` compares the scores of the
+counted trials' two halves (``analyses.stability``).
 
-Prompts come from the project's own text (``analyses/data/sentences.txt``, sentences shuffled and repeated to
-the length) and a needle "The secret code is 7 3 9 ...". A model without a tokenizer gets random ordinary tokens
-as haystack and a needle ``key + random tokens``, the question being the key again: copying the sequence is then
-what an induction head does.
+Two protocols share the prompts' haystack (the project's own text, ``analyses/data/sentences.txt``, sentences
+shuffled and repeated to the length), the decoding loop (``run_needle``) and the scoring rule:
+
+- ``"interp"`` (default): the needle " The secret code is 7 3 9 ..." (``needle_len`` spaced digits, on SmolLM2 a
+  space and a digit token each), decoded for exactly |needle| steps; a trial counts when at least ``min_recall``
+  of the needle's tokens were generated.
+- ``"wu2024"``: Wu et al.'s protocol as their code runs it (github.com/nightdessert/Retrieval_Head,
+  ``retrieval_head_detection.py``, commit 3ac171a). Theirs: three needles (``haystack_for_detect/needles.jsonl``,
+  e.g. "The best thing to do in Beijing is to take a walk in Chaoyang Park and have a cup of Espresso in the
+  evening.", the answer span "take a walk ... evening"), each in its own haystack; lengths
+  ``round(linspace(min, max, 20))``, depths ``round(linspace(0, 100, 10))`` percent (``wu_grid``); the haystack cut
+  to the length less a 200-token buffer and the needle, inserted at ``int(len * depth)`` moved back to just after a
+  full stop (at 100% at the very end); the prompt ``context + "Based on the content of the book, Question: {q}\nAnswer:"``;
+  the answer's span found by token-set overlap > 0.9; greedy decoding of up to 50 tokens, each step scored, stopping
+  after a newline token; a trial counted when ``rouge_score``'s ROUGE-1 recall of the answer in the response,
+  x100, exceeds 50; a head's score the mean of its per-trial scores over counted trials (a trial's score can pass
+  1 when the model repeats the answer). Here: the needle " The special magic number for <city> is <needle_len
+  digits>." (random city of 16, random digits; the answer span the digits), their question, their insertion and
+  decoding rule; each prompt exactly ``length`` tokens (no buffer); ``rouge1_recall`` is rouge_score's tokeniser
+  without its Porter stemmer (equal on digits). A model without a tokenizer gets random ordinary tokens as
+  haystack and a needle ``key + random tokens``, the question being the key again (copying the sequence is then
+  what an induction head does), no stop token, and ROUGE-1 recall on token ids.
 """
 
 from __future__ import annotations
