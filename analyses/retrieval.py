@@ -26,7 +26,9 @@ shuffled and repeated to the length), the decoding loop (``run_needle``) and the
   x100, exceeds 50; a head's score the mean of its per-trial scores over counted trials (a trial's score can pass
   1 when the model repeats the answer). Here: the needle " The special magic number for <city> is <needle_len
   digits>." (random city of 16, random digits; the answer span the digits), their question, their insertion and
-  decoding rule; each prompt exactly ``length`` tokens (no buffer); ``rouge1_recall`` is rouge_score's tokeniser
+  decoding rule, and, where the tokenizer has a chat template, their chat prompt (they use it for
+  their chat models; an instruct model such as SmolLM2-135M-Instruct otherwise answers "<|im_end|>\n", and the
+  newline ends every trial unanswered); each prompt exactly ``length`` tokens (no buffer); ``rouge1_recall`` is rouge_score's tokeniser
   without its Porter stemmer (equal on digits). A model without a tokenizer gets random ordinary tokens as
   haystack and a needle ``key + random tokens``, the question being the key again (copying the sequence is then
   what an induction head does), no stop token, and ROUGE-1 recall on token ids.
@@ -207,7 +209,8 @@ def run_needle(model, prompt: NeedlePrompt, n_steps: int | None = None,
 _CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Dakar", "Perth", "Bergen", "Cusco", "Tbilisi",
            "Lyon", "Accra", "Manaus", "Dublin", "Kyoto")
 _WU_NEEDLE = " The special magic number for {city} is"
-_WU_QUESTION = " Based on the content of the book, Question: What is the special magic number for {city}?\nAnswer:"
+_WU_QUESTION = "Based on the content of the book, Question: What is the special magic number for {city}?\nAnswer:"
+_SLOT = "\ue000"  # a private-use character: where the user's message goes in a chat template
 _ROUGE_SPLIT = re.compile(r"[^a-z0-9]+")
 
 
@@ -251,11 +254,26 @@ def wu_grid(low: int, high: int, n_lengths: int = 20, n_depths: int = 10) -> tup
     return tuple(dict.fromkeys(lengths)), tuple(dict.fromkeys(depths))
 
 
-def _wu_parts(model, needle_len: int, g: torch.Generator) -> tuple[list[int], list[int], list[int], list[int], str]:
+def _wu_frame(model) -> tuple[list[int], str, list[int]]:
+    """(ids before the haystack, text between the haystack and the question, ids after the question). A tokenizer
+    with a chat template: Wu et al.'s chat prompt (theirs for Mistral-7B-Instruct and Qwen1.5-Chat), the user's
+    message ``<book>{context}</book>\nBased on ... Answer:`` and the assistant's turn opened; else the model's start
+    tokens, the haystack, a space and the question (theirs for base models, the question right after the text)."""
+    tok = model.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        return _special_frame(model)[0], " ", []
+    text = tok.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True)
+    pre, post = text.split(_SLOT)
+    return tok(pre + "<book>", add_special_tokens=False)["input_ids"], "</book>\n", \
+        tok(post, add_special_tokens=False)["input_ids"]
+
+
+def _wu_parts(model, needle_len: int, g: torch.Generator, joiner: str = " ") -> tuple[list[int], list[int], list[int],
+                                                                                    list[int], str]:
     """One needle's (before, answer, after, question) token ids and the answer's text. With a tokenizer: the
     sentence "The special magic number for <city> is <needle_len digits>." (the answer span the digits alone, a
-    leading lone space token kept out as Wu et al.'s span search leaves it out) and Wu et al.'s question; without:
-    today's random key and tokens, the question being the key."""
+    leading lone space token kept out as Wu et al.'s span search leaves it out) and Wu et al.'s question after
+    ``joiner``; without: today's random key and tokens, the question being the key."""
     tok = model.tokenizer
     if tok is None:
         key, code, question = _needle_parts(model, needle_len, g)
@@ -266,13 +284,14 @@ def _wu_parts(model, needle_len: int, g: torch.Generator) -> tuple[list[int], li
     before, code = encode(_WU_NEEDLE.format(city=city)), encode(" " + number)
     if code and not tok.decode(code[:1]).strip():
         before, code = before + code[:1], code[1:]
-    return before, code, encode("."), encode(_WU_QUESTION.format(city=city)), number
+    return before, code, encode("."), encode(joiner + _WU_QUESTION.format(city=city)), number
 
 
 def shortest_wu_prompt(model, needle_len: int = 8) -> int:
     """The fewest tokens a wu2024 needle prompt takes on this model (a haystack of one token)."""
-    before, code, after, question, _ = _wu_parts(model, needle_len, torch.Generator().manual_seed(0))
-    return len(_special_frame(model)[0]) + len(before) + len(code) + len(after) + len(question) + 1
+    prefix, joiner, suffix = _wu_frame(model)
+    before, code, after, question, _ = _wu_parts(model, needle_len, torch.Generator().manual_seed(0), joiner)
+    return len(prefix) + len(before) + len(code) + len(after) + len(question) + len(suffix) + 1
 
 
 def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0) -> list[NeedlePrompt]:
@@ -283,14 +302,14 @@ def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0
     nominal length (``final_context_length_buffer``); ours is exactly ``length`` tokens."""
     lengths, depths = _check_needle(model, lengths, depths, needle_len)
     g = torch.Generator().manual_seed(seed)
-    prefix, _ = _special_frame(model)
+    prefix, joiner, suffix = _wu_frame(model)
     tok = model.tokenizer
     stops = set() if tok is None else set(tok(".", add_special_tokens=False)["input_ids"])
     out = []
     for length in lengths:
         for depth in depths:
-            before, code, after, question, text = _wu_parts(model, needle_len, g)
-            n_hay = length - len(prefix) - len(before) - len(code) - len(after) - len(question)
+            before, code, after, question, text = _wu_parts(model, needle_len, g, joiner)
+            n_hay = length - len(prefix) - len(before) - len(code) - len(after) - len(question) - len(suffix)
             if n_hay < 1:
                 raise ValueError(f"length {length} leaves no room for a haystack: on this model a wu2024 needle prompt's "
                                  f"other parts take {length - n_hay} tokens, so a length needs at least "
@@ -304,7 +323,7 @@ def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0
             while stops and 0 < at < n_hay and hay[at - 1] not in stops:
                 at -= 1
             start = len(prefix) + at + len(before)
-            ids = prefix + hay[:at] + before + code + after + hay[at:] + question
+            ids = prefix + hay[:at] + before + code + after + hay[at:] + question + suffix
             refuse_unreadable(model, ids, "The wu2024 needle prompt", "Use a model whose tokenizer reads English "
                               "text and digits.")
             out.append(NeedlePrompt(torch.tensor(ids), (start, start + len(code)), length, float(depth), text))
@@ -441,8 +460,9 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     needle = (f"{needle_len} random tokens" if model.tokenizer is None
               else f"{needle_len} random digits ({'/'.join(map(str, sizes))} tokens)")
     if wu:
+        chat = model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
         rule = (f"wu2024 (Wu et al. 2024): needle sentences 'The special magic number for <city> is <number>.' with "
-                f"{needle}, greedy decoding of up to {max_new_tokens} tokens stopping at a newline, a trial counted "
+                f"{needle}{' in the chat template' if chat else ''}, greedy decoding of up to {max_new_tokens} tokens stopping at a newline, a trial counted "
                 f"when ROUGE-1 recall > {min_recall}")
     else:
         rule = f"interp: needles of {needle}, |needle| greedy steps, a trial counted when recall >= {min_recall}"

@@ -38,23 +38,25 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 1536, 2048])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--protocols", nargs="+", default=["interp", "wu2024"])
+    ap.add_argument("--seed", type=int, default=0, help="the needles, haystacks and bootstrap")
     ap.add_argument("--quick", action="store_true", help="toy-induction at 40 and 64 tokens")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args()
     torch.set_num_threads(1)
     name, lengths = ("toy-induction", [40, 64]) if args.quick else (args.model, args.lengths)
     model = interp.load_model(name)
-    frames, out = {}, {"model": name, "lengths": lengths, "depths": args.depths, "attn": model.attn}
+    frames, out = {}, {"model": name, "seed": args.seed, "lengths": lengths, "depths": args.depths, "attn": model.attn}
     for protocol in args.protocols:
         start = time.process_time()
         df = retrieval_heads(model, context=max(lengths), lengths=lengths, depths=args.depths, protocol=protocol,
-                             n_bootstrap=1000)
+                             n_bootstrap=1000, seed=args.seed)
         cpu = time.process_time() - start
         frames[protocol] = df
         trials = df.attrs["trials"]
         row = {"cpu_s": round(cpu, 1), "trials_counted": df.attrs["trials_counted"],
                "trials_run": df.attrs["trials_run"], "mean_steps": sum(t["steps"] for t in trials) / len(trials),
                "top10": _top(df), "stability": df.attrs["stability"]["retrieval"],
+               "scores": {f"{int(r.layer)}.{int(r.head)}": float(r.retrieval) for r in df.itertuples()},
                "recall_by_length": {n: [round(t["recall"], 2) for t in trials if t["length"] == n] for n in lengths}}
         out[protocol] = row
         print(f"{protocol}: CPU {row['cpu_s']} s, {row['trials_counted']}/{row['trials_run']} trials counted, "

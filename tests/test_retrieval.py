@@ -197,12 +197,12 @@ def test_wu_prompts_put_the_sentence_after_a_full_stop():
         assert before.endswith("is ") and " The special magic number for " in before  # the lone space is no answer
         head = before.rsplit(" The special magic number", 1)[0]
         if p.depth == 0:
-            assert head == tok.decode(p.ids[:1])  # right after the start token
+            assert head.endswith("<|im_start|>user\n<book>")  # SmolLM2's chat template, as Wu et al. prompt chat models
         elif p.depth < 1:
             assert head.endswith(".")  # moved back to a sentence's full stop, as theirs
         else:  # at 100% theirs goes at the very end of the haystack, cut mid-sentence or not: then the question
-            assert tok.decode(p.ids[end:]).startswith(". Based on the content of the book, Question:")
-        assert tok.decode(p.ids[-3:]) == "\nAnswer:"
+            assert tok.decode(p.ids[end:]).startswith(".</book>\nBased on the content of the book, Question:")
+        assert tok.decode(p.ids).endswith("?\nAnswer:<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_wu_counts_a_trial_only_above_the_recall_criterion(toy):
@@ -294,3 +294,41 @@ def test_both_protocols_score_alike_on_both_attention_paths(protocol):
     for column in ("retrieval", "retrieval_lo", "retrieval_hi"):
         torch.testing.assert_close(torch.tensor(eager[column].to_numpy()), torch.tensor(flash[column].to_numpy()),
                                    rtol=0, atol=1e-12)
+
+
+def test_bench_retrieval_protocols_quick(tmp_path):
+    """benchmarks/bench_retrieval_protocols.py runs both protocols on the toy model and compares them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "q.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_retrieval_protocols.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert "interp vs wu2024: Spearman" in done.stdout and row["compare"]["k"] == 8
+    for protocol in ("interp", "wu2024"):
+        assert 0 < row[protocol]["trials_counted"] <= row[protocol]["trials_run"] == 10
+        assert row[protocol]["top10"][0][0] in {"1.0", "1.1", "1.3"} and len(row[protocol]["scores"]) == 8
+
+
+def test_wu_prompts_without_a_chat_template_put_the_question_after_the_text():
+    """A tokenizer without a chat template: Wu et al.'s base-model prompt, the question right after the haystack."""
+    import copy
+
+    from test_taxonomy import _tiny_with_tokenizer
+
+    model = _tiny_with_tokenizer()
+    model.tokenizer = copy.deepcopy(model.tokenizer)
+    model.tokenizer.chat_template = None
+    tok = model.tokenizer
+    for p in wu_needle_prompts(model, [120], [0.0, 0.5], needle_len=5, seed=1):
+        text = tok.decode(p.ids)
+        assert len(p.ids) == 120 and "<|im_start|>user" not in text and "<book>" not in text
+        city = text.split("magic number for ")[1].split(" is")[0]
+        assert text.endswith(f" Based on the content of the book, Question: What is the special magic number for "
+                             f"{city}?\nAnswer:") and text.startswith("<|im_start|> ")  # start token, the haystack
+        assert tok.decode(p.answer) == p.text
