@@ -257,6 +257,11 @@ def test_cli_heads_protocol(toy, capsys):
 
     assert main(["heads", "--model", "toy-induction", "--scores", "induction", "--protocol", "wu2024"]) == 2
     assert "no score asked for reads it" in capsys.readouterr().err
+    assert main(["heads", "--model", "toy-induction", "--scores", "retrieval", "--context", "64", "--protocol",
+                 "wu2024", "--format", "csv", "--top", "3"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].startswith("stack,kind,site,layer,head") and len(rows) == 4
+    assert {r.split(",")[3] + "." + r.split(",")[4] for r in rows[1:]} <= {"1.0", "1.1", "1.2", "1.3"}
 
 
 @pytest.mark.parametrize("protocol", ["interp", "wu2024"])
