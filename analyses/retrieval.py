@@ -20,7 +20,8 @@ shuffled and repeated to the length), the decoding loop (``run_needle``) and the
   evening.", the answer span "take a walk ... evening"), each in its own haystack; lengths
   ``round(linspace(min, max, 20))``, depths ``round(linspace(0, 100, 10))`` percent (``wu_grid``); the haystack cut
   to the length less a 200-token buffer and the needle, inserted at ``int(len * depth)`` moved back to just after a
-  full stop (at 100% at the very end); the prompt ``context + "Based on the content of the book, Question: {q}\nAnswer:"``;
+  full stop (at 100% at the very end); the prompt
+  ``context + "Based on the content of the book, Question: {q}\nAnswer:"``;
   the answer's span found by token-set overlap > 0.9; greedy decoding of up to 50 tokens, each step scored, stopping
   after a newline token; a trial counted when ``rouge_score``'s ROUGE-1 recall of the answer in the response,
   x100, exceeds 50; a head's score the mean of its per-trial scores over counted trials (a trial's score can pass
@@ -28,7 +29,8 @@ shuffled and repeated to the length), the decoding loop (``run_needle``) and the
   digits>." (random city of 16, random digits; the answer span the digits), their question, their insertion and
   decoding rule, and, where the tokenizer has a chat template, their chat prompt (they use it for
   their chat models; an instruct model such as SmolLM2-135M-Instruct otherwise answers "<|im_end|>\n", and the
-  newline ends every trial unanswered); each prompt exactly ``length`` tokens (no buffer); ``rouge1_recall`` is rouge_score's tokeniser
+  newline ends every trial unanswered); each prompt exactly ``length`` tokens (no buffer); ``rouge1_recall`` is
+  rouge_score's tokeniser
   without its Porter stemmer (equal on digits). A model without a tokenizer gets random ordinary tokens as
   haystack and a needle ``key + random tokens``, the question being the key again (copying the sequence is then
   what an induction head does), no stop token, and ROUGE-1 recall on token ids.
@@ -311,8 +313,8 @@ def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0
             before, code, after, question, text = _wu_parts(model, needle_len, g, joiner)
             n_hay = length - len(prefix) - len(before) - len(code) - len(after) - len(question) - len(suffix)
             if n_hay < 1:
-                raise ValueError(f"length {length} leaves no room for a haystack: on this model a wu2024 needle prompt's "
-                                 f"other parts take {length - n_hay} tokens, so a length needs at least "
+                raise ValueError(f"length {length} leaves no room for a haystack: on this model a wu2024 needle "
+                                 f"prompt's other parts take {length - n_hay} tokens, so a length needs at least "
                                  f"{length - n_hay + 1}; give longer lengths (or a smaller needle_len).")
             if tok is None:
                 pool = _ordinary_ids(model)
@@ -399,8 +401,8 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     parts = 4 if wu else 2  # the default shortest length is context // parts
     low = parts * shortest if lengths is None else 1
     if isinstance(context, bool) or not isinstance(context, int) or not low <= context <= cfg.max_positions:
-        why = (f": the default lengths start at context // {parts}, and on this model a needle prompt "
-               f"({protocol} protocol, needle_len {needle_len}) takes at least {shortest} tokens" if lengths is None else "")
+        why = (f": the default lengths start at context // {parts}, and on this model a needle prompt ({protocol} "
+               f"protocol, needle_len {needle_len}) takes at least {shortest} tokens" if lengths is None else "")
         raise ValueError(f"context must be an integer in [{low}, {cfg.max_positions}] (the model's positions){why}; "
                          f"got {context!r}.")
     if wu:
@@ -449,8 +451,10 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     else:
         per_trial = torch.zeros(0, cfg.n_layers * n_heads, dtype=torch.float64)
         mean = lo = hi = torch.full((cfg.n_layers * n_heads,), float("nan"), dtype=torch.float64)
-        warnings.warn(f"retrieval: no trial counted (none of the {len(trials)} generated at least min_recall "
-                      f"{min_recall} of its needle), so no head was measured: the scores are NaN and their label "
+        rule = (f"answered with ROUGE-1 recall above {min_recall}" if wu else
+                f"generated at least {min_recall} of its needle")
+        warnings.warn(f"retrieval ({protocol}): no trial counted (none of the {len(trials)} {rule}), so no head was "
+                      f"measured: the scores are NaN and their label "
                       "'nan'. A model that cannot copy the needle has no retrieval heads to find; try shorter "
                       "lengths or a lower min_recall.", RuntimeWarning, stacklevel=2)
     df = pd.DataFrame({"layer": layer.numpy(), "head": head.numpy(), "retrieval": mean.numpy(),
@@ -462,8 +466,8 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     if wu:
         chat = model.tokenizer is not None and bool(getattr(model.tokenizer, "chat_template", None))
         rule = (f"wu2024 (Wu et al. 2024): needle sentences 'The special magic number for <city> is <number>.' with "
-                f"{needle}{' in the chat template' if chat else ''}, greedy decoding of up to {max_new_tokens} tokens stopping at a newline, a trial counted "
-                f"when ROUGE-1 recall > {min_recall}")
+                f"{needle}{' in the chat template' if chat else ''}, greedy decoding of up to {max_new_tokens} tokens "
+                f"stopping at a newline, a trial counted when ROUGE-1 recall > {min_recall}")
     else:
         rule = f"interp: needles of {needle}, |needle| greedy steps, a trial counted when recall >= {min_recall}"
     df.attrs.update(trials=trials, inputs=f"needle-in-a-haystack, {rule}; lengths {list(lengths)}, depths "

@@ -61,7 +61,8 @@ def main() -> None:
         out[protocol] = row
         print(f"{protocol}: CPU {row['cpu_s']} s, {row['trials_counted']}/{row['trials_run']} trials counted, "
               f"{row['mean_steps']:.1f} steps per trial", flush=True)
-        print(f"  top 10 (score [95% interval]): " + ", ".join(f"{h} {s} [{lo}, {hi}]" for h, s, lo, hi in row["top10"]))
+        top = ", ".join(f"{h} {s} [{lo}, {hi}]" for h, s, lo, hi in row["top10"])
+        print(f"  top 10 (score [95% interval]): {top}")
         s = row["stability"]
         print(f"  split-half stability: Spearman {s['spearman']:.2f}, top-{s['k']} overlap {s['top_k_overlap']:.2f}, "
               f"halves of {s['trials']} trials, unstable={s['unstable']}")
