@@ -418,7 +418,7 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     n_heads = max(cfg.heads_per_layer)
     scores, trials = [], []
     with model.studying():
-        for p in progress(prompts, total=len(prompts), desc=f"retrieval ({protocol}): needle trials", unit="trial"):
+        for p in progress(prompts, total=len(prompts), desc="retrieval: " + ("wu2024 " if wu else "") + "needle trials", unit="trial"):
             answer = p.answer
             n_steps = min(max_new_tokens, cfg.max_positions - len(p.ids) + 1) if wu else len(answer)
             generated, top = run_needle(model, p, n_steps, stop)
