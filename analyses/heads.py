@@ -31,7 +31,7 @@ __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
 
 def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
-                 n_bootstrap: int = 1000, context: int | None = None) -> pd.DataFrame:
+                 n_bootstrap: int = 1000, context: int | None = None, protocol: str | None = None) -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per head: ``(site, head)``, shown as ``(layer, head)`` on a
     model with one site per layer.
 
@@ -65,6 +65,9 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     thresholds: per score, the value a head needs for that label (``positional`` reads ``positional_fraction``);
         defaults ``analyses.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
+    protocol: retrieval's protocol (``analyses.retrieval.PROTOCOLS``): ``"interp"`` (default) or ``"wu2024"`` (Wu et
+        al.'s natural-sentence needle, up to 50 steps stopping at a newline, ROUGE-1 recall); recorded in
+        ``df.attrs["protocol"]``. Refused where no score asked for reads it.
 
     Every attention-pattern score is read in one pass per batch over the model's attention sites
     (``interp.site_pass``): from the pattern on the eager path, from q, k and the logsumexp on the flash path (no
@@ -96,7 +99,8 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     for r in records:
         if r.how in ("weights", "behaviour"):
             runners.setdefault(r.runner, []).append(r.name)
-    retrieval = any(r.prompts == "needle" for r in records)  # reads context: the needle prompts' length
+    retrieval = any(r.prompts == "needle" for r in records)  # reads context and protocol
+    run_kw = {} if protocol is None else {"protocol": _check_protocol(protocol, retrieval, records)}
     extra = [r.name for r in records if r.how in ("weights", "behaviour") and r.prompts != "needle"]
     what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
@@ -115,9 +119,10 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
         df = _mark_nonfinite(model, df, nonfinite)
     for runner, names in runners.items():
         module, function = runner.split(":")
+        reads = run_kw if any(r.prompts == "needle" for r in records if r.name in names) else {}  # protocol
         with stage(f"heads: {', '.join(names)}"):
             more = getattr(importlib.import_module(module), function)(
-                model, names, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds, context=context)
+                model, names, seed=seed, n_bootstrap=n_bootstrap, thresholds=thresholds, context=context, **reads)
         more = with_head_columns(model, more.drop(columns=["label", "labels"], errors="ignore"))
         attrs, kept = dict(more.attrs), ({} if df is None else dict(df.attrs))  # a merge keeps no attrs
         stable.update(attrs.pop("stability", {}))
@@ -130,6 +135,19 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     df = labelled(df, limits)
     df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn, stability=stable)
     return df
+
+
+def _check_protocol(protocol, retrieval: bool, records) -> str:
+    """A protocol that a requested score reads (only retrieval's runner reads one), and a name it knows."""
+    from .retrieval import PROTOCOLS  # noqa: PLC0415
+
+    if not retrieval:
+        raise ValueError(f"protocol={protocol!r} chooses how retrieval heads are measured, and no score asked for "
+                         f"reads it ({[r.name for r in records]}); add \"retrieval\" to scores or drop protocol.")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (retrieval's: \"interp\" ours, \"wu2024\" Wu "
+                         f"et al.'s); got {protocol!r}.")
+    return protocol
 
 
 def _prompt_length(seq_len, context, kinds: list[str], prompts, extra: list[str], retrieval: bool) -> int | None:

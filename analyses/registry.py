@@ -303,8 +303,9 @@ _OURS = (
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
               "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
               needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
-    HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the share of generated "
-              "tokens for which the head's top-1 key is the needle token being copied", "behaviour",
+    HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the generation steps at "
+              "which the head's top-1 key is the needle token being generated, per needle token, averaged over the "
+              "trials answered (protocol interp, or Wu et al.'s wu2024)", "behaviour",
               "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
               runner="analyses.retrieval:retrieval_frame", fraction=True),
     # the attention-pattern classes of self-attention heads

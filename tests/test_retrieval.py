@@ -8,7 +8,8 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.retrieval import NeedlePrompt, needle_prompts, retrieval_heads, retrieval_step_hits, run_needle
+from analyses.retrieval import (NeedlePrompt, _newline_stop, needle_prompts, retrieval_heads, retrieval_step_hits,
+                                rouge1_recall, run_needle, wu_grid, wu_needle_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +139,201 @@ def test_the_table_states_the_needle_length_used(toy):
     assert df.attrs["needle_tokens"] == len(prompts[0].answer) == 8
     assert "needles of 4 random digits (8 tokens)" in df.attrs["inputs"]
     assert set(df["retrieval"].isna()) == {True}
+
+
+# -- Wu et al.'s protocol (issue 38) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("reference, response, recall", [
+    ("take a walk in Chaoyang Park", "Take a walk, in the park!", 5 / 6),  # "chaoyang" missing; case and commas ignored
+    ("the the cat", "the", 1 / 3),  # counts are clipped: one "the" of two, no cat
+    ("the the cat", "The cat and the the the dog", 1.0),
+    ("48213795", "The special magic number is 48213795.", 1.0),
+    ("48213795", "4821379", 0.0),  # a number is one unigram: a digit short is no match
+    ("state-of-the-art", "state of the art", 1.0),  # anything outside [a-z0-9] splits words
+    ("", "anything", 0.0),  # rouge_score: matches / max(reference unigrams, 1)
+    ("Records were broken", "", 0.0),
+])
+def test_rouge1_recall_by_hand(reference, response, recall):
+    assert rouge1_recall(reference, response) == pytest.approx(recall, abs=1e-12)
+
+
+def test_wu_grid_is_their_layout():
+    """Their defaults: 20 lengths from 1000 to 50000 rounded, depths 0..100% in 10 steps rounded to whole percents."""
+    lengths, depths = wu_grid(1000, 50000)
+    assert len(lengths) == 20 and lengths[:3] == (1000, 3579, 6158) and lengths[-1] == 50000
+    assert depths == (0.0, 0.11, 0.22, 0.33, 0.44, 0.56, 0.67, 0.78, 0.89, 1.0)
+    with pytest.raises(ValueError, match="low .* must not exceed high"):
+        wu_grid(2048, 512)
+
+
+def test_decoding_stops_after_the_stop_token_or_at_max_steps(toy):
+    """run_needle keeps and scores the stopping token, then stops; without a stop it runs its step limit."""
+    p = needle_prompts(toy, [40], [0.5], needle_len=6, seed=1)[0]
+    third = int(p.answer[2])
+    generated, top = run_needle(toy, p, n_steps=50, stop=lambda t: t == third)
+    assert generated.tolist() == p.answer[:3].tolist() and top.shape == (3, 2, 4)
+    generated, top = run_needle(toy, p, n_steps=4)
+    assert len(generated) == 4 and top.shape[0] == 4 and (top >= 0).all()
+
+
+def test_newline_stop_reads_the_tokens_text():
+    from test_taxonomy import _tiny_with_tokenizer
+
+    tok = _tiny_with_tokenizer().tokenizer
+    stop = _newline_stop(tok)
+    newline, two, dot = (tok(t, add_special_tokens=False)["input_ids"] for t in ("\n", "\n\n", " 7."))
+    assert stop(newline[0]) and stop(two[0]) and not any(stop(t) for t in dot)
+    assert _newline_stop(None) is None
+
+
+def test_wu_prompts_put_the_sentence_after_a_full_stop():
+    from test_taxonomy import _tiny_with_tokenizer
+
+    model = _tiny_with_tokenizer()
+    tok = model.tokenizer
+    for p in wu_needle_prompts(model, [160, 200], [0.0, 0.5, 1.0], needle_len=6, seed=2):
+        start, end = p.needle
+        assert len(p.ids) == p.length and tok.decode(p.answer).strip() == p.text and len(p.text) == 6
+        before = tok.decode(p.ids[:start])
+        assert before.endswith("is ") and " The special magic number for " in before  # the lone space is no answer
+        head = before.rsplit(" The special magic number", 1)[0]
+        if p.depth == 0:
+            assert head.endswith("<|im_start|>user\n<book>")  # SmolLM2's chat template, as Wu et al. prompt chat models
+        elif p.depth < 1:
+            assert head.endswith(".")  # moved back to a sentence's full stop, as theirs
+        else:  # at 100% theirs goes at the very end of the haystack, cut mid-sentence or not: then the question
+            assert tok.decode(p.ids[end:]).startswith(".</book>\nBased on the content of the book, Question:")
+        assert tok.decode(p.ids).endswith("?\nAnswer:<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_wu_counts_a_trial_only_above_the_recall_criterion(toy):
+    """Wu et al. count a trial when recall > 0.5: a trial whose recall equals min_recall is not counted (ours
+    counts it); the table says how many of how many trials counted."""
+    df = retrieval_heads(toy, context=64, lengths=[40, 64], depths=[0.0, 0.5, 1.0], needle_len=6, n_bootstrap=20,
+                         protocol="wu2024", max_new_tokens=12)
+    trials = df.attrs["trials"]
+    assert all(t["counted"] == (t["recall"] > 0.5) for t in trials) and all(t["steps"] <= 12 for t in trials)
+    assert df.attrs["trials_run"] == 6 and df.attrs["trials_counted"] == sum(t["counted"] for t in trials)
+    middle = sorted(t["recall"] for t in trials if 0 < t["recall"] < 1)
+    assert middle, "the toy model should half-copy some needle at 64 tokens"
+    at = retrieval_heads(toy, context=64, lengths=[40, 64], depths=[0.0, 0.5, 1.0], needle_len=6, n_bootstrap=20,
+                         protocol="wu2024", max_new_tokens=12, min_recall=middle[0])
+    assert [t["recall"] for t in at.attrs["trials"]] == [t["recall"] for t in trials]
+    assert not any(t["counted"] for t in at.attrs["trials"] if t["recall"] == middle[0])
+    assert at.attrs["trials_counted"] == sum(t["recall"] > middle[0] for t in trials)
+
+
+@pytest.mark.parametrize("protocol", ["interp", "wu2024"])
+def test_stability_from_two_halves_of_the_counted_trials(toy, protocol):
+    """The toy's copying heads lead in both halves: a stable ranking; one counted trial cannot be split: NaN."""
+    df = retrieval_heads(toy, context=48, depths=(0.2, 0.4, 0.6, 0.8), needle_len=6, n_bootstrap=20,
+                         protocol=protocol, max_new_tokens=8)
+    s = df.attrs["stability"]["retrieval"]
+    assert set(s) == {"spearman", "top_k_overlap", "k", "unstable", "trials"}
+    assert sum(s["trials"]) == df.attrs["trials_counted"] >= 4 and s["k"] == 8
+    assert s["spearman"] > 0.8 and s["top_k_overlap"] == 1.0 and not s["unstable"]
+    assert df.attrs["protocol"] == protocol
+    one = retrieval_heads(toy, context=48, lengths=[40], depths=[0.5], needle_len=6, n_bootstrap=10,
+                          protocol=protocol)
+    s = one.attrs["stability"]["retrieval"]
+    assert one.attrs["trials_counted"] == 1 and s["unstable"] and s["trials"] == [1, 0] and s["k"] == 0
+
+
+def test_detect_heads_passes_the_protocol_and_refuses_it_where_unread(toy):
+    df = detect_heads(toy, scores=["retrieval"], context=64, n_bootstrap=20, protocol="wu2024")
+    assert df.attrs["protocol"] == "wu2024" and "stability" in df.attrs
+    assert sum(df.attrs["stability"]["retrieval"]["trials"]) == df.attrs["trials_counted"]
+    assert {"steps", "recall", "counted"} <= set(df.attrs["retrieval_trials"][0])
+    assert detect_heads(toy, scores=["retrieval"], context=48, n_bootstrap=20).attrs["protocol"] == "interp"
+    with pytest.raises(ValueError, match=r"no score asked for reads it \(\['induction'\]\).*add \"retrieval\""):
+        detect_heads(toy, scores=["induction"], n_prompts=4, protocol="wu2024")
+    with pytest.raises(ValueError, match=r"protocol must be one of \['interp', 'wu2024'\].*got 'wu'"):
+        detect_heads(toy, scores=["retrieval"], context=48, protocol="wu")
+    with pytest.raises(ValueError, match=r"protocol must be one of .*got 'Wu2024'"):
+        retrieval_heads(toy, context=48, protocol="Wu2024")
+
+
+def test_cli_heads_protocol(toy, capsys):
+    from analyses.cli import main
+
+    assert main(["heads", "--model", "toy-induction", "--scores", "induction", "--protocol", "wu2024"]) == 2
+    assert "no score asked for reads it" in capsys.readouterr().err
+    assert main(["heads", "--model", "toy-induction", "--scores", "retrieval", "--context", "64", "--protocol",
+                 "wu2024", "--format", "csv", "--top", "3"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert rows[0].startswith("stack,kind,site,layer,head") and len(rows) == 4
+    assert {r.split(",")[3] + "." + r.split(",")[4] for r in rows[1:]} <= {"1.0", "1.1", "1.2", "1.3"}
+
+
+@pytest.mark.parametrize("protocol", ["interp", "wu2024"])
+def test_both_protocols_read_alike_on_both_attention_paths(protocol):
+    """A tiny random Llama (tests/tiny.py, no tokenizer; min_recall 0 so that trials count): the same tokens, the
+    same top-1 key of every head at every step and the same table on eager and flash."""
+    from tests.tiny import tiny_model
+
+    hf = tiny_model("llama")
+    runs, frames = [], []
+    for attn in ("eager", "flash"):
+        model = interp.load_model(hf, attn=attn)
+        make = wu_needle_prompts if protocol == "wu2024" else needle_prompts
+        p = make(model, [96], [0.5], needle_len=6, seed=4)[0]
+        runs.append(run_needle(model, p, 20 if protocol == "wu2024" else None))
+        frames.append(retrieval_heads(model, context=96, lengths=[64, 96], depths=[0.0, 0.5, 1.0], needle_len=6,
+                                      min_recall=0.0, n_bootstrap=50, protocol=protocol, max_new_tokens=20))
+    (gen_e, top_e), (gen_f, top_f) = runs
+    assert torch.equal(gen_e, gen_f) and torch.equal(top_e, top_f) and (top_e >= 0).all()
+    assert len(gen_e) == (20 if protocol == "wu2024" else 6)
+    eager, flash = frames
+    assert eager.attrs["trials"] == flash.attrs["trials"] and eager.attrs["trials_counted"] >= 2
+    assert eager.equals(flash)
+
+
+@pytest.mark.parametrize("protocol", ["interp", "wu2024"])
+def test_both_protocols_score_alike_on_both_attention_paths(protocol):
+    """The toy model copies, so its heads score above 0: equal scores and intervals on eager and flash."""
+    frames = [retrieval_heads(interp.load_model("toy-induction", attn=attn), context=64, lengths=[40, 64],
+                              depths=[0.0, 0.5, 1.0], needle_len=6, n_bootstrap=50, protocol=protocol,
+                              max_new_tokens=12) for attn in ("eager", "flash")]
+    eager, flash = frames
+    assert eager.attrs["trials"] == flash.attrs["trials"] and eager.attrs["trials_counted"] >= 2
+    assert eager.retrieval.max() > 0.5
+    for column in ("retrieval", "retrieval_lo", "retrieval_hi"):
+        torch.testing.assert_close(torch.tensor(eager[column].to_numpy()), torch.tensor(flash[column].to_numpy()),
+                                   rtol=0, atol=1e-12)
+
+
+def test_bench_retrieval_protocols_quick(tmp_path):
+    """benchmarks/bench_retrieval_protocols.py runs both protocols on the toy model and compares them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "q.json"
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_retrieval_protocols.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert "interp vs wu2024: Spearman" in done.stdout and row["compare"]["k"] == 8
+    for protocol in ("interp", "wu2024"):
+        assert 0 < row[protocol]["trials_counted"] <= row[protocol]["trials_run"] == 10
+        assert row[protocol]["top10"][0][0] in {"1.0", "1.1", "1.3"} and len(row[protocol]["scores"]) == 8
+
+
+def test_wu_prompts_without_a_chat_template_put_the_question_after_the_text():
+    """A tokenizer without a chat template: Wu et al.'s base-model prompt, the question right after the haystack."""
+    import copy
+
+    from test_taxonomy import _tiny_with_tokenizer
+
+    model = _tiny_with_tokenizer()
+    model.tokenizer = copy.deepcopy(model.tokenizer)
+    model.tokenizer.chat_template = None
+    tok = model.tokenizer
+    for p in wu_needle_prompts(model, [120], [0.0, 0.5], needle_len=5, seed=1):
+        text = tok.decode(p.ids)
+        assert len(p.ids) == 120 and "<|im_start|>user" not in text and "<book>" not in text
+        city = text.split("magic number for ")[1].split(" is")[0]
+        assert text.endswith(f" Based on the content of the book, Question: What is the special magic number for "
+                             f"{city}?\nAnswer:") and text.startswith("<|im_start|> ")  # start token, the haystack
+        assert tok.decode(p.answer) == p.text

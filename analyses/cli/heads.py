@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
                         "encoder-decoder model's copy-task sources, default 12) and retrieval's longest "
                         "needle-in-a-haystack prompt (default: the model's positions, at most 8192); refused with "
                         "--prompts unless retrieval is asked for, and with only taxonomy scores")
+    p.add_argument("--protocol", default=None, metavar="NAME",
+                   help="retrieval's protocol: interp (default: 8 random digits, as many greedy steps as the needle "
+                        "has tokens) or wu2024 (Wu et al. 2024: a natural-sentence needle, up to 50 greedy steps "
+                        "stopping at a newline, a trial counted when ROUGE-1 recall > 0.5); refused unless "
+                        "--scores asks for retrieval")
     p.add_argument("--n-prompts", type=_positive_int, default=100)
     p.add_argument("--top", type=_nonnegative_int, default=None, metavar="N",
                    help=f"the N heads with the highest score (the first of --scores; without --scores, labelled "
@@ -42,7 +47,7 @@ def cmd_heads(args) -> int:
         model = _load(args)
         progress("heads")
         df = detect_heads(model, scores=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
-                          context=args.context)
+                          context=args.context, protocol=args.protocol)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]
