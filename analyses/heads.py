@@ -139,15 +139,12 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
 
 def _check_protocol(protocol, retrieval: bool, records) -> str:
     """A protocol that a requested score reads (only retrieval's runner reads one), and a name it knows."""
-    from .retrieval import PROTOCOLS  # noqa: PLC0415
+    from .retrieval import _check_protocol  # noqa: PLC0415
 
     if not retrieval:
         raise ValueError(f"protocol={protocol!r} chooses how retrieval heads are measured, and no score asked for "
                          f"reads it ({[r.name for r in records]}); add \"retrieval\" to scores or drop protocol.")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (retrieval's: \"interp\" ours, \"wu2024\" Wu "
-                         f"et al.'s); got {protocol!r}.")
-    return protocol
+    return _check_protocol(protocol)
 
 
 def _prompt_length(seq_len, context, kinds: list[str], prompts, extra: list[str], retrieval: bool) -> int | None:

@@ -16,7 +16,7 @@ next-token distributions (DuoAttention uses the squared error of the last hidden
 for a model without logits, the squared error of the last hidden states relative to their squared norm.
 
 The default inputs are passkey-like, as DuoAttention's synthetic data: needle-in-a-haystack prompts
-(``analyses.retrieval.needle_prompts``) followed by their answer, the distance taken on the answer's positions only.
+(``analyses.needles.needle_prompts``) followed by their answer, the distance taken on the answer's positions only.
 Runs on the eager path (the mixture edits ``hook_attn_scores`` and ``hook_pattern``); a flash model is switched to
 eager and back. The model is left as it was found (``model.studying()``).
 """
@@ -40,7 +40,7 @@ def passkey_inputs(model, tokens: int, depths=(0.1, 0.3, 0.5), needle_len: int =
     """Passkey-like rows, ``(ids (len(depths), tokens + needle_len), positions (same shape, bool))``: each a
     needle-in-a-haystack prompt of ``tokens`` tokens with the needle at one depth, followed by the needle again;
     ``positions`` marks the positions that predict the repeated needle's tokens."""
-    from .retrieval import needle_prompts
+    from .needles import needle_prompts
 
     prompts = needle_prompts(model, [tokens], depths, needle_len, seed)
     ids = torch.stack([torch.cat([p.ids, p.answer]) for p in prompts])

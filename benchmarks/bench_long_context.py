@@ -89,7 +89,7 @@ def child(model_name: str, n: int, task: str) -> dict:
                 model.hf(input_ids=ids[None], use_cache=False, logits_to_keep=1)
     elif task == "sdpa_decode":
         model.hf.set_attn_implementation("sdpa")
-        from analyses.retrieval import needle_prompts
+        from analyses.needles import needle_prompts
 
         prompt = needle_prompts(model, [n], [0.5])[0]
         needle, name = prompt.ids, interp.cache_kwarg(model.hf)  # read once, outside the timed loop

@@ -47,7 +47,7 @@ def _needle(model, n: int):
     the position that predicts the needle's k-th token to that token in the needle."""
     import torch
 
-    from analyses.retrieval import needle_prompts
+    from analyses.needles import needle_prompts
 
     if model.tokenizer is None:  # the toy model: a repeated sequence stands in for a needle
         from analyses.toy import repeated_sequences

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import interp
-from analyses.retrieval import needle_prompts
+from analyses.needles import needle_prompts
 
 
 def _status(field: str) -> int:

@@ -257,7 +257,7 @@ def _spawn(python: str, spec: dict, tmp: Path) -> dict:
 
 def run_model(name: str, lengths: list[int], depths: list[float], args, python: Path, tmp: Path) -> list[dict]:
     import interp
-    from analyses.retrieval import needle_prompts
+    from analyses.needles import needle_prompts
 
     model = interp.load_model(name, attn="flash")
     retrieval = [tuple(int(x) for x in h.split(".")) for h in (args.retrieval_heads or RETRIEVAL[name].split())]

@@ -115,11 +115,12 @@ def child(model_name: str, n: int, task: str, prompt_file: str, depths: list[flo
     from interp.bundled import bundled_folder
 
     saved = torch.load(prompt_file)
-    from analyses.retrieval import NeedlePrompt
+    from analyses.needles import NeedlePrompt
 
     prompts = [NeedlePrompt(torch.tensor(p["ids"]), tuple(p["needle"]), p["length"], p["depth"]) for p in saved]
     if task == "ours":
-        from analyses.retrieval import needle_prompts, retrieval_heads
+        from analyses.retrieval import retrieval_heads
+        from analyses.needles import needle_prompts
 
         model = interp.load_model(model_name, attn="flash")
         again = needle_prompts(model, [n], depths)
@@ -238,7 +239,7 @@ def main() -> None:
     if "ours" not in args.tasks:
         parser.error("--tasks must include ours: the other tasks are compared with it")
     import interp
-    from analyses.retrieval import needle_prompts
+    from analyses.needles import needle_prompts
 
     if args.quick:
         args.model, args.lengths = "toy-induction", [40, 64]

@@ -16,7 +16,7 @@ from needle_causal import interval
 from needle_streaming import accuracy
 
 import interp
-from analyses.retrieval import needle_prompts
+from analyses.needles import needle_prompts
 from analyses.streaming_gates import streaming_gates
 
 

@@ -22,7 +22,8 @@ import torch
 import interp
 from analyses import ablate_heads
 from analyses.bootstrap import mean_interval
-from analyses.retrieval import needle_prompts, retrieval_heads, run_needle
+from analyses.retrieval import retrieval_heads, run_needle
+from analyses.needles import needle_prompts
 
 
 def accuracy(model, prompts) -> list[float]:

@@ -8,8 +8,8 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.retrieval import (NeedlePrompt, _newline_stop, needle_prompts, retrieval_heads, retrieval_step_hits,
-                                rouge1_recall, run_needle, wu_grid, wu_needle_prompts)
+from analyses.needles import NeedlePrompt, _newline_stop, needle_prompts, rouge1_recall, wu_grid, wu_needle_prompts
+from analyses.retrieval import retrieval_heads, retrieval_step_hits, run_needle
 
 
 @pytest.fixture(scope="module")
