@@ -8,6 +8,7 @@ the forward stops after the last site. The weights and behaviour scores run thei
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import warnings
 
@@ -79,7 +80,8 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     per score (an argmax score as ``<score>_offset`` and ``<score>_fraction``), ``label`` (the most specific class
     whose score clears its threshold, ``analyses.LABEL_ORDER``; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each
-    score, the thresholds and the attention path.
+    score, the thresholds and the attention path, and ``prompt_sha256``: per attention-pattern score, the digest of
+    its prompts' token ids (``prompts_digest``).
     """
     check_n_bootstrap(n_bootstrap)
     for name, value in (("n_prompts", n_prompts), ("batch_size", batch_size),
@@ -97,7 +99,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     extra = [r.name for r in records if r.how in ("weights", "behaviour") and r.prompts != "needle"]
     what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
-    df, inputs = None, {}
+    df, inputs, digests = None, {}, {}  # digests: each score's prompts, sha256 of their token ids
     if attention:
         sets = prompt_sets(model, attention, prompts, n_prompts, seq_len, seed, what)
         frames, nonfinite = [], set()
@@ -107,6 +109,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
                 nonfinite |= set(frame.attrs.pop("nonfinite"))
                 frames.append(frame.set_index(FRONT))
                 inputs.update(dict.fromkeys((r.name for r in set_records), what))
+                digests.update(dict.fromkeys((r.name for r in set_records), prompts_digest(rows)))
         df = pd.concat(frames, axis=1).reset_index() if len(frames) > 1 else frames[0].reset_index()
         df = _mark_nonfinite(model, df, nonfinite)
     for runner, names in runners.items():
@@ -124,6 +127,8 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
             df.attrs["retrieval_trials"] = attrs["trials"]
     df = labelled(df, limits)
     df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn)
+    if digests:
+        df.attrs["prompt_sha256"] = digests
     return df
 
 
@@ -178,6 +183,18 @@ def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, se
         ids = corpus_prompts(model, n_prompts, seq_len, generator)
         sets.append((text, [{"input_ids": i} for i in ids], f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
     return sets
+
+
+def prompts_digest(rows: list[dict]) -> str:
+    """sha256 of a prompt set's token ids (each row's entries in name order, as int64 with their lengths): the same
+    digest means the same prompts, so a result can be checked again on them (``analyses.atlas``)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        for entry in sorted(row):
+            ids = torch.as_tensor(row[entry]).long().cpu()
+            digest.update(f"{entry}:{len(ids)};".encode())
+            digest.update(ids.numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
 
 
 def _unpadded(batch: dict) -> list[dict]:
