@@ -11,6 +11,7 @@ _VIEWS = {
     "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
+    "atlas_page": "atlas", "write_atlas_pages": "atlas",
 }
 
 _LAZY = {
@@ -42,6 +43,9 @@ _LAZY = {
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
     # Why a head attends (issue 39): exact query/key attribution of attention scores, checked causally
     **dict.fromkeys(["qk_attribution", "target_rule"], "qk_attribution"),
+    # A versioned head atlas of a model (issue 38), and each class ablated against random heads of its layers
+    **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
+    "class_ablation": "class_ablation",
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
