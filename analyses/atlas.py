@@ -187,7 +187,8 @@ def _model_record(model, source: str | None) -> dict:
 
 def _score_record(name: str, attrs: dict, limits: dict) -> dict:
     r = registry.score(name)
-    return {"definition": r.definition, "citation": r.citation, "how": r.how, "column": r.label_column,
+    return {"definition": r.definition, "citation": r.citation, "how": r.how, "prompts": r.prompts,
+            "column": r.label_column,
             "label": r.gives if r.threshold is not None else None, "threshold": limits.get(name),
             "inputs": attrs["inputs"].get(name), "prompt_sha256": attrs["prompt_sha256"].get(name),
             "stability": _plain(attrs["stability"].get(name))}

@@ -24,7 +24,9 @@ COMMITTED = ROOT / "notebooks" / "atlas"
 
 @pytest.fixture(scope="module")
 def tiny():
-    return interp.load_model(tiny_model("llama"))
+    """The toy model (2 layers x 4 heads, trained): it has previous-token and induction heads, so its classes get a
+    causal check."""
+    return interp.load_model("toy-induction")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,8 @@ def test_the_atlas_holds_every_head_every_score_that_ran_and_why_the_others_did_
     assert len(atlas["model"]["weights_sha256"]) == 64 and atlas["versions"]["torch"]
 
 
-def test_the_weights_digest_changes_with_one_weight(tiny):
+def test_the_weights_digest_changes_with_one_weight():
+    tiny = interp.load_model(tiny_model("llama"))
     before = weights_digest(tiny)
     p = next(tiny.hf.parameters())
     with torch.no_grad():
@@ -150,13 +153,18 @@ def test_the_committed_minilm_atlas_is_found_again():
     assert committed["model"]["weights_sha256"] == weights_digest(model)
     assert committed["model"]["tokenizer_sha256"] == tokenizer_digest(model)
     s = committed["settings"]
-    fresh = detect_heads(model, scores=["previous_token"], n_prompts=s["n_prompts"], seq_len=s["seq_len"],
+    # induction too: detect_heads draws the repeated-token prompts first, then the corpus prompts from the same seeded
+    # generator, so previous_token's prompts are the atlas's only when a repeated-token score is drawn before them
+    fresh = detect_heads(model, scores=["induction", "previous_token"], n_prompts=s["n_prompts"], seq_len=s["seq_len"],
                          seed=s["seed"], n_bootstrap=100)
+    assert fresh.attrs["prompt_sha256"]["induction"] == committed["scores"]["induction"]["prompt_sha256"]
     assert fresh.attrs["prompt_sha256"]["previous_token"] == committed["scores"]["previous_token"]["prompt_sha256"]
     heads = {(h["layer"], h["head"]): h for h in committed["heads"]}
     assert len(heads) == len(fresh) == 72
     for layer, head, value in zip(fresh["layer"], fresh["head"], fresh["previous_token"]):
         e = heads[(int(layer), int(head))]["values"]["previous_token"]
         assert e["lo"] - 1e-6 <= value <= e["hi"] + 1e-6, (layer, head, value, e)
+        labels = heads[(int(layer), int(head))]["labels"].split("+")
+        assert ("previous_token" in labels) == (value >= committed["scores"]["previous_token"]["threshold"])
     strongest = max(committed["heads"], key=lambda h: h["values"]["previous_token"]["value"])
     assert (strongest["layer"], strongest["head"]) == (0, 2)  # REFERENCE.md: head 0.2, 99.96% on the previous token

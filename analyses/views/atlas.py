@@ -69,6 +69,11 @@ def _fmt(v, digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
+def _cell(v) -> str:
+    """A table's value: an offset (a whole number) as one, a score with 3 decimals."""
+    return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.3f}"
+
+
 def _short(digest) -> str:
     return "none" if not digest else f'<code title="{html.escape(digest)}">{html.escape(digest[:16])}</code>'
 
@@ -159,7 +164,7 @@ def _heads_html(atlas: dict, heads_page: str | None) -> str:
             v = e.get("value")
             interval = (f' <small>[{_fmt(e["lo"])}, {_fmt(e["hi"])}]</small>'
                         if e.get("lo") is not None and e.get("hi") is not None else "")
-            cells.append(f'<td data-value="{"" if v is None else f"{v:.6g}"}">{_fmt(v)}{interval}</td>')
+            cells.append(f'<td data-value="{"" if v is None else f"{v:.6g}"}">{_cell(v)}{interval}</td>')
         body.append(f'<tr data-role="head" data-site="{html.escape(h["site"])}" data-layer="{layer}" '
                     f'data-head="{h["head"]}" data-labels="{html.escape(h["labels"])}">{"".join(cells)}</tr>')
     options = "".join(f'<option value="{html.escape(c)}">{html.escape(c)}</option>' for c in classes)
@@ -180,6 +185,8 @@ def atlas_page(atlas: dict, heads_page: str | None = None) -> str:
     warning = (f'<p class="warn">Unstable rankings (two halves of the items disagree): {", ".join(unstable)}. '
                "Read these scores' top heads as candidates.</p>" if unstable else "")
     cost = atlas.get("cost", {})
+    needle = f" haystacks of up to {s['context']} tokens," if any(
+        r.get("prompts") == "needle" for r in atlas["scores"].values()) else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{WRITTEN_BY}">
 <meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
@@ -191,7 +198,7 @@ by interp {html.escape(v['interp'])}, transformers {html.escape(v['transformers'
 {html.escape(v['attn'])} attention, {html.escape(s['dtype'])} on {html.escape(s['device'])};
 {cost.get('cpu_s', 'n/a')} s of CPU time on {cost.get('threads', 'n/a')} thread(s).</p>
 <p class="muted">weights sha256 {_short(m['weights_sha256'])}, tokenizer sha256 {_short(m['tokenizer_sha256'])};
-seed {s['seed']}, {s['n_prompts']} prompts of {s['seq_len']} tokens, retrieval context {s['context']},
+seed {s['seed']}, {s['n_prompts']} prompts of {s['seq_len']} tokens,{needle}
 {s['n_bootstrap']} bootstrap resamples (95% intervals in brackets), {s['draws']} random draws per class.
 Compare with another run: <code>interp atlas diff THIS.json OTHER.json</code>.</p>
 {warning}
