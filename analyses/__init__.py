@@ -43,9 +43,8 @@ _LAZY = {
     **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
     # Why a head attends (issue 39): exact query/key attribution of attention scores, checked causally
     **dict.fromkeys(["qk_attribution", "target_rule"], "qk_attribution"),
-    # A versioned head atlas of a model (issue 38), and each class ablated against random heads of its layers
+    # A versioned head atlas of a model (issue 38)
     **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
-    "class_ablation": "class_ablation",
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
