@@ -74,8 +74,11 @@ def _cell(v) -> str:
     return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.3f}"
 
 
-def _short(digest) -> str:
-    return "none" if not digest else f'<code title="{html.escape(digest)}">{html.escape(digest[:16])}</code>'
+def _short(digest, missing: str = "none") -> str:
+    return missing if not digest else f'<code title="{html.escape(digest)}">{html.escape(digest[:16])}</code>'
+
+
+_OWN = '<span class="muted">drawn by its runner from the seed (no digest recorded)</span>'
 
 
 def _head_name(h: dict) -> str:
@@ -97,7 +100,7 @@ def _scores_html(atlas: dict) -> str:
         rows.append(f'<tr data-score="{html.escape(name)}"><td class="text"><b>{html.escape(name)}</b></td>'
                     f'<td class="text definition">{html.escape(r["definition"])}{cite}</td><td>{threshold}</td>'
                     f'<td class="text definition">{html.escape(str(r.get("inputs") or ""))}<br>'
-                    f'{_short(r.get("prompt_sha256"))}</td><td class="text">{_stability(r.get("stability"))}</td></tr>')
+                    f'{_short(r.get("prompt_sha256"), _OWN)}</td><td class="text">{_stability(r.get("stability"))}</td></tr>')
     skipped = "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(why)}</li>" for n, why in atlas["not_run"].items())
     return (f'<table data-role="scores"><tr><th class="text">score</th><th class="text">what it measures</th>'
             f'<th class="text">threshold</th><th class="text">prompts (sha256 of their token ids)</th>'
