@@ -70,8 +70,7 @@ def cmd_atlas(args) -> int:
         progress("atlas")
         atlas = build_atlas(model, scores=scores, n_prompts=args.n_prompts, seq_len=args.seq_len,
                             context=args.context, seed=args.seed, draws=args.draws, source=str(args.model))
-    # checks of the atlas against what is known of the model (e.g. published heads) go here, before anything is
-    # written: each takes the atlas dict and raises UserError on a mismatch
+    _check(atlas, args)
     out = _rank_zero_path(args.out / files[0].name).parent
     out.mkdir(parents=True, exist_ok=True)
     save_atlas(atlas, out / files[0].name, overwrite=args.force)
@@ -80,6 +79,12 @@ def cmd_atlas(args) -> int:
     print(f"wrote {files[0]}, {files[1]} and {files[2]}: {len(atlas['heads'])} heads ({labelled} labelled), "
           f"{len(atlas['scores'])} scores ({len(atlas['not_run'])} not run), {atlas['cost']['cpu_s']} s of CPU time")
     return 0
+
+
+def _check(atlas: dict, args) -> None:
+    """Checks of a built atlas against what is known of the model (published heads, e.g. an ``--expect`` option
+    reading ``analyses.expectations``), run before anything is written: each raises UserError on a mismatch. None
+    yet."""
 
 
 def _cmd_diff(args) -> int:
