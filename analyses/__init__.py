@@ -11,6 +11,7 @@ _VIEWS = {
     "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
+    "atlas_page": "atlas", "write_atlas_pages": "atlas",
 }
 
 _LAZY = {
@@ -45,6 +46,8 @@ _LAZY = {
     # Published head tables as checks (issue 38): GPT-2 small's IOI classes, a user's own table
     **dict.fromkeys(["ExpectationSet", "Expectation", "check_expectations", "needs_scores", "register_expectations"],
                     "expectations"),
+    # A versioned head atlas of a model (issue 38)
+    **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -8,6 +8,7 @@ the forward stops after the last site. The weights and behaviour scores run thei
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import warnings
 
@@ -82,7 +83,8 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     per score (an argmax score as ``<score>_offset`` and ``<score>_fraction``), ``label`` (the most specific class
     whose score clears its threshold, ``analyses.LABEL_ORDER``; else ``"none"``), ``labels`` (every class cleared,
     most specific first, joined by ``+``), then the interval columns. ``df.attrs`` records the inputs of each
-    score, the thresholds and the attention path, and ``df.attrs["stability"][score]`` how stable each score's
+    score, the thresholds and the attention path, ``prompt_sha256`` (per attention-pattern score, the digest of
+    its prompts' token ids, ``prompts_digest``), and ``df.attrs["stability"][score]`` how stable each score's
     ranking of heads is on two disjoint halves of its prompts or trials (``analyses.stability``; every target-rule
     score, and the runners' scores that report it). ``evidence`` (where two scores give one class, e.g.
     ``induction`` on random tokens and ``induction_text`` on the corpus): which of them each head cleared.
@@ -104,7 +106,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     extra = [r.name for r in records if r.how in ("weights", "behaviour") and r.prompts != "needle"]
     what = "context" if seq_len is None and context is not None else "seq_len"  # what the user called the length
     seq_len = _prompt_length(seq_len, context, [r.name for r in attention], prompts, extra, retrieval)
-    df, inputs, stable = None, {}, {}  # stable: each score's halves (df.attrs["stability"]), from every frame
+    df, inputs, stable, digests = None, {}, {}, {}  # each score's halves (df.attrs["stability"]); prompts' sha256
     if attention:
         sets = prompt_sets(model, attention, prompts, n_prompts, seq_len, seed, what)
         frames, nonfinite = [], set()
@@ -115,6 +117,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
                 stable.update(frame.attrs.pop("stability", {}))
                 frames.append(frame.set_index(FRONT))
                 inputs.update(dict.fromkeys((r.name for r in set_records), what))
+                digests.update(dict.fromkeys((r.name for r in set_records), prompts_digest(rows)))
         df = pd.concat(frames, axis=1).reset_index() if len(frames) > 1 else frames[0].reset_index()
         df = _mark_nonfinite(model, df, nonfinite)
     for runner, names in runners.items():
@@ -134,6 +137,8 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
             df.attrs["retrieval_trials"] = attrs["trials"]
     df = labelled(df, limits)
     df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn, stability=stable)
+    if digests:
+        df.attrs["prompt_sha256"] = digests
     return df
 
 
@@ -198,6 +203,18 @@ def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, se
         ids = corpus_prompts(model, n_prompts, seq_len, generator)
         sets.append((text, [{"input_ids": i} for i in ids], f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
     return sets
+
+
+def prompts_digest(rows: list[dict]) -> str:
+    """sha256 of a prompt set's token ids (each row's entries in name order, as int64 with their lengths): the same
+    digest means the same prompts, so a result can be checked again on them (``analyses.atlas``)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        for entry in sorted(row):
+            ids = torch.as_tensor(row[entry]).long().cpu()
+            digest.update(f"{entry}:{len(ids)};".encode())
+            digest.update(ids.numpy().astype("<i8").tobytes())
+    return digest.hexdigest()
 
 
 def _unpadded(batch: dict) -> list[dict]:

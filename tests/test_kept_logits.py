@@ -124,7 +124,7 @@ def test_the_class_ablation_gives_the_numbers_of_whole_forwards():
     from analyses.ablation import _ablation_hooks, _Replacement, _site_masks
     from analyses.engine import scan
     from analyses.metrics import first_copy_loss, second_copy_loss
-    from analyses.views import report_story
+    from analyses import class_ablation as study
 
     def old(model, batch, sets):
         zero, clean = _Replacement(model, "zero"), []
@@ -141,14 +141,14 @@ def test_the_class_ablation_gives_the_numbers_of_whole_forwards():
 
     model = interp.load_model("toy-induction")
     heads = detect_heads(model)
-    new = report_story.class_ablation(model, heads)
+    new = study.class_ablation(model, heads)
     assert new is not None and new["rows"]
-    original = report_story._second_copy_losses
+    original = study._second_copy_losses
     try:
-        report_story._second_copy_losses = old
-        before = report_story.class_ablation(model, heads)
+        study._second_copy_losses = old
+        before = study.class_ablation(model, heads)
     finally:
-        report_story._second_copy_losses = original
+        study._second_copy_losses = original
     for key in ("first_copy_loss", "second_copy_loss"):
         assert new[key] == pytest.approx(before[key], abs=TOL)
     assert new["first_copy_loss"] - new["second_copy_loss"] > 0.1  # the toy learns in context: the shares mean something

@@ -12,6 +12,8 @@
     interp attribute  [--model M]               direct logit attribution (or --lens: the logit lens)
     interp train-toy  --out DIR                 train the toy induction model
     interp report     --out DIR                 everything above as one HTML page
+    interp atlas      --out DIR [--model M]     a versioned head atlas: JSON, its page, each head's view
+    interp atlas      diff A.json B.json        which heads changed label or left their intervals (exit 1 if any)
     interp expect     --model PATH --expect gpt2-small   check the heads against a published head table
 
 User mistakes print one line to stderr and exit 2, with no traceback.
@@ -33,13 +35,13 @@ import os
 import shutil
 import sys
 
-from . import ablate, attribute, expect, heads, info, patch, plot, prune, report, stream, train_toy, view
+from . import ablate, atlas, attribute, expect, heads, info, patch, plot, prune, report, stream, train_toy, view
 from .common import BUNDLED_NAMES, _one_line, _Parser, _SCRATCH, _set_threads, _user_mistake
 
 __all__ = ["main", "build_parser", "BUNDLED_NAMES"]
 
 # the verbs, in the order `interp --help` lists them
-VERBS = (info, heads, ablate, prune, stream, plot, view, patch, attribute, train_toy, report, expect)
+VERBS = (info, heads, ablate, prune, stream, plot, view, patch, attribute, train_toy, report, atlas, expect)
 
 
 def build_parser() -> argparse.ArgumentParser:

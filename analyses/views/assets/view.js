@@ -154,6 +154,12 @@
     const W = Weights(d), ROW = 20;
     const on = new Set(d.heads.flat());
     let layer = d.open ?? d.layers[0], hover = null, display = d.display;  // open: the first head's layer
+    // a link to the page with #layer=L&head=H (the atlas's links to its heads) opens on layer L with head H alone
+    const asked = new URLSearchParams(((typeof location !== "undefined" && location.hash) || "").slice(1));
+    if (asked.has("layer") && d.layers.includes(+asked.get("layer"))) {
+      layer = +asked.get("layer");
+      if (asked.has("head") && W.heads(layer).includes(+asked.get("head"))) { on.clear(); on.add(+asked.get("head")); }
+    }
     let S = W.sides(layer), nq = S.q.tokens.length, nk = S.k.tokens.length;  // the shown layer's two sides
 
     const layerSel = el("select", { "data-role": "layer" });
