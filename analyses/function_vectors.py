@@ -35,6 +35,7 @@ from .batches import _main_output, batch_of
 from .composition import head_weights
 from .engine import copies_per_forward, scan
 from .bootstrap import check_n_bootstrap, mean_interval
+from .stability import split_half
 from .taxonomy_base import refuse_non_lm
 
 __all__ = ["icl_tasks", "icl_prompts", "function_vector_scores", "function_vector", "fv_accuracy", "task_accuracy"]
@@ -135,7 +136,8 @@ def function_vector_scores(model, tasks=None, n_prompts: int = 16, n_shots: int 
     df = pd.DataFrame({"layer": [l for l, _ in heads], "head": [h for _, h in heads],
                        "function_vector": value.numpy(), "function_vector_lo": lo.numpy(),
                        "function_vector_hi": hi.numpy()})
-    df.attrs.update(mean_z=mean_zs, shuffled_probability=base, tasks=list(tasks), n_shots=n_shots, method=method)
+    df.attrs.update(mean_z=mean_zs, shuffled_probability=base, tasks=list(tasks), n_shots=n_shots, method=method,
+                    stability={"function_vector": split_half(torch.cat(effects))})  # even against odd prompts
     return df
 
 

@@ -106,7 +106,7 @@ def argmax_rows(valid: torch.Tensor, causal: bool) -> torch.Tensor:
 # -- accumulating over batches and sites -------------------------------------------------------------------------
 class Tally:
     """Per-prompt sums ``(prompt, site, head)`` and row counts ``(prompt, site)`` of each target-rule score, and
-    each argmax score's histogram ``(site, head, offsets)`` of top-1 key offsets, for the sites of ``model``."""
+    each argmax score's histograms ``(half, site, head, offsets)`` of top-1 key offsets (even and odd prompts), for the sites of ``model``."""
 
     def __init__(self, model, records: Iterable[HeadScore], n_prompts: int, max_len: int):
         self.model = model
@@ -118,7 +118,7 @@ class Tally:
         self.sums = {r.name: torch.zeros(n_prompts, n_sites, n_heads, dtype=torch.float64)
                      for r in self.records if r.how == "target"}
         self.rows = {name: torch.zeros(n_prompts, n_sites, dtype=torch.int64) for name in self.sums}
-        self.hist = {r.name: torch.zeros(n_sites, n_heads, self.width, dtype=torch.int64)
+        self.hist = {r.name: torch.zeros(2, n_sites, n_heads, self.width, dtype=torch.int64)  # even, odd prompts
                      for r in self.records if r.how == "argmax"}
         self.nonfinite = torch.zeros(n_sites, n_heads, dtype=torch.int64)
 
@@ -144,10 +144,11 @@ class Tally:
             offset = (key[b, :, q] - q[:, None] + self.max_len - 1).clamp(0, self.width - 1)  # (rows, h)
             seen = key[b, :, q] >= 0
             n_heads = key.shape[1]
-            flat = (torch.arange(n_heads)[None] * self.width + offset)[seen]
-            counts = torch.bincount(flat, minlength=n_heads * self.width).view(n_heads, self.width)
+            half = (index.cpu()[b] % 2)[:, None].expand_as(offset)  # each row's prompt: even or odd
+            flat = ((half * n_heads + torch.arange(n_heads)[None]) * self.width + offset)[seen]
+            counts = torch.bincount(flat, minlength=2 * n_heads * self.width).view(2, n_heads, self.width)
             for r in argmax:
-                self.hist[r.name][i, :n_heads] += counts
+                self.hist[r.name][:, i, :n_heads] += counts
 
     def mark_nonfinite(self, index: int, bad: torch.Tensor) -> None:
         self.nonfinite[index, : bad.shape[0]] += bad.cpu().long()
@@ -167,7 +168,7 @@ class Tally:
         """One row per real head of every site that a score applies to: the scores (NaN where one does not apply),
         each argmax score's ``_offset`` and ``_fraction``, and bootstrap 95% intervals over prompts (percentile
         method, prompts resampled with replacement) for the target-rule scores. ``df.attrs["stability"][score]``: each
-        target-rule score's ranking of heads on the even against the odd prompts (``analyses.stability``: Spearman,
+        score's ranking of heads on the even against the odd prompts (an argmax score's: its fraction) (``analyses.stability``: Spearman,
         top-10 overlap, ``unstable``; ``"halves": "prompts"``), where there are at least 2 prompts."""
         check_n_bootstrap(n_bootstrap)
         index = {s.name: i for i, s in enumerate(self.sites)}
@@ -183,7 +184,12 @@ class Tally:
         for r in self.records:
             ok = torch.tensor([self.applies(r, i) for i, _ in heads], dtype=torch.bool)
             if r.how == "argmax":
-                hist = self.hist[r.name][site_at, head_at].double()
+                by_half = self.hist[r.name][:, site_at, head_at].double()  # (2, heads, offsets)
+                if bool((by_half.sum((1, 2)) > 0).all()):  # each half's share at its own most common offset
+                    first, second = (torch.where(ok, h.max(-1).values / h.sum(-1).clamp(min=1), torch.nan)
+                                     for h in by_half)
+                    stable[r.name] = {**stability(first, second, k=10), "halves": "prompts"}
+                hist = by_half.sum(0)
                 best = hist.max(-1)
                 offsets = best.indices - (self.max_len - 1)
                 columns[f"{r.name}_offset"] = offsets.numpy() if bool(ok.all()) else pd.array(

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["UNSTABLE_SPEARMAN", "UNSTABLE_OVERLAP", "halves", "spearman", "stability"]
+__all__ = ["UNSTABLE_SPEARMAN", "UNSTABLE_OVERLAP", "halves", "spearman", "split_half", "stability"]
 
 # A ranking is called unstable when its halves' Spearman is under this, or they share under this share of their top k.
 UNSTABLE_SPEARMAN = 0.8
@@ -93,3 +93,21 @@ def stability(first, second, k: int = 10) -> dict:
     overlap = len(top_a & top_b) / max(len(top_a), len(top_b))
     unstable = not (rho >= UNSTABLE_SPEARMAN) or overlap < UNSTABLE_OVERLAP
     return {"spearman": rho, "top_k_overlap": overlap, "k": k, "unstable": bool(unstable)}
+
+
+def split_half(values: torch.Tensor, den: torch.Tensor | None = None, k: int = 10, items: str = "prompts") -> dict:
+    """``stability`` of a score whose per-item values are ``values: (items, heads)``, on the even against the odd
+    items: each half's mean (``den`` None) or ratio of sums ``sum(values) / sum(den)`` (``den``: ``(items,)`` or
+    ``(items, heads)``, as ``analyses.bootstrap.ratio_interval`` takes them); ``"halves"`` names the items. Fewer
+    than 2 items: NaN, unstable."""
+    if len(values) < 2:
+        return {"spearman": math.nan, "top_k_overlap": math.nan, "k": 0, "unstable": True, "halves": items}
+    values = values.double()
+    parts = []
+    for half in halves(len(values)):
+        if den is None:
+            parts.append(values[half].mean(0))
+        else:
+            d = den.double()[half].sum(0)
+            parts.append(values[half].sum(0) / (d if d.ndim else d.expand(values.shape[1])))
+    return {**stability(*parts, k=k), "halves": items}

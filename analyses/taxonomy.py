@@ -54,7 +54,7 @@ from .ablation import ablate_heads
 from .attribution import _unembedding, frozen_norm
 from .composition import ov_circuit
 from .bootstrap import check_n_bootstrap, mean_interval
-from .stability import halves, stability
+from .stability import split_half
 from .taxonomy_base import check_k, refuse_non_lm, refuse_stacks
 
 __all__ = ["successor_scores", "copy_suppression_scores", "effective_embedding", "ordinal_lists", "ORDINAL_LISTS"]
@@ -233,8 +233,7 @@ def _frame(model, name: str, hits: dict[int, torch.Tensor], n_bootstrap: int, se
                          f"{name}_hi": float(hi[head])})
     df = pd.DataFrame(rows, columns=["layer", "head", name, f"{name}_lo", f"{name}_hi"])
     every = torch.cat(list(hits.values()), dim=1).double()  # (items, heads), the frame's row order
-    first, second = halves(len(every))
-    df.attrs["stability"] = {name: stability(every[first].mean(0), every[second].mean(0))}
+    df.attrs["stability"] = {name: split_half(every, items="items")}  # even against odd items (tokens, list items)
     return df
 
 

@@ -42,6 +42,7 @@ from interp.inputs import encode
 from .attribution import _unembedding, frozen_norm
 from .composition import head_weights
 from .bootstrap import check_n_bootstrap, mean_interval
+from .stability import split_half
 from .taxonomy_base import check_k, refuse_non_lm
 
 __all__ = ["copy_suppression_behaviour_scores", "corpus_windows"]
@@ -145,12 +146,14 @@ def copy_suppression_behaviour_scores(model, tokens=None, n_prompts: int = 32, s
                 rows.append({"layer": l, "head": h, "cs_predicted_effect":
                              float(chosen.double().mean()) if chosen.numel() else float("nan")})
     df = pd.DataFrame(rows)
+    stable = {}
     for name, parts in (("copy_suppression_behaviour", suppressed), ("cs_attends_predicted", hits)):
         per_window = torch.cat([x.double().mean(-1) for x in parts], 1)  # (b, heads)
         mean, lo, hi = mean_interval(per_window, n_bootstrap, seed)
         df[name], df[f"{name}_lo"], df[f"{name}_hi"] = mean.numpy(), lo.numpy(), hi.numpy()
+        stable[name] = split_half(per_window, items="windows")  # the ranking on the even against the odd windows
     df = df[["layer", "head", "copy_suppression_behaviour", "cs_attends_predicted", "cs_predicted_effect",
              "copy_suppression_behaviour_lo", "copy_suppression_behaviour_hi", "cs_attends_predicted_lo",
              "cs_attends_predicted_hi"]]
-    df.attrs.update(windows=n, positions=p, k=k, query_positions=p - 2)
+    df.attrs.update(windows=n, positions=p, k=k, query_positions=p - 2, stability=stable)
     return df

@@ -32,6 +32,7 @@ from .batches import _main_output
 from .labels import resolve_thresholds
 from .metrics import Metric
 from .bootstrap import check_n_bootstrap, ratio_interval
+from .stability import split_half
 from .taxonomy_base import refuse_non_lm
 
 __all__ = ["name_mover_scores", "s_inhibition_scores"]
@@ -102,7 +103,8 @@ def name_mover_scores(model, n_prompts: int = 32, seed: int = 0, n_bootstrap: in
     value, lo, hi = ratio_interval(flat, diff, n_bootstrap, seed)
     _warn_unmeasured(value, float(diff.mean()), n)
     df = _rows(model, "name_mover", value, lo, hi, {"io_attention": [float(attn[l, h]) for l, h in real]})
-    df.attrs.update(logit_difference=float(diff.mean()), prompts=n)
+    df.attrs.update(logit_difference=float(diff.mean()), prompts=n,
+                    stability={"name_mover": split_half(flat, diff)})  # even against odd prompts
     return df
 
 
@@ -165,7 +167,8 @@ def s_inhibition_scores(model, receivers=None, n_receivers: int = 3, n_prompts: 
     for name, t in (("s_inhibition", value), ("s_inhibition_lo", lo), ("s_inhibition_hi", hi)):
         out[name] = [float(t[i]) if i is not None else 0.0 for i in pick]
     out.attrs.update(receivers=[tuple(r) for r in receivers], receivers_chosen=how, clean=float(clean_v.mean()),
-                     corrupted=float(corrupted_v.mean()))
+                     corrupted=float(corrupted_v.mean()),  # stability: the senders, even against odd prompts
+                     stability={"s_inhibition": split_half(num, clean_v - corrupted_v)})
     return out
 
 

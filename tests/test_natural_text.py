@@ -103,9 +103,9 @@ def tiny_llama():
     return interp.load_model(tiny_hf("llama", initializer_range=0.4), attn="flash")
 
 
-def test_every_target_rule_score_reports_its_stability_over_two_halves_of_the_prompts(tiny_llama):
+def test_every_attention_pattern_score_reports_its_stability_over_two_halves_of_the_prompts(tiny_llama):
     df = detect_heads(tiny_llama, n_prompts=10, seq_len=40, n_bootstrap=20)
-    targets = [r.name for r in choose_scores(None, tiny_llama) if r.how == "target"]
+    targets = [r.name for r in choose_scores(None, tiny_llama) if r.how in ("target", "argmax")]
     stable = df.attrs["stability"]
     assert sorted(stable) == sorted(targets), stable.keys()
     for name, s in stable.items():
@@ -116,6 +116,12 @@ def test_every_target_rule_score_reports_its_stability_over_two_halves_of_the_pr
     half = [detect_heads(tiny_llama, scores=["sink"], prompts=p, n_bootstrap=20).sink for p in _halves(tiny_llama)]
     by_hand = stability(half[0].to_numpy(copy=True), half[1].to_numpy(copy=True))
     assert stable["sink"]["spearman"] == pytest.approx(by_hand["spearman"])
+    # an argmax score's halves: each half's fraction of rows at its own most common offset
+    half = [detect_heads(tiny_llama, scores=["positional"], prompts=p, n_bootstrap=20).positional_fraction
+            for p in _halves(tiny_llama)]
+    by_hand = stability(half[0].to_numpy(copy=True), half[1].to_numpy(copy=True))
+    assert stable["positional"]["spearman"] == pytest.approx(by_hand["spearman"])
+    assert stable["positional"]["top_k_overlap"] == pytest.approx(by_hand["top_k_overlap"], nan_ok=True)
 
 
 def _halves(model):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from analyses.stability import halves, spearman, stability
+from analyses.stability import halves, spearman, split_half, stability
 
 
 def test_spearman_matches_pearson_of_ranks_with_ties():
@@ -56,3 +56,14 @@ def test_read_only_numpy_is_accepted_without_warning(recwarn):
     x.setflags(write=False)
     assert spearman(x, x) == pytest.approx(1.0)
     assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+def test_split_half_means_and_ratios_of_sums():
+    g = torch.Generator().manual_seed(1)
+    values, den = torch.rand(9, 12, generator=g), torch.rand(9, generator=g) + 0.5
+    even, odd = torch.arange(0, 9, 2), torch.arange(1, 9, 2)
+    by_hand = stability(values[even].mean(0), values[odd].mean(0))
+    assert split_half(values, items="windows") == {**by_hand, "halves": "windows"}
+    by_hand = stability(values[even].sum(0) / den[even].sum(), values[odd].sum(0) / den[odd].sum())
+    assert split_half(values, den)["spearman"] == pytest.approx(by_hand["spearman"])
+    assert split_half(values[:1])["unstable"]

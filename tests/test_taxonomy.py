@@ -193,7 +193,7 @@ def test_copy_suppression_whole_vocabulary_and_stability_attrs():
     finally:
         taxonomy._BUDGET = budget
     s = every.attrs["stability"]["copy_suppression"]
-    assert set(s) == {"spearman", "top_k_overlap", "k", "unstable"} and s["k"] == 8
+    assert set(s) == {"spearman", "top_k_overlap", "k", "unstable", "halves"} and s["k"] == 8 and s["halves"] == "items"
     # the same numbers as analyses.stability on the halves of the per-token hits, recomputed here
     hf = model.hf
     ids = torch.arange(1, 99)
