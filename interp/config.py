@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .inputs import position_limit
 from .head_slicing import CONFIG_KEY
@@ -39,7 +39,8 @@ class ModelConfig:
     empty_layers: tuple[int, ...] = ()
     d_head_v: int = 0
     block: str = "pre-norm"
-    sites: tuple[Site, ...] = ()  # one per layer, ``blocks.{l}.attn`` (``interp.sites``)
+    # one per layer, ``blocks.{l}.attn`` (``interp.sites``); left out of the repr, which printed every site's record
+    sites: tuple[Site, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         if not self.heads_per_layer:
