@@ -185,6 +185,15 @@ def _scored_layers(model) -> list[int]:
     return [s.block for s in real_sites(model)]
 
 
+def _head_values(model, eff: torch.Tensor, desc: str):
+    """Each scored layer's ``(layer, values, w_o, w_u)``: ``values: (h, n, e)`` the effective embedding ``eff``
+    through each head's input norm and W_V (``_readout``), with a progress bar named ``desc``."""
+    with model.studying():
+        for layer in interp_progress(_scored_layers(model), desc=desc, unit="layer"):
+            norm_in, w_v, w_o, w_u = _readout(model, layer)
+            yield layer, _head_inputs(model, norm_in, eff) @ w_v, w_o, w_u
+
+
 def _vocab_count(values: torch.Tensor, w_o: torch.Tensor, w_u: torch.Tensor, target: torch.Tensor,
                  side: str) -> torch.Tensor:
     """For one head, ``values: (n, e)`` (its inputs times W_V), ``w_o: (e, m)``, ``w_u: (vocab, m)``: per row, how
@@ -279,21 +288,18 @@ def successor_scores(model, lists=None, embedding: str = "mlp0", candidates: str
         start += len(p)
     eff = effective_embedding(model, sources, embedding)
     hits = {}
-    with model.studying():
-        for layer in interp_progress(_scored_layers(model), desc="successor", unit="layer"):
-            norm_in, w_v, w_o, w_u = _readout(model, layer)
-            values = _head_inputs(model, norm_in, eff) @ w_v  # (h, n, e)
-            layer_hits = torch.zeros(len(sources), w_v.shape[0], dtype=torch.bool)
-            if candidates == "vocab":
-                for head in range(w_v.shape[0]):
-                    layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, targets, "above") == 0
-            else:
-                out = values @ w_o  # (h, n, m)
-                for rows, ids, succ in groups:
-                    logits = out[:, rows] @ w_u[ids].T  # (h, items, candidates)
-                    best = logits.max(-1).values
-                    layer_hits[rows] = (logits[:, torch.arange(len(rows)), succ] >= best).T
-            hits[layer] = layer_hits
+    for layer, values, w_o, w_u in _head_values(model, eff, "successor"):
+        layer_hits = torch.zeros(len(sources), len(values), dtype=torch.bool)
+        if candidates == "vocab":
+            for head in range(len(values)):
+                layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, targets, "above") == 0
+        else:
+            out = values @ w_o  # (h, n, m)
+            for rows, ids, succ in groups:
+                logits = out[:, rows] @ w_u[ids].T  # (h, items, candidates)
+                best = logits.max(-1).values
+                layer_hits[rows] = (logits[:, torch.arange(len(rows)), succ] >= best).T
+        hits[layer] = layer_hits
     df = _frame(model, "successor", hits, n_bootstrap, seed)
     df.attrs.update(items=len(sources), lists=list(pairs), embedding=embedding, candidates=candidates)
     return df
@@ -333,14 +339,11 @@ def copy_suppression_scores(model, tokens=None, n_tokens: int | None = None, k: 
         raise ValueError(f"tokens must be ids in [0, {model.cfg.vocab_size}); got {tokens.tolist()[:5]}...")
     eff = effective_embedding(model, tokens, "block0")
     hits = {}
-    with model.studying():
-        for layer in interp_progress(_scored_layers(model), desc="copy suppression", unit="layer"):
-            norm_in, w_v, w_o, w_u = _readout(model, layer)
-            values = _head_inputs(model, norm_in, eff) @ w_v  # (h, n, e)
-            layer_hits = torch.zeros(len(tokens), w_v.shape[0], dtype=torch.bool)
-            for head in range(w_v.shape[0]):
-                layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, tokens, "below") < k
-            hits[layer] = layer_hits
+    for layer, values, w_o, w_u in _head_values(model, eff, "copy suppression"):
+        layer_hits = torch.zeros(len(tokens), len(values), dtype=torch.bool)
+        for head in range(len(values)):
+            layer_hits[:, head] = _vocab_count(values[head], w_o[head], w_u, tokens, "below") < k
+        hits[layer] = layer_hits
     df = _frame(model, "copy_suppression", hits, n_bootstrap, seed)
     df.attrs.update(tokens=len(tokens), k=k)
     return df
