@@ -128,7 +128,8 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
     strict = scores is not None if strict is None else strict
     t0, cpu0 = time.perf_counter(), time.process_time()
     records, not_run = atlas_scores(model, scores)
-    context = min(context, model.cfg.max_positions)
+    if model.cfg.max_positions is not None:  # None: no position limit in the config (T5's relative buckets)
+        context = min(context, model.cfg.max_positions)
     pattern = [r.name for r in records if r.how in ("target", "argmax")]
     groups = [pattern] if pattern else []
     by_runner: dict[str, list[str]] = {}
@@ -222,6 +223,8 @@ def _number(v):
     """A JSON number: NaN and inf as None, whole floats of an integer column kept as floats."""
     if v is None or isinstance(v, str):
         return v
+    if pd.isna(v):  # NaN, and pandas' NA of a nullable column (an argmax offset where a score does not apply)
+        return None
     v = float(v)
     return v if math.isfinite(v) else None
 

@@ -121,16 +121,19 @@ def _out_hook(module):
 def decoder_inputs(model, labels: torch.Tensor) -> torch.Tensor:
     """Target ids shifted right with the decoder start token, as the model was trained (teacher forcing).
 
-    The model's own ``prepare_decoder_input_ids_from_labels`` when its config names the start token (mBART's
-    moves the language code to the front); else the start token from the generation config, or the bos token,
-    as ``generate`` finds it."""
+    The model's own ``prepare_decoder_input_ids_from_labels`` when its config names the start token and it has one
+    (mBART's moves the language code to the front); else the config's start token, the generation config's, or the
+    bos token, as ``generate`` finds it (a bare ``T5Model`` has no LM head and no such method)."""
     if "decoder" not in model.cfg.stacks or "encoder" not in model.cfg.stacks:
         raise ValueError(f"decoder_inputs shifts targets for an encoder-decoder model; this {type(model.hf).__name__} "
                          "has one stack, so it takes the whole sequence as input_ids.")
     labels = torch.as_tensor(labels, device=model.device)
-    if getattr(model.hf.config, "decoder_start_token_id", None) is not None:
+    configured = getattr(model.hf.config, "decoder_start_token_id", None)
+    if configured is not None and hasattr(model.hf, "prepare_decoder_input_ids_from_labels"):
         return model.hf.prepare_decoder_input_ids_from_labels(labels=labels)
-    start = next((v for v in (getattr(getattr(model.hf, "generation_config", None), "decoder_start_token_id", None),
+    # a bare encoder-decoder (T5Model, BartModel: no LM head) has no such method: the same shift, done here
+    start = next((v for v in (configured,
+                              getattr(getattr(model.hf, "generation_config", None), "decoder_start_token_id", None),
                               getattr(model.hf.config, "bos_token_id", None)) if isinstance(v, int)), None)
     if start is None:
         raise ValueError(f"{type(model.hf).__name__}'s config and generation config name no decoder start token "

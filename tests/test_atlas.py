@@ -51,6 +51,21 @@ def test_the_atlas_holds_every_head_every_score_that_ran_and_why_the_others_did_
     assert len(atlas["model"]["weights_sha256"]) == 64 and atlas["versions"]["torch"]
 
 
+@pytest.mark.parametrize("model_type", ["bart", "t5"])  # T5: no position limit in its config; a bare T5Model
+def test_an_encoder_decoder_model_gets_an_atlas_per_site(model_type, tmp_path):
+    model = interp.load_model(tiny_model(model_type))
+    atlas = build_atlas(model, n_prompts=6, seq_len=10, context=64, draws=2, n_bootstrap=20)
+    sites = {h["site"] for h in atlas["heads"]}
+    assert sites == {s.name for s in model.cfg.sites}  # encoder, decoder self- and cross-attention sites
+    assert {"alignment", "source_sink", "previous_token"} <= set(atlas["scores"])
+    cross = [h for h in atlas["heads"] if "cross" in h["site"]]
+    assert cross and all(h["values"]["previous_token"]["value"] is None for h in cross)  # NaN / NA: null in JSON
+    assert "not_run" in atlas["causal"]  # no causal LM: said why
+    save_atlas(atlas, tmp_path / "m.json")
+    write_atlas_pages(model, atlas, tmp_path, "m")
+    assert diff_atlas(load_atlas(tmp_path / "m.json"), atlas)["changed"] == []
+
+
 def test_the_weights_digest_changes_with_one_weight():
     tiny = interp.load_model(tiny_model("llama"))
     before = weights_digest(tiny)
