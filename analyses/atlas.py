@@ -167,7 +167,7 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
                      "device": str(model.device)},
         "scores": {n: _score_record(n, attrs, limits) for n in registry.names() if n in ran},
         "not_run": {n: why for n, why in not_run.items() if n not in ran},
-        "heads": _head_rows(table, ran),
+        "heads": _head_rows(table),
         "causal": causal if causal is not None else {
             "not_run": "the check ablates a class against random heads on the in-context gain of a causal LM "
                        "(repeated random tokens); this model is not a causal LM with an output layer"},
@@ -195,7 +195,7 @@ def _score_record(name: str, attrs: dict, limits: dict) -> dict:
             "stability": _plain(attrs["stability"].get(name))}
 
 
-def _value_columns(table: pd.DataFrame, ran: list[str]) -> list[str]:
+def _value_columns(table: pd.DataFrame) -> list[str]:
     """The numeric columns of the scores that ran (a score's value, an argmax score's offset and fraction, a
     runner's extra columns), without the interval columns."""
     skip = set(FRONT) | {"label", "labels"}
@@ -203,8 +203,8 @@ def _value_columns(table: pd.DataFrame, ran: list[str]) -> list[str]:
             and pd.api.types.is_numeric_dtype(table[c])]
 
 
-def _head_rows(table: pd.DataFrame, ran: list[str]) -> list[dict]:
-    columns = _value_columns(table, ran)
+def _head_rows(table: pd.DataFrame) -> list[dict]:
+    columns = _value_columns(table)
     rows = []
     for _, row in table.iterrows():
         values = {}
