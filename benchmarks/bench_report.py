@@ -12,6 +12,15 @@ the report, and the report's wall time as a multiple of it), each stage's (``loa
 the load average before and after. CPU seconds are the steadier
 number on a shared machine: another process taking the core slows a one-thread run's wall clock, much less its
 CPU seconds.
+
+    python benchmarks/bench_report.py --model smollm2 --threads 1 --flops        # where the arithmetic is
+
+``--flops`` runs the report once under torch's FlopCounterMode and prints each stage's floating-point operations
+(the matmuls forward and backward; torch does not count its CPU attention kernel, which is about 2% of the report's
+profile at these lengths) as forward-equivalents and as the seconds they take at the plain
+forward's own rate on this machine (its FLOPs over its time): the time the stage would take if it did nothing but
+the model's arithmetic, as fast as a plain forward does it. Its timings are not the report's (the counter slows
+every op); its counts are exact.
 """
 
 from __future__ import annotations
@@ -54,6 +63,55 @@ print(json.dumps({"forward": sorted(forward)[1], "forward_block": stages.pop("fo
 """
 
 
+_FLOPS = """
+import json, sys, time, torch
+import interp
+from torch.utils.flop_counter import FlopCounterMode
+interp.set_threads(int(sys.argv[3]))
+from analyses.views.report import write_report
+model = interp.load_model(sys.argv[1])
+vocab = model.cfg.vocab_size
+ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (4, 64), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    model(ids)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        model(ids)
+        times.append(time.perf_counter() - t)
+    with FlopCounterMode(display=False) as counter:
+        model(ids)
+    forward = counter.get_total_flops()
+marks = []
+with FlopCounterMode(display=False) as counter:
+    record = lambda stage: marks.append((stage, counter.get_total_flops()))
+    write_report(model, sys.argv[2], progress=record, overwrite=True)
+    marks.append(("end", counter.get_total_flops()))
+stages = {a[0]: b[1] - a[1] for a, b in zip(marks, marks[1:])}
+print(json.dumps({"forward_flops": forward, "forward_s": sorted(times)[1], "stages": stages}))
+"""
+
+
+def count_flops(model: str, threads: int) -> None:
+    """Each stage's FLOPs, as forward-equivalents and as seconds at the plain forward's rate (``--flops``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "INTERP_PROGRESS": "0"}
+    tree = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(tree)
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run([sys.executable, "-c", _FLOPS, model, out, str(threads)], cwd=tree, env=env,
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"counting the report's FLOPs failed:\n{done.stderr[-3000:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    rate = r["forward_flops"] / r["forward_s"]
+    print(f"plain forward (4 x 64 tokens): {r['forward_flops'] / 1e9:.1f} GFLOP in {r['forward_s']:.3f} s = "
+          f"{rate / 1e9:.1f} GFLOP/s on {threads} thread(s)")
+    print("| stage | GFLOP | forward-equivalents | s at the forward's rate |")
+    print("|---|---:|---:|---:|")
+    for stage, flops in [*r["stages"].items(), ("total", sum(r["stages"].values()))]:
+        print(f"| {stage} | {flops / 1e9:.0f} | {flops / r['forward_flops']:.1f} | {flops / rate:.1f} |")
+
+
 def run_report(tree: Path, model: str, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "INTERP_PROGRESS": "0"}
@@ -74,7 +132,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tree", type=Path, action="append", help="a source tree (repeat to compare; default: this one)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--flops", action="store_true", help="count each stage's FLOPs instead of timing the report")
     args = p.parse_args(argv)
+    if args.flops:
+        count_flops(args.model, args.threads)
+        return 0
     trees = [t.resolve() for t in (args.tree or [Path(__file__).resolve().parents[1]])]
     print(f"# interp report --model {args.model} --threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}")

@@ -17,7 +17,7 @@ Conditions, each (condition, length) in a fresh process, interleaved (every cond
 
 Head sets: ``retrieval``: every key/value head that serves one of the model's retrieval heads (``retrieval_heads``,
 the heads above 0.1 in notebooks/long_context.md, or ``--retrieval-heads``) keeps full attention, every other one
-that can stream streams; ``gates`` (SmolLM2 only): the ``--gate-share`` of key/value heads with the lowest
+that can stream streams; ``gates``: the ``--gate-share`` of key/value heads with the lowest
 DuoAttention-style gates (``analyses.streaming_gates``, 40 steps, cached under ``~/.cache/interp-bench``) stream.
 
 Needle accuracy: the share of the needle's tokens greedy decoding reproduces in place (``needle_prompts``, seed 1,
@@ -199,7 +199,8 @@ def child_ours(spec: dict) -> dict:
 # -- the parent --------------------------------------------------------------------------------------------------
 def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: float, gate_steps: int,
               wanted=("retrieval", "gates")) -> dict:
-    """{set name: the key/value heads (layer, kv head) that stream}, for the ``wanted`` sets (gates: SmolLM2 only)."""
+    """{set name: the key/value heads (layer, kv head) that stream}, for the ``wanted`` sets (Gemma 3's gates are
+    fitted on its global layers' key/value heads, the ones that can stream)."""
     from interp.streaming import streamable_heads
 
     cfg = model.cfg
@@ -207,7 +208,7 @@ def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: fl
     kv = sorted({(l, h // group[l]) for l, h in streamable_heads(model)})
     keep = {(l, h // group[l]) for l, h in retrieval}
     sets = {"retrieval": [g for g in kv if g not in keep]} if "retrieval" in wanted else {}
-    if name == "smollm2" and "gates" in wanted:
+    if "gates" in wanted:
         import pandas as pd
 
         path = VENV.parent / f"gates-{name}-steps{gate_steps}.csv"
@@ -215,7 +216,7 @@ def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: fl
             from analyses.streaming_gates import streaming_gates
 
             print(f"gates: streaming_gates({name}, sink {SINK}, window {WINDOW}, steps {gate_steps}), cached in "
-                  f"{path}; about 10 minutes on one thread", flush=True)
+                  f"{path}; SmolLM2 about 10 minutes on one thread", flush=True)
             df = streaming_gates(model, sink=SINK, window=WINDOW, steps=gate_steps)
             df[["layer", "head", "kv_head", "gate"]].to_csv(path, index=False)
         gates = pd.read_csv(path).groupby(["layer", "kv_head"]).gate.first().sort_values(kind="stable")
@@ -316,7 +317,7 @@ def main() -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--retrieval-heads", nargs="+", help="layer.head (one model only)")
     parser.add_argument("--sets", nargs="+", default=["retrieval", "gates"], choices=["retrieval", "gates"],
-                        help="head sets (gates: SmolLM2 only; computed once, about 10 minutes, then cached)")
+                        help="head sets (gates: fitted once per model, SmolLM2 about 10 minutes, then cached)")
     parser.add_argument("--gate-share", type=float, default=0.75, help="share of key/value heads streaming (gates)")
     parser.add_argument("--gate-steps", type=int, default=40)
     parser.add_argument("--json", type=Path, help="write the rows here")

@@ -1,0 +1,25 @@
+"""benchmarks/bench_report.py --flops: each stage of the report's floating-point operations, counted exactly (torch's
+FlopCounterMode), as forward-equivalents and seconds at the plain forward's rate; the figures in BENCHMARKS.md come
+from it on SmolLM2, this keeps the count working on the toy model."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_report  # noqa: E402
+
+
+def test_flops_per_stage_add_up(capsys):
+    bench_report.count_flops("toy-induction", threads=1)
+    out = capsys.readouterr().out
+    rows = {m[0]: (float(m[1]), float(m[2]), float(m[3]))  # stage: GFLOP, forward-equivalents, seconds
+            for m in re.findall(r"^\| ([a-z ]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
+    assert {"heads", "ablation", "classes", "pruning", "total"} <= set(rows), out
+    stages = [v for k, v in rows.items() if k != "total"]
+    # forward-equivalents add up to the total (each rounded to 0.1), and every study does arithmetic
+    assert abs(sum(v[1] for v in stages) - rows["total"][1]) <= 0.05 * len(stages) + 1e-9
+    assert all(rows[s][1] > 0 for s in ("heads", "ablation", "pruning"))
+    assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ s = [\d.]+ GFLOP/s on 1 thread", out)
