@@ -15,11 +15,12 @@ import bench_report  # noqa: E402
 def test_flops_per_stage_add_up(capsys):
     bench_report.count_flops("toy-induction", threads=1)
     out = capsys.readouterr().out
-    rows = {m[0]: (float(m[1]), float(m[2]), float(m[3]))  # stage: GFLOP, forward-equivalents, seconds
-            for m in re.findall(r"^\| ([a-z ]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
+    rows = {m[0]: tuple(map(float, m[1:]))  # stage: GFLOP, forward-equivalents, seconds at two rates
+            for m in re.findall(r"^\| ([a-z ]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out, re.M)}
     assert {"heads", "ablation", "classes", "pruning", "total"} <= set(rows), out
     stages = [v for k, v in rows.items() if k != "total"]
     # forward-equivalents add up to the total (each rounded to 0.1), and every study does arithmetic
     assert abs(sum(v[1] for v in stages) - rows["total"][1]) <= 0.05 * len(stages) + 1e-9
     assert all(rows[s][1] > 0 for s in ("heads", "ablation", "pruning"))
+    assert rows["total"][0] > 0 and rows["total"][3] <= rows["total"][2]  # the fastest linear beats a forward
     assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ s = [\d.]+ GFLOP/s on 1 thread", out)
