@@ -20,7 +20,7 @@ CPU seconds.
 profile at these lengths) as forward-equivalents and as the seconds they take at the plain
 forward's own rate on this machine (its FLOPs over its time): the time the stage would take if it did nothing but
 the model's arithmetic, as fast as a plain forward does it. Its timings are not the report's (the counter slows
-every op); its counts are exact.
+every op); its counts are exact. Its rates are CPU seconds (steady beside other processes, with one thread).
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ with torch.no_grad():
     model(ids)
     times = []
     for _ in range(3):
-        t = time.perf_counter()
+        t = time.process_time()
         model(ids)
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     with FlopCounterMode(display=False) as counter:
         model(ids)
     forward = counter.get_total_flops()
@@ -92,11 +92,11 @@ rates = {}  # the model's own linear shapes on 256 rows, each timed alone for ha
 for k, n in sorted({(m.in_features, m.out_features) for m in model.hf.modules() if isinstance(m, torch.nn.Linear)}):
     x, w = torch.randn(256, k), torch.randn(n, k)
     torch.nn.functional.linear(x, w)
-    t, reps = time.perf_counter(), 0
-    while time.perf_counter() - t < 0.5:
+    t, reps = time.process_time(), 0
+    while time.process_time() - t < 0.5:
         torch.nn.functional.linear(x, w)
         reps += 1
-    rates[f"{k} -> {n}"] = 2 * 256 * k * n * reps / (time.perf_counter() - t)
+    rates[f"{k} -> {n}"] = 2 * 256 * k * n * reps / (time.process_time() - t)
 print(json.dumps({"forward_flops": forward, "forward_s": sorted(times)[1], "stages": stages, "rates": rates}))
 """
 
@@ -113,7 +113,7 @@ def count_flops(model: str, threads: int) -> None:
         raise SystemExit(f"counting the report's FLOPs failed:\n{done.stderr[-3000:]}")
     r = json.loads(done.stdout.strip().splitlines()[-1])
     rate = r["forward_flops"] / r["forward_s"]
-    print(f"plain forward (4 x 64 tokens): {r['forward_flops'] / 1e9:.1f} GFLOP in {r['forward_s']:.3f} s = "
+    print(f"plain forward (4 x 64 tokens): {r['forward_flops'] / 1e9:.1f} GFLOP in {r['forward_s']:.3f} CPU s = "
           f"{rate / 1e9:.1f} GFLOP/s on {threads} thread(s)")
     best = max(r["rates"].values())
     print("the model's linear layers alone on 256 rows: " + ", ".join(f"{shape} {v / 1e9:.0f}" for shape, v in

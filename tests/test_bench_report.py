@@ -23,4 +23,4 @@ def test_flops_per_stage_add_up(capsys):
     assert abs(sum(v[1] for v in stages) - rows["total"][1]) <= 0.05 * len(stages) + 1e-9
     assert all(rows[s][1] > 0 for s in ("heads", "ablation", "pruning"))
     assert rows["total"][0] > 0 and rows["total"][3] <= rows["total"][2]  # the fastest linear beats a forward
-    assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ s = [\d.]+ GFLOP/s on 1 thread", out)
+    assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ CPU s = [\d.]+ GFLOP/s on 1 thread", out)
