@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from hooks.names import hook_name
 from interp.sites import FRONT, head_columns
+from interp.progress import progress
 from interp.streaming import check_streamable, stream_heads
 
 from .batches import batch_of
@@ -152,6 +153,7 @@ def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_
     b = ids.shape[0]
     chunks = [slice(i, min(b, i + rows_per_pass)) for i in range(0, b, rows_per_pass)]
     first = None
+    bar = progress(total=steps + 1, desc=f"streaming gates: {steps} Adam steps and a last measuring pass", unit="pass")
     with torch.enable_grad(), model.hooks(hooks):
         for step in range(steps + 1):  # the last pass only measures
             opt.zero_grad()
@@ -166,6 +168,7 @@ def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_
             reg = sum(g.sum() for g in gates.values()) / n_gates
             loss = distance + l1 * float(reg.detach())
             first = loss if first is None else first
+            bar.update(1)
             if step == steps:
                 break
             (l1 * reg).backward()
@@ -173,4 +176,5 @@ def _optimise(model, ids, mask, positions, drop, gates, steps, lr, l1, rows_per_
             with torch.no_grad():
                 for g in gates.values():
                     g.clamp_(0.0, 1.0)
+    bar.close()  # not after an error: a log gets no "done" line for a stage that failed
     return {"loss_start": first, "loss_end": loss, "distance_end": distance, "l1_end": float(reg.detach())}

@@ -104,3 +104,16 @@ def test_gemma3_gates_only_its_full_attention_layers():
     everything_sliding = Gemma3TextConfig(**{**cfg.to_dict(), "layer_types": ["sliding_attention"] * 3})
     with pytest.raises(ValueError, match="no head of this gemma3_text model can stream"):
         streaming_gates(interp.load_model(Gemma3ForCausalLM(everything_sliding).eval()), ids, steps=1)
+
+
+def test_the_fit_shows_progress_in_a_log(toy, capsys):
+    """The fit takes minutes on a real model: a log gets a line when it starts and one when it ends."""
+    ids, positions = _copy_task(toy, n=2)
+    interp.set_progress("lines")
+    try:
+        streaming_gates(toy, ids, positions, sink=1, window=8, steps=3)
+    finally:
+        interp.set_progress(None)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "streaming gates: 3 Adam steps and a last measuring pass: 0/4 pass"
+    assert err[-1].startswith("streaming gates: 3 Adam steps and a last measuring pass: 4/4 pass, done in")
