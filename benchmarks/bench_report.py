@@ -20,7 +20,7 @@ CPU seconds.
 profile at these lengths) as forward-equivalents, as the seconds they take at the plain forward's own rate on
 this machine (its FLOPs over its time: the time the stage would take if it did nothing but the model's arithmetic, as
 fast as a plain forward does it), and at the rate of the model's fastest linear layer timed alone (each of its shapes
-on 256 rows): a floor no implementation of the same arithmetic goes below. The counter slows every op, so the report
+on 256 rows): a floor for this arithmetic with torch's matmul kernels on this core. The counter slows every op, so the report
 is not timed here; the counts are exact, the rates CPU seconds (steady beside other processes, with one thread).
 """
 
