@@ -36,6 +36,25 @@ import time
 from pathlib import Path
 
 
+# a plain forward of 4 x 64 tokens (ids inside the vocabulary), the median of 3 after a warm-up: the scale of both
+# child scripts below
+_FORWARD = """
+import torch
+
+
+def plain_forward(model, clock):
+    vocab = model.cfg.vocab_size
+    ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+        times = []
+        for _ in range(3):
+            t = clock()
+            model(ids)
+            times.append(clock() - t)
+    return ids, sorted(times)[1]
+"""
+
 # the report as `interp report --threads N` writes it, with each stage's wall and CPU seconds taken at the stage
 # callback write_report has in every version compared (CPU seconds: this process, all its threads)
 _SCRIPT = """
@@ -47,19 +66,12 @@ from analyses.views.report import write_report
 marks = [("load", time.perf_counter(), time.process_time())]
 model = interp.load_model(sys.argv[1])
 record = lambda stage: marks.append((stage, time.perf_counter(), time.process_time()))
-ids = torch.randint(100, 1000, (4, 64), generator=torch.Generator().manual_seed(0))  # a plain forward, for scale
 marks.append(("forward", time.perf_counter(), time.process_time()))
-with torch.no_grad():
-    model(ids)
-    forward = []
-    for _ in range(3):
-        t = time.perf_counter()
-        model(ids)
-        forward.append(time.perf_counter() - t)
+forward = plain_forward(model, time.perf_counter)[1]  # for scale
 summary = write_report(model, sys.argv[2], progress=record, overwrite=True)
 marks.append(("end", time.perf_counter(), time.process_time()))
 stages = {a[0]: (round(b[1] - a[1], 2), round(b[2] - a[2], 2)) for a, b in zip(marks, marks[1:])}
-print(json.dumps({"forward": sorted(forward)[1], "forward_block": stages.pop("forward")[0], "stages": stages,
+print(json.dumps({"forward": forward, "forward_block": stages.pop("forward")[0], "stages": stages,
                   "head_inputs": sorted(set(summary["head_inputs"].values())), "study": summary["study_inputs"], "threads": summary["threads"]}))
 """
 
@@ -71,18 +83,10 @@ from torch.utils.flop_counter import FlopCounterMode
 interp.set_threads(int(sys.argv[3]))
 from analyses.views.report import write_report
 model = interp.load_model(sys.argv[1])
-vocab = model.cfg.vocab_size
-ids = torch.randint(min(100, vocab // 2), min(1000, vocab), (4, 64), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
+ids, forward_s = plain_forward(model, time.process_time)
+with torch.no_grad(), FlopCounterMode(display=False) as counter:
     model(ids)
-    times = []
-    for _ in range(3):
-        t = time.process_time()
-        model(ids)
-        times.append(time.process_time() - t)
-    with FlopCounterMode(display=False) as counter:
-        model(ids)
-    forward = counter.get_total_flops()
+forward = counter.get_total_flops()
 marks = []
 with FlopCounterMode(display=False) as counter:
     record = lambda stage: marks.append((stage, counter.get_total_flops()))
@@ -98,7 +102,7 @@ for k, n in sorted({(m.in_features, m.out_features) for m in model.hf.modules() 
         torch.nn.functional.linear(x, w)
         reps += 1
     rates[f"{k} -> {n}"] = 2 * 256 * k * n * reps / (time.process_time() - t)
-print(json.dumps({"forward_flops": forward, "forward_s": sorted(times)[1], "stages": stages, "rates": rates}))
+print(json.dumps({"forward_flops": forward, "forward_s": forward_s, "stages": stages, "rates": rates}))
 """
 
 
@@ -108,7 +112,7 @@ def count_flops(model: str, threads: int) -> None:
     tree = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = str(tree)
     with tempfile.TemporaryDirectory() as out:
-        done = subprocess.run([sys.executable, "-c", _FLOPS, model, out, str(threads)], cwd=tree, env=env,
+        done = subprocess.run([sys.executable, "-c", _FORWARD + _FLOPS, model, out, str(threads)], cwd=tree, env=env,
                               capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"counting the report's FLOPs failed:\n{done.stderr[-3000:]}")
@@ -133,7 +137,7 @@ def run_report(tree: Path, model: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", _SCRIPT, model, out, str(threads)], cwd=tree, env=env, check=True,
+        done = subprocess.run([sys.executable, "-c", _FORWARD + _SCRIPT, model, out, str(threads)], cwd=tree, env=env, check=True,
                               capture_output=True, text=True)
         wall = time.perf_counter() - t0
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
-"""benchmarks/bench_report.py --flops: each stage of the report's floating-point operations, counted exactly (torch's
-FlopCounterMode), as forward-equivalents and seconds at the plain forward's rate; the figures in BENCHMARKS.md come
-from it on SmolLM2, this keeps the count working on the toy model."""
+"""benchmarks/bench_report.py on the toy model: the timed report gives every stage and a plain forward for scale, and
+``--flops`` each stage's floating-point operations, counted exactly (torch's FlopCounterMode), as forward-equivalents
+and seconds at two rates. The figures in BENCHMARKS.md come from it on SmolLM2."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ def test_flops_per_stage_add_up(capsys):
     assert all(rows[s][1] > 0 for s in ("heads", "ablation", "pruning"))
     assert rows["total"][0] > 0 and rows["total"][3] <= rows["total"][2]  # the fastest linear beats a forward
     assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ CPU s = [\d.]+ GFLOP/s on 1 thread", out)
+
+
+def test_the_timed_report_gives_every_stage_and_the_forward_for_scale():
+    r = bench_report.run_report(Path(__file__).resolve().parents[1], "toy-induction", threads=1)
+    assert {"load", "heads", "ablation", "pruning"} <= set(r["stages"])
+    assert all(wall >= 0 and cpu >= 0 for wall, cpu in r["stages"].values())
+    assert r["forward"] > 0 and r["threads"] == 1
