@@ -25,6 +25,7 @@ from .prompts import corpus_prompts, corpus_sentences, prompt_ids, repeated_rand
 from .labels import choose_scores, resolve_thresholds, site_kind
 from .scores import Tally, labelled, rule_pairs
 from .bootstrap import check_n_bootstrap
+from .needles import check_protocol
 
 __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
 
@@ -66,7 +67,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     thresholds: per score, the value a head needs for that label (``positional`` reads ``positional_fraction``);
         defaults ``analyses.DEFAULT_THRESHOLDS`` (0.4; sink 0.3; positional 0.9).
     n_bootstrap: resamples of the prompts for the 95% intervals ``<score>_lo`` and ``<score>_hi``.
-    protocol: retrieval's protocol (``analyses.retrieval.PROTOCOLS``): ``"interp"`` (default) or ``"wu2024"`` (Wu et
+    protocol: retrieval's protocol (``analyses.needles.PROTOCOLS``): ``"interp"`` (default) or ``"wu2024"`` (Wu et
         al.'s natural-sentence needle, up to 50 steps stopping at a newline, ROUGE-1 recall); recorded in
         ``df.attrs["protocol"]``. Refused where no score asked for reads it.
 
@@ -144,12 +145,10 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
 
 def _check_protocol(protocol, retrieval: bool, records) -> str:
     """A protocol that a requested score reads (only retrieval's runner reads one), and a name it knows."""
-    from .retrieval import _check_protocol  # noqa: PLC0415
-
     if not retrieval:
         raise ValueError(f"protocol={protocol!r} chooses how retrieval heads are measured, and no score asked for "
                          f"reads it ({[r.name for r in records]}); add \"retrieval\" to scores or drop protocol.")
-    return _check_protocol(protocol)
+    return check_protocol(protocol)
 
 
 def _prompt_length(seq_len, context, kinds: list[str], prompts, extra: list[str], retrieval: bool) -> int | None:

@@ -16,8 +16,10 @@ import torch
 
 from .prompts import _ordinary_ids, _special_frame, haystack, refuse_unreadable
 
-__all__ = ["NeedlePrompt", "needle_prompts", "rouge1_recall", "shortest_needle_prompt", "shortest_wu_prompt",
-           "wu_grid", "wu_needle_prompts"]
+PROTOCOLS = ("interp", "wu2024")  # ours, and Wu et al. 2024's (Retrieval_Head)
+
+__all__ = ["PROTOCOLS", "NeedlePrompt", "check_protocol", "needle_prompts", "rouge1_recall", "shortest_needle_prompt",
+           "shortest_wu_prompt", "wu_grid", "wu_needle_prompts"]
 
 _INTRO, _QUESTION = " The secret code is", "\n\nQuestion: What is the secret code? Answer: The secret code is"
 
@@ -257,3 +259,10 @@ def _newline_stop(tok):
     return lambda t: seen.setdefault(t, "\n" in tok.decode([t]))
 
 
+def check_protocol(protocol) -> str:
+    """``protocol`` if it is one of ``PROTOCOLS`` (the needle prompts this module builds), else one line naming them."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (\"interp\": 8 random digits, |needle| greedy "
+                         f"steps; \"wu2024\": Wu et al.'s natural-sentence needle, up to 50 steps stopping at a "
+                         f"newline, ROUGE-1 recall); got {protocol!r}.")
+    return protocol

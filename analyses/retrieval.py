@@ -51,16 +51,15 @@ from interp.site_pass import each_site
 from interp.streaming import cache_kwarg, output_cache
 
 from .bootstrap import check_n_bootstrap
-from .needles import (NeedlePrompt, _check_needle_len, _id_recall, _newline_stop, needle_prompts, rouge1_recall,
-                      shortest_needle_prompt, shortest_wu_prompt, wu_grid, wu_needle_prompts)
+from .needles import (NeedlePrompt, _check_needle_len, _id_recall, _newline_stop, check_protocol, needle_prompts,
+                      rouge1_recall, shortest_needle_prompt, shortest_wu_prompt, wu_grid, wu_needle_prompts)
 from .stability import halves, stability
 
-__all__ = ["PROTOCOLS", "run_needle", "retrieval_step_hits", "retrieval_heads", "retrieval_frame"]
+__all__ = ["run_needle", "retrieval_step_hits", "retrieval_heads", "retrieval_frame"]
 
 # "interp": our needle (random digits), |needle| greedy steps, token recall >= min_recall. "wu2024": Wu et al.'s
 # (github.com/nightdessert/Retrieval_Head, retrieval_head_detection.py): a natural sentence, up to 50 greedy steps
 # stopping at a newline, ROUGE-1 recall > min_recall. The module docstring and BENCHMARKS.md (issue 38) say more.
-PROTOCOLS = ("interp", "wu2024")
 
 
 def retrieval_step_hits(top: torch.Tensor, token: int, ids: torch.Tensor, needle: tuple[int, int]) -> torch.Tensor:
@@ -103,14 +102,6 @@ def run_needle(model, prompt: NeedlePrompt, n_steps: int | None = None,
 
 
 # -- the runner ----------------------------------------------------------------------------------------------------
-def _check_protocol(protocol) -> str:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {list(PROTOCOLS)} (\"interp\": 8 random digits, |needle| greedy "
-                         f"steps; \"wu2024\": Wu et al.'s natural-sentence needle, up to 50 steps stopping at a "
-                         f"newline, ROUGE-1 recall); got {protocol!r}.")
-    return protocol
-
-
 def _halves_stability(per_trial: torch.Tensor, real: torch.Tensor) -> dict:
     """``analyses.stability`` on the mean score of the counted trials' two halves (even and odd trials: each spans
     every length), over the model's real heads; ``trials`` the two halves' sizes. Fewer than 2 trials: NaN."""
@@ -145,7 +136,7 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     (labelled ``"nan"``) and a warning.
     """
     cfg = model.cfg
-    _check_protocol(protocol)
+    check_protocol(protocol)
     if not cfg.causal:
         raise ValueError("Retrieval heads are read while a causal model generates; this model is bidirectional.")
     check_n_bootstrap(n_bootstrap)
