@@ -1,6 +1,6 @@
 """Analyses of attention heads built on ``interp`` and ``hooks``.
 
-Every name below is loaded on first use (``analyses.detect_heads`` imports ``analyses.heads`` then), so that
+Every name below is loaded on first use (``analyses.detect_heads`` imports ``analyses.heads.detect`` then), so that
 ``import analyses`` and ``interp --help`` import neither torch nor matplotlib.
 """
 
@@ -15,40 +15,40 @@ _VIEWS = {
 }
 
 _LAZY = {
-    # Ablation and pruning (issue 4)
-    **dict.fromkeys(["ablate_heads", "ablation_scan"], "ablation"),
+    # data/: prompts, tasks, batches and metrics
     **dict.fromkeys(["embedding_similarity", "first_copy_loss", "lm_loss", "logit_difference", "second_copy_loss",
-                     "next_token_loss"], "metrics"),
-    **dict.fromkeys(["curve_summary", "head_importance", "prune_model", "pruning_curve"], "pruning"),
-    # Head detection (issue 3)
-    "detect_heads": "heads",
-    **dict.fromkeys(["head_labels", "label_evidence", "label_heads", "strongest_heads"], "labels"),
-    # The registry of head scores (issue 36): ours and a user's, one record each
-    **dict.fromkeys(["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "SCORE_DEFINITIONS", "head_score"], "registry"),
-    "pattern_scores": "scores",
-    # Circuits (issue 13): patching, attribution, composition
-    "attribution_patching": "attribution",
-    **dict.fromkeys(["direct_logit_attribution", "logit_lens"], "logit_attribution"),
-    **dict.fromkeys(["LowRank", "composition_scores", "ov_circuit", "qk_circuit"], "composition"),
-    **dict.fromkeys(["activation_patching", "path_patching"], "patching"),
-    **dict.fromkeys(["induction_task", "ioi_task"], "tasks"),
-    # The head taxonomy of the literature (issue 24), also through detect_heads(model, scores=[...])
-    **dict.fromkeys(["function_vector", "function_vector_scores", "fv_accuracy", "icl_tasks"], "function_vectors"),
-    **dict.fromkeys(["copy_suppression_scores", "effective_embedding", "successor_scores"], "taxonomy"),
-    **dict.fromkeys(["name_mover_scores", "s_inhibition_scores"], "taxonomy_ioi"),
-    # Long context (issue 25): retrieval heads from needle-in-a-haystack decoding, in O(n) memory
-    **dict.fromkeys(["needle_prompts", "retrieval_heads"], "retrieval"),
-    # Streaming heads (issue 26): sinks + a recent window for chosen heads, curves of metric and KV memory
-    **dict.fromkeys(["streaming_curve", "streaming_inputs", "streaming_order"], "streaming"),
-    **dict.fromkeys(["passkey_inputs", "streaming_gates"], "streaming_gates"),
-    # Why a head attends (issue 39): exact query/key attribution of attention scores, checked causally
-    **dict.fromkeys(["qk_attribution", "target_rule"], "qk_attribution"),
-    # Published head tables as checks (issue 38): GPT-2 small's IOI classes, a user's own table
+                     "next_token_loss"], "data.metrics"),
+    **dict.fromkeys(["induction_task", "ioi_task"], "data.tasks"),
+    "needle_prompts": "data.needles",
+    # heads/: the registry of head scores (ours and a user's, one record each), their labels, detect_heads
+    **dict.fromkeys(["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "SCORE_DEFINITIONS", "head_score"],
+                    "heads.registry"),
+    **dict.fromkeys(["head_labels", "label_evidence", "label_heads", "strongest_heads"], "heads.labels"),
+    "pattern_scores": "heads.scores",
+    "detect_heads": "heads.detect",
+    # causal/: ablation, patching, attribution patching, importance and pruning, over the batching engine
+    **dict.fromkeys(["ablate_heads", "ablation_scan"], "causal.ablation"),
+    **dict.fromkeys(["activation_patching", "path_patching"], "causal.patching"),
+    "attribution_patching": "causal.attribution",
+    **dict.fromkeys(["curve_summary", "head_importance", "prune_model", "pruning_curve"], "causal.pruning"),
+    # explain/: why a head attends and what it writes (QK attribution, logit attribution, composition)
+    **dict.fromkeys(["qk_attribution", "target_rule"], "explain.qk_attribution"),
+    **dict.fromkeys(["direct_logit_attribution", "logit_lens"], "explain.logit_attribution"),
+    **dict.fromkeys(["LowRank", "composition_scores", "ov_circuit", "qk_circuit"], "explain.composition"),
+    # long/: retrieval heads and streaming heads at long context
+    "retrieval_heads": "long.retrieval",
+    **dict.fromkeys(["streaming_curve", "streaming_inputs", "streaming_order"], "long.streaming"),
+    **dict.fromkeys(["passkey_inputs", "streaming_gates"], "long.streaming_gates"),
+    # taxonomy/: the head classes of the literature, also through detect_heads(model, scores=[...])
+    **dict.fromkeys(["copy_suppression_scores", "effective_embedding", "successor_scores"], "taxonomy.weights"),
+    **dict.fromkeys(["name_mover_scores", "s_inhibition_scores"], "taxonomy.ioi"),
+    **dict.fromkeys(["function_vector", "function_vector_scores", "fv_accuracy", "icl_tasks"],
+                    "taxonomy.function_vectors"),
+    # atlas/: a model's versioned head atlas, and published head tables as checks
+    **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas.atlas"),
     **dict.fromkeys(["ExpectationSet", "Expectation", "check_expectations", "needs_scores", "register_expectations"],
-                    "expectations"),
-    # A versioned head atlas of a model (issue 38)
-    **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
-    # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
+                    "atlas.expectations"),
+    # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
 __all__ = sorted(_LAZY)

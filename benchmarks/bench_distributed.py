@@ -42,8 +42,8 @@ def _worker(n_prompts: int, out: str | None) -> None:
     import torch.distributed as dist
 
     import interp
-    from analyses import heads, scores
-    from interp import distributed
+    from analyses.heads import detect as heads, scores
+    from interp.runtime import distributed
 
     parts: dict[str, float] = {}
 

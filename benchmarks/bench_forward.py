@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import interp  # noqa: E402
-from interp.kernels import fused_attention  # noqa: E402
-from interp.loading import resolve_device, resolve_dtype  # noqa: E402
+from interp.attention.kernels import fused_attention  # noqa: E402
+from interp.model.loading import resolve_device, resolve_dtype  # noqa: E402
 
 SHAPES = {
     "gpt2-small": dict(family="gpt2", n_layer=12, n_head=12, n_embd=768, vocab_size=50257),

@@ -1,4 +1,4 @@
-"""The function-vector CIE (analyses.function_vectors) both ways on one model, side by side in one process: the
+"""The function-vector CIE (analyses.taxonomy.function_vectors) both ways on one model, side by side in one process: the
 whole prompt once per head (``method="full"``) and the prompts' keys and values cached once, then the final token
 for a whole layer's heads per forward (``method="cached"``, the default). Prints each run's seconds, the speed-up,
 the largest difference between the two scores and the Spearman correlation of their rankings.
@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import interp  # noqa: E402
-from analyses.function_vectors import function_vector_scores  # noqa: E402
+from analyses.taxonomy.function_vectors import function_vector_scores  # noqa: E402
 
 
 def main(argv=None):

@@ -78,8 +78,8 @@ def run_case(case: str, n: int, device: str, dtype: str) -> dict:
     """One case in this (fresh) process: seconds, and on CUDA the peak allocated bytes."""
     import torch
 
-    from analyses.heads import detect_heads
-    from analyses.prompts import repeated_random_tokens
+    from analyses.heads.detect import detect_heads
+    from analyses.data.prompts import repeated_random_tokens
 
     model = build_model(device, dtype, n)
     ids = torch.stack(repeated_random_tokens(model, 1, n, torch.Generator().manual_seed(0))).to(model.device)
@@ -158,7 +158,7 @@ def build_small_model(device: str, dtype: str):
 
 def batched_vs_single(model, args) -> dict:
     """detect_heads on n_prompts prompts of prompt_len tokens: all in one batch vs one prompt per forward."""
-    from analyses.heads import detect_heads
+    from analyses.heads.detect import detect_heads
 
     kwargs = dict(n_prompts=args.n_prompts, seq_len=args.prompt_len)
     detect_heads(model, n_prompts=4, seq_len=args.prompt_len)  # warm-up

@@ -12,7 +12,7 @@ interleaved (sdpa, scores, retrieval at one length, then the next length):
 - ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens
   as the needle has (the
   same loop as ``run_needle``, without hooks): generation's own memory (the KV cache, growing each step);
-- ``retrieval``: one needle-in-a-haystack trial (``analyses.retrieval``) on the same prompt: the prefill on our flash
+- ``retrieval``: one needle-in-a-haystack trial (``analyses.long.retrieval``) on the same prompt: the prefill on our flash
   path and greedy decoding of the needle (8 digits, 16 tokens with the space before each), each head's top-1 key
   read at every step; compared with
   ``sdpa_decode``.
@@ -61,7 +61,7 @@ def _status(field: str) -> int:
 def _prompt(model, n: int):
     import torch
 
-    from analyses.prompts import _ordinary_ids, _special_frame
+    from analyses.data.prompts import _ordinary_ids, _special_frame
 
     prefix, _ = _special_frame(model)
     pool = _ordinary_ids(model)
@@ -77,7 +77,7 @@ def child(model_name: str, n: int, task: str) -> dict:
 
     import interp
     from analyses import detect_heads
-    from analyses.retrieval import retrieval_heads
+    from analyses.long.retrieval import retrieval_heads
 
     model = interp.load_model(model_name, attn="flash")
     ids = _prompt(model, n)
@@ -89,7 +89,7 @@ def child(model_name: str, n: int, task: str) -> dict:
                 model.hf(input_ids=ids[None], use_cache=False, logits_to_keep=1)
     elif task == "sdpa_decode":
         model.hf.set_attn_implementation("sdpa")
-        from analyses.needles import needle_prompts
+        from analyses.data.needles import needle_prompts
 
         prompt = needle_prompts(model, [n], [0.5])[0]
         needle, name = prompt.ids, interp.cache_kwarg(model.hf)  # read once, outside the timed loop
@@ -107,7 +107,7 @@ def child(model_name: str, n: int, task: str) -> dict:
     elif task == "user_score":
         import importlib.util
 
-        from analyses.prompts import haystack
+        from analyses.data.prompts import haystack
 
         spec = importlib.util.spec_from_file_location("punctuation_heads", USER_SCORE)
         spec.loader.exec_module(importlib.util.module_from_spec(spec))

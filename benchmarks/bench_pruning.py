@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 import interp
-from analyses import ablation_scan, embedding_similarity, engine, head_importance, prune_model, second_copy_loss
-from analyses.ablation import all_heads
-from analyses.batches import batch_of
-from analyses.toy import repeated_sequences
+from analyses import ablation_scan, embedding_similarity, head_importance, prune_model, second_copy_loss
+from analyses.causal import engine
+from analyses.causal.ablation import all_heads
+from analyses.data.batches import batch_of
+from analyses.data.toy import repeated_sequences
 
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"
 
@@ -159,8 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence for the pruning timings")
     parser.add_argument("--skip-scan", action="store_true", help="only the pruning timings")
     args = parser.parse_args(argv)
-    device = interp.loading.resolve_device(args.device)
-    dtype = interp.loading.resolve_dtype(args.dtype)
+    device = interp.model.loading.resolve_device(args.device)
+    dtype = interp.model.loading.resolve_dtype(args.dtype)
     print(f"torch {torch.__version__}, device {device}, dtype {dtype}, threads {torch.get_num_threads()}")
     print(f"\nPruning 50% of heads, {args.seq} tokens, median of {args.reps} interleaved forwards (flash path)\n")
     print("| model | batch | heads | params | unpruned ms | pruned ms | speedup |")

@@ -47,10 +47,10 @@ def _needle(model, n: int):
     the position that predicts the needle's k-th token to that token in the needle."""
     import torch
 
-    from analyses.needles import needle_prompts
+    from analyses.data.needles import needle_prompts
 
     if model.tokenizer is None:  # the toy model: a repeated sequence stands in for a needle
-        from analyses.toy import repeated_sequences
+        from analyses.data.toy import repeated_sequences
 
         ids = repeated_sequences(1, n // 2, model.cfg.vocab_size, torch.Generator().manual_seed(0), 0)[0]
         half = n // 2
@@ -68,7 +68,7 @@ def child(model_name: str, n: int, task: str, draws: int) -> dict:
 
     import interp
     from analyses import qk_attribution
-    from analyses.qk_causal import causal_summary
+    from analyses.explain.qk_causal import causal_summary
 
     model = interp.load_model(model_name, attn="flash")
     ids, pairs = _needle(model, n)
@@ -117,8 +117,8 @@ def induction(model_name: str, heads, n_prompts: int, half: int, draws: int) -> 
 
     import interp
     from analyses import qk_attribution
-    from analyses.prompts import repeated_random_tokens
-    from analyses.qk_causal import causal_summary
+    from analyses.data.prompts import repeated_random_tokens
+    from analyses.explain.qk_causal import causal_summary
 
     model = interp.load_model(model_name, attn="flash")
     ids = torch.stack(repeated_random_tokens(model, n_prompts, 2 * half + 1, torch.Generator().manual_seed(0)))

@@ -20,8 +20,8 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.prompts import corpus_prompts, repeated_random_tokens
-from interp.inputs import pad_ids, padded_positions
+from analyses.data.prompts import corpus_prompts, repeated_random_tokens
+from interp.tokens.inputs import pad_ids, padded_positions
 
 
 def batches(model, n_prompts: int, seq_len: int, batch_size: int, seed: int = 0):

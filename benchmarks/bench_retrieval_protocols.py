@@ -2,8 +2,8 @@
 |needle| greedy steps, token recall >= 0.5) and Wu et al.'s (``"wu2024"``: a natural-sentence needle, up to 50 greedy
 steps stopping at a newline, ROUGE-1 recall > 0.5). For each protocol: CPU time (``time.process_time``, run it with
 ``OMP_NUM_THREADS=1``), trials counted of run, the top 10 heads with their 95% intervals and the split-half
-stability (``df.attrs["stability"]["retrieval"]``, ``analyses.stability``); then the two protocols compared over all
-heads (Spearman, ``analyses.stability.spearman``) and their top 10 overlap.
+stability (``df.attrs["stability"]["retrieval"]``, ``analyses.data.stability``); then the two protocols compared over all
+heads (Spearman, ``analyses.data.stability.spearman``) and their top 10 overlap.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_retrieval_protocols.py                 # SmolLM2, 512..2048 x 5 depths
     OMP_NUM_THREADS=1 python benchmarks/bench_retrieval_protocols.py --quick         # toy model: checks the script
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import interp  # noqa: E402
-from analyses.retrieval import retrieval_heads  # noqa: E402
-from analyses.stability import spearman  # noqa: E402
+from analyses.long.retrieval import retrieval_heads  # noqa: E402
+from analyses.data.stability import spearman  # noqa: E402
 
 
 def _top(df, k: int = 10) -> list[tuple]:

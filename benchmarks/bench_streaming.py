@@ -5,7 +5,7 @@ The streaming heads are whole key/value groups (every query head of a chosen key
 fixed seed): on a grouped-query model only those shrink the cache (SmolLM2: 9 query heads on 3 key/value heads per
 layer). Each configuration prefills the same prompt into its cache and decodes ``--new`` tokens greedily; the rounds
 are interleaved (full, 25, 50, 75, then again) on a needle-in-a-haystack prompt
-(``analyses.retrieval``) and the median over rounds is reported. KV bytes are what the cache
+(``analyses.long.retrieval``) and the median over rounds is reported. KV bytes are what the cache
 holds after decoding (``interp.kv_cache_bytes``). Peak memory: the growth of the process's peak RSS over its RSS
 before the configuration (``/proc/self/clear_refs`` resets the peak, ``malloc_trim`` returns freed memory first).
 glibc raises its mmap threshold to the size of freed blocks, so that the streaming kernel's per-tile buffers
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import interp
-from analyses.needles import needle_prompts
+from analyses.data.needles import needle_prompts
 
 
 def _status(field: str) -> int:

@@ -28,7 +28,7 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.prompts import repeated_random_tokens
+from analyses.data.prompts import repeated_random_tokens
 from analyses.views import attention_grid, head_view
 
 RESPOND = """async ([selector, type, fx, fy]) => {

@@ -18,7 +18,7 @@ Conditions, each (condition, length) in a fresh process, interleaved (every cond
 Head sets: ``retrieval``: every key/value head that serves one of the model's retrieval heads (``retrieval_heads``,
 the heads above 0.1 in notebooks/long_context.md, or ``--retrieval-heads``) keeps full attention, every other one
 that can stream streams; ``gates``: the ``--gate-share`` of key/value heads with the lowest
-DuoAttention-style gates (``analyses.streaming_gates``, 40 steps, cached under ``~/.cache/interp-bench``) stream.
+DuoAttention-style gates (``analyses.long.streaming_gates``, 40 steps, cached under ``~/.cache/interp-bench``) stream.
 
 Needle accuracy: the share of the needle's tokens greedy decoding reproduces in place (``needle_prompts``, seed 1,
 depths 0.1 / 0.5 / 0.9). KV bytes: what the cache's tensors hold after the last prompt's decoding. Peak: the growth
@@ -213,7 +213,7 @@ def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: fl
 
         path = VENV.parent / f"gates-{name}-steps{gate_steps}.csv"
         if not path.exists():
-            from analyses.streaming_gates import streaming_gates
+            from analyses.long.streaming_gates import streaming_gates
 
             print(f"gates: streaming_gates({name}, sink {SINK}, window {WINDOW}, steps {gate_steps}), cached in "
                   f"{path}; SmolLM2 about 10 minutes on one thread", flush=True)
@@ -227,7 +227,7 @@ def head_sets(model, name: str, retrieval: list[tuple[int, int]], gate_share: fl
 def _spec(model, name, condition, stream_kv, n, prompt_file) -> dict:
     """What one child needs: the streaming query heads (ours), key/value heads (duo) and SnapKV's ratio on the
     layers it compresses, set so that it holds what our StreamingCache holds on those layers."""
-    from interp.bundled import bundled_folder
+    from interp.model.bundled import bundled_folder
     from interp.streaming.heads import layer_windows
 
     cfg = model.cfg
@@ -258,7 +258,7 @@ def _spawn(python: str, spec: dict, tmp: Path) -> dict:
 
 def run_model(name: str, lengths: list[int], depths: list[float], args, python: Path, tmp: Path) -> list[dict]:
     import interp
-    from analyses.needles import needle_prompts
+    from analyses.data.needles import needle_prompts
 
     model = interp.load_model(name, attn="flash")
     retrieval = [tuple(int(x) for x in h.split(".")) for h in (args.retrieval_heads or RETRIEVAL[name].split())]

@@ -12,7 +12,7 @@ trial counts when the answer recalls more than half the needle, and a head's sco
   attention weights); the prefill materialises each layer's ``(heads, n, n)`` pattern;
 - ``wu_split``: their code's split, prefill on a fused kernel (they use flash-attention 2; on a CPU the stand-in is
   HF's sdpa), then eager attention with ``output_attentions`` for the decoding steps only;
-- ``ours``: ``analyses.retrieval.retrieval_heads`` (our flash path; each step's top-1 key from one query row).
+- ``ours``: ``analyses.long.retrieval.retrieval_heads`` (our flash path; each step's top-1 key from one query row).
 
 Same prompts (``needle_prompts``: lengths x depths, seed 0, 8 random digits), same protocol on both sides: as many
 decoding steps as the needle has tokens (Wu et al. decode up to 50 and stop at a newline; steps past the answer can
@@ -112,15 +112,15 @@ def wu_scores(hf, prompts, min_recall: float = 0.5, split: bool = False):
 def child(model_name: str, n: int, task: str, prompt_file: str, depths: list[float]) -> dict:
     """Run one task at one length in this (fresh) process."""
     import interp
-    from interp.bundled import bundled_folder
+    from interp.model.bundled import bundled_folder
 
     saved = torch.load(prompt_file)
-    from analyses.needles import NeedlePrompt
+    from analyses.data.needles import NeedlePrompt
 
     prompts = [NeedlePrompt(torch.tensor(p["ids"]), tuple(p["needle"]), p["length"], p["depth"]) for p in saved]
     if task == "ours":
-        from analyses.retrieval import retrieval_heads
-        from analyses.needles import needle_prompts
+        from analyses.long.retrieval import retrieval_heads
+        from analyses.data.needles import needle_prompts
 
         model = interp.load_model(model_name, attn="flash")
         again = needle_prompts(model, [n], depths)
@@ -239,7 +239,7 @@ def main() -> None:
     if "ours" not in args.tasks:
         parser.error("--tasks must include ours: the other tasks are compared with it")
     import interp
-    from analyses.needles import needle_prompts
+    from analyses.data.needles import needle_prompts
 
     if args.quick:
         args.model, args.lengths = "toy-induction", [40, 64]

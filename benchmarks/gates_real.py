@@ -1,4 +1,4 @@
-"""DuoAttention-style gates on a real model (``analyses.streaming_gates``), then needle accuracy when the key/value
+"""DuoAttention-style gates on a real model (``analyses.long.streaming_gates``), then needle accuracy when the key/value
 heads with the lowest gates stream, against as many random key/value heads (equal KV memory). Decoding uses the
 streaming cache (``needle_streaming.accuracy``). One process, run it alone.
 
@@ -16,8 +16,8 @@ from needle_causal import interval
 from needle_streaming import accuracy
 
 import interp
-from analyses.needles import needle_prompts
-from analyses.streaming_gates import streaming_gates
+from analyses.data.needles import needle_prompts
+from analyses.long.streaming_gates import streaming_gates
 
 
 def main() -> None:

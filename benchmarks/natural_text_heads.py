@@ -17,8 +17,8 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.prompts import corpus_prompts, haystack
-from analyses.rules import duplicate_token, induction
+from analyses.data.prompts import corpus_prompts, haystack
+from analyses.heads.rules import duplicate_token, induction
 
 SCORES = ["induction", "induction_text", "duplicate_token", "duplicate_token_text"]
 

@@ -21,9 +21,9 @@ import torch
 
 import interp
 from analyses import ablate_heads
-from analyses.bootstrap import mean_interval
-from analyses.retrieval import retrieval_heads, run_needle
-from analyses.needles import needle_prompts
+from analyses.data.bootstrap import mean_interval
+from analyses.long.retrieval import retrieval_heads, run_needle
+from analyses.data.needles import needle_prompts
 
 
 def accuracy(model, prompts) -> list[float]:

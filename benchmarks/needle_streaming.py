@@ -22,8 +22,8 @@ import torch
 from needle_causal import interval
 
 import interp
-from analyses.retrieval import retrieval_heads
-from analyses.needles import needle_prompts
+from analyses.long.retrieval import retrieval_heads
+from analyses.data.needles import needle_prompts
 
 
 def accuracy(model, prompts, heads, sink: int, window: int) -> tuple[list[float], int]:

@@ -1,6 +1,6 @@
 """Successor and copy suppression as the papers define them against the scores before issue 38: top heads, the
 Spearman correlation of each old/new pair over every head, CPU time, and each score's stability (two disjoint
-halves of its items, ``analyses.stability``).
+halves of its items, ``analyses.data.stability``).
 
     OMP_NUM_THREADS=1 python benchmarks/published_taxonomy.py --model smollm2
     OMP_NUM_THREADS=1 python benchmarks/published_taxonomy.py --model gemma3 --json out.json
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import interp  # noqa: E402
-from analyses.stability import spearman  # noqa: E402
-from analyses.taxonomy import copy_suppression_scores, successor_scores  # noqa: E402
+from analyses.data.stability import spearman  # noqa: E402
+from analyses.taxonomy.weights import copy_suppression_scores, successor_scores  # noqa: E402
 
 RUNS = {
     "successor": lambda m: successor_scores(m),

@@ -17,7 +17,7 @@ import torch
 
 import interp
 from analyses import head_importance, lm_loss, streaming_curve, streaming_curve_plot
-from analyses.prompts import haystack
+from analyses.data.prompts import haystack
 
 
 def main() -> None:

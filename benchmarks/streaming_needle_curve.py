@@ -2,7 +2,7 @@
 order of the retrieval score (least retrieval first, Wu et al. 2024) and in random orders, with the KV memory of each
 step (``analyses.streaming_curve``).
 
-The needle is read teacher-forced: each prompt (``analyses.needles.needle_prompts``: a needle of 8 random digits (16 tokens: a space before each) at a
+The needle is read teacher-forced: each prompt (``analyses.data.needles.needle_prompts``: a needle of 8 random digits (16 tokens: a space before each) at a
 depth of a haystack of the project's sentences, then the question) is followed by its answer, and the metric is the
 share of the answer's digits (not the spaces between them, which need no needle) that the model predicts (greedy)
 from the tokens before them. The streaming mask is exact
@@ -25,8 +25,8 @@ import torch
 
 import interp
 from analyses import streaming_curve, streaming_curve_plot
-from analyses.retrieval import retrieval_heads
-from analyses.needles import needle_prompts
+from analyses.long.retrieval import retrieval_heads
+from analyses.data.needles import needle_prompts
 
 NEEDLE = 8
 

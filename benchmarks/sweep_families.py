@@ -41,8 +41,8 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root: tests.tiny
 
 import interp  # noqa: E402
-from interp.inputs import padded_positions  # noqa: E402
-from interp.probe import set_attention_key  # noqa: E402
+from interp.tokens.inputs import padded_positions  # noqa: E402
+from interp.structure.probe import set_attention_key  # noqa: E402
 from tests.tiny import model_class, tiny_model  # noqa: E402
 
 N_POS = 14

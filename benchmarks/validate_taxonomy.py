@@ -26,15 +26,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import interp  # noqa: E402
-from analyses.ablation import ablate_heads  # noqa: E402
-from analyses.function_vectors import (_mean_z, fv_accuracy, function_vector, function_vector_scores, icl_prompts,  # noqa: E402
+from analyses.causal.ablation import ablate_heads  # noqa: E402
+from analyses.taxonomy.function_vectors import (_mean_z, fv_accuracy, function_vector, function_vector_scores, icl_prompts,  # noqa: E402
                                        icl_tasks, task_accuracy)
-from analyses.batches import _main_output  # noqa: E402
-from analyses.bootstrap import mean_interval  # noqa: E402
-from analyses.taxonomy import _bundled_lists, copy_suppression_scores, ordinal_lists, successor_scores  # noqa: E402
-from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores  # noqa: E402
-from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores  # noqa: E402
-from analyses.tasks import induction_task  # noqa: E402
+from analyses.data.batches import _main_output  # noqa: E402
+from analyses.data.bootstrap import mean_interval  # noqa: E402
+from analyses.taxonomy.weights import _bundled_lists, copy_suppression_scores, ordinal_lists, successor_scores  # noqa: E402
+from analyses.taxonomy.behaviour import copy_suppression_behaviour_scores  # noqa: E402
+from analyses.taxonomy.ioi import _ioi, name_mover_scores, s_inhibition_scores  # noqa: E402
+from analyses.data.tasks import induction_task  # noqa: E402
 
 
 def _top(df, column, k, extra=None):
@@ -134,7 +134,7 @@ def validate(model, classes, k, draws, quick, seed=0):
         n = 40 if quick else 200
         full = copy_suppression_scores(model, n_tokens=2 * n)
         g = torch.Generator().manual_seed(seed + 1)
-        from analyses.prompts import _ordinary_ids
+        from analyses.data.prompts import _ordinary_ids
 
         pool = _ordinary_ids(model)
         sample = pool[torch.randperm(len(pool), generator=g)[:2 * n]]
@@ -197,7 +197,7 @@ def validate(model, classes, k, draws, quick, seed=0):
 
 
 def behaviour(model, k, draws, quick, seed=0):
-    """The behavioural copy-suppression signature (analyses.taxonomy_behaviour) of the top-k weight-based copy
+    """The behavioural copy-suppression signature (analyses.taxonomy.behaviour) of the top-k weight-based copy
     suppressors, of k heads drawn at random from the same layers (``draws`` sets), and of all heads."""
     t = time.time()
     heads, _ = _top(copy_suppression_scores(model, n_tokens=80 if quick else 400), "copy_suppression", k)

@@ -19,7 +19,7 @@ class AttentionMeta:
     """What is needed to rebuild attention patterns from cached q and k, exactly as the eager path does: the run's
     values beside the model's attention sites, which are the one record of each site's settings.
 
-    sites: per index, the model's attention site (``interp.sites.Site``: ``name``, ``scale`` as the model passed it,
+    sites: per index, the model's attention site (``interp.attention.sites.Site``: ``name``, ``scale`` as the model passed it,
     head counts, ``window`` (keys before, keys after; a causal site's after is 0), ``softcap``, ``causal``,
     ``key_mask``, ...; index = layer where each layer has one site). attention_mask: (b, k) with 1 for real tokens,
     or None for no padding. sinks: index -> (h,) sink logits, their values in this run, for sites with sinks.

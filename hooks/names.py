@@ -206,7 +206,7 @@ def hook_name(kind: str, where, stack: str | None = None) -> str:
     ``hook_name("resid_pre", 0) == "blocks.0.hook_resid_pre"``; in an encoder-decoder model with its ``stack``:
     ``hook_name("resid_post", 1, "decoder") == "decoder.blocks.1.hook_resid_post"``, and ``"cross_attn_out"`` for
     a decoder block's cross-attention output), or, for the kinds an attention site has (q, k, v, attn_scores,
-    pattern, z, lse, result), a site's name or anything with a ``name`` (an ``interp.sites.Site``), on any model:
+    pattern, z, lse, result), a site's name or anything with a ``name`` (an ``interp.attention.sites.Site``), on any model:
     ``hook_name("z", "decoder.blocks.0.cross_attn") == "decoder.blocks.0.cross_attn.hook_z"``.
 
     >>> hook_name("pattern", 2), hook_name("q", "encoder.blocks.1.attn"), hook_name("cross_attn_out", 0, "decoder")

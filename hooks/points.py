@@ -18,7 +18,7 @@ from .names import unknown_name_error
 __all__ = ["HookPoint", "HookHandle", "HookRegistry", "NameFilter", "HookFn"]
 
 # torch's per-module hook tables (forward, pre-forward, their with-kwargs and always-called forms, backward): a copy
-# of a module carries them along, and a replayed block must not fire them again (analyses.engine, analyses.pruning)
+# of a module carries them along, and a replayed block must not fire them again (analyses.causal.engine, analyses.causal.pruning)
 TORCH_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                      "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
                      "_backward_pre_hooks")

@@ -8,18 +8,18 @@ Importing registers the attention keys ``interp_exact`` and ``interp_fused`` wit
 nothing else.
 """
 
-from . import masks as _masks  # noqa: F401  (registers our attention and mask functions)
-from .attention import EAGER_KEY, FLASH_KEY
-from .loading import BUNDLED, load_model
-from .config import ModelConfig
-from .model import HookedModel
-from .compat import HookedTransformer
-from .circuits import LowRank
-from .resid import ModelCache
+from .attention import masks as _masks  # noqa: F401  (registers our attention and mask functions)
+from .attention.paths import EAGER_KEY, FLASH_KEY
+from .model.loading import BUNDLED, load_model
+from .model.config import ModelConfig
+from .model.hooked import HookedModel
+from .model.compat import HookedTransformer
+from .lens.circuits import LowRank
+from .lens.resid import ModelCache
 from . import utils
 from .streaming import cache_kwarg, kv_cache_bytes, output_cache, stream_heads, stream_model, streaming_kv_bytes
-from .progress import set_progress
-from .threads import set_threads
+from .runtime.progress import set_progress
+from .runtime.threads import set_threads
 
 __all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "HookedTransformer", "LowRank", "ModelCache", "ModelConfig", "load_model",
            "cache_kwarg", "kv_cache_bytes", "output_cache", "set_progress", "set_threads", "stream_heads",

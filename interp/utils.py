@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from hooks import get_act_name
-from .tl_tokens import lm_loss
+from .lens.tokens import lm_loss
 
 __all__ = ["get_act_name", "get_corner", "lm_cross_entropy_loss", "to_numpy"]
 

@@ -10,8 +10,8 @@ from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, Ll
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 import interp
-from interp.inputs import padded_positions
-from interp.probe import set_attention_key
+from interp.tokens.inputs import padded_positions
+from interp.structure.probe import set_attention_key
 
 VOCAB = 99
 
@@ -98,4 +98,4 @@ def minilm():
 
 @pytest.fixture(scope="session")
 def minilm_folder():
-    return interp.loading.resolve_source("minilm")
+    return interp.model.loading.resolve_source("minilm")

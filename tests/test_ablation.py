@@ -10,10 +10,10 @@ from conftest import no_torch_hooks, padded_batch, tiny_hf
 
 import interp
 from analyses import ablate_heads, ablation_scan, embedding_similarity, lm_loss, logit_difference, second_copy_loss
-from analyses import engine
-from analyses.ablation import all_heads
-from analyses.metrics import first_copy_loss, mean_pool
-from analyses.toy import copy_losses, repeated_sequences
+from analyses.causal import engine
+from analyses.causal.ablation import all_heads
+from analyses.data.metrics import first_copy_loss, mean_pool
+from analyses.data.toy import copy_losses, repeated_sequences
 
 SCAN_TOL = 1e-5
 
@@ -327,7 +327,7 @@ def test_an_item_whose_run_is_not_finite_gets_nan_and_a_warning():
 def test_watching_finds_nan_by_sums_and_lets_infinities_through():
     """``finite.watching`` sums each module's output first on CPU: a NaN entry makes the sum NaN and is named; +inf
     and -inf in one output (a NaN sum, no NaN entry) are checked entry by entry and pass."""
-    from analyses.finite import watching
+    from analyses.causal.finite import watching
     model = interp.load_model(tiny_hf("llama"))
     ids = torch.randint(1, 99, (2, 10), generator=torch.Generator().manual_seed(0))
     layer = model.hf.model.layers[1].mlp.down_proj

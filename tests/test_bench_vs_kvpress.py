@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import interp
-from analyses.needles import needle_prompts
+from analyses.data.needles import needle_prompts
 from interp.streaming import streaming_kv_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

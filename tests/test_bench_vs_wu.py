@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import interp
-from analyses.retrieval import retrieval_heads, retrieval_step_hits, run_needle
-from analyses.needles import needle_prompts
-from interp.bundled import bundled_folder
+from analyses.long.retrieval import retrieval_heads, retrieval_step_hits, run_needle
+from analyses.data.needles import needle_prompts
+from interp.model.bundled import bundled_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_vs_wu  # noqa: E402

@@ -1,4 +1,4 @@
-"""The one bootstrap (analyses/bootstrap.py, issue 36) gives the numbers of the bootstraps it replaced. Each former
+"""The one bootstrap (analyses/data/bootstrap.py, issue 36) gives the numbers of the bootstraps it replaced. Each former
 function is kept here, as it was written, as the reference: the taxonomy's mean over items, the IOI scores' ratio of
 means, the head scores' ratio of per-prompt sums over per-prompt counts, and retrieval's mean over trials."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from analyses.bootstrap import check_n_bootstrap, mean_interval, ratio_interval, resample_counts
+from analyses.data.bootstrap import check_n_bootstrap, mean_interval, ratio_interval, resample_counts
 
 
-def _former_taxonomy_bootstrap(hits, n_bootstrap, seed):  # analyses/taxonomy_base.py, bootstrap
+def _former_taxonomy_bootstrap(hits, n_bootstrap, seed):  # analyses/taxonomy/base.py, bootstrap
     hits = hits.double()
     g = torch.Generator().manual_seed(seed)
     draws = torch.randint(hits.shape[0], (n_bootstrap, hits.shape[0]), generator=g)
@@ -21,7 +21,7 @@ def _former_taxonomy_bootstrap(hits, n_bootstrap, seed):  # analyses/taxonomy_ba
     return hits.mean(0), lo_hi[0], lo_hi[1]
 
 
-def _former_ioi_ratio(num, den, n_bootstrap, seed):  # analyses/taxonomy_ioi.py, _ratio_bootstrap
+def _former_ioi_ratio(num, den, n_bootstrap, seed):  # analyses/taxonomy/ioi.py, _ratio_bootstrap
     num, den = num.double(), den.double()
     g = torch.Generator().manual_seed(seed)
     n = num.shape[0]
@@ -33,7 +33,7 @@ def _former_ioi_ratio(num, den, n_bootstrap, seed):  # analyses/taxonomy_ioi.py,
     return num.mean(0) / den.mean(), lo_hi[0], lo_hi[1]
 
 
-def _former_scores_ratio(flat, rows, n_bootstrap, seed):  # analyses/scores.py, Tally.frame (one score)
+def _former_scores_ratio(flat, rows, n_bootstrap, seed):  # analyses/heads/scores.py, Tally.frame (one score)
     def ratio(num, den):
         return torch.where(den > 0, num / den.clamp(min=1), torch.nan)
 
@@ -48,7 +48,7 @@ def _former_scores_ratio(flat, rows, n_bootstrap, seed):  # analyses/scores.py, 
     return ratio(flat.sum(0), rows.sum()), lo_hi[0], lo_hi[1]
 
 
-def _former_retrieval(per_trial, n_bootstrap, seed):  # analyses/retrieval.py, retrieval_heads
+def _former_retrieval(per_trial, n_bootstrap, seed):  # analyses/long/retrieval.py, retrieval_heads
     g = torch.Generator().manual_seed(seed)
     draws = torch.randint(len(per_trial), (n_bootstrap, len(per_trial)), generator=g)
     boot = per_trial[draws].mean(1)

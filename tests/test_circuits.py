@@ -16,7 +16,7 @@ from test_ablation import _weights, assert_clean
 import interp
 from analyses import (activation_patching, attribution_patching, composition_scores, direct_logit_attribution,
                       induction_task, logit_difference, logit_lens, ov_circuit, path_patching, qk_circuit)
-from analyses.attribution import frozen_norm
+from analyses.causal.attribution import frozen_norm
 from tests.tiny import FAMILIES, tiny_model
 
 TOL = 1e-5

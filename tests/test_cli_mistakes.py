@@ -16,8 +16,8 @@ import pytest
 
 import interp
 from analyses.cli import main
-from interp import bundled
-from interp.files import atomic_write, staged_folder
+from interp.model import bundled
+from interp.runtime.files import atomic_write, staged_folder
 from tests.tiny import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
@@ -116,7 +116,7 @@ def test_a_full_disk_keeps_the_old_view_and_reports_one_line(tmp_path, capsys, m
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("interp.files._write_all", full)
+    monkeypatch.setattr("interp.runtime.files._write_all", full)
     assert main(["view", "--out", str(out), "--force"]) == 2
     assert "No space left on device" in _err(capsys)
     assert out.read_text() == "the good old page"  # before the fix: truncated

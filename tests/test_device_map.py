@@ -18,8 +18,8 @@ import interp
 from analyses import (ablation_scan, activation_patching, attribution_patching, composition_scores, detect_heads,
                       direct_logit_attribution, head_importance, induction_task, lm_loss, logit_lens, path_patching,
                       prune_model, pruning_curve)
-from analyses.metrics import Metric
-from interp import distributed
+from analyses.data.metrics import Metric
+from interp.runtime import distributed
 from tests.tiny import tiny_model
 
 # layer 1, the final norm and the unembedding on disk; the rest on the CPU

@@ -25,10 +25,10 @@ import torch
 import interp
 from analyses import (activation_patching, attribution_patching, detect_heads, embedding_similarity, head_importance,
                       induction_task, lm_loss, logit_difference, pruning_curve)
-from analyses.ablation import ablation_scan
-from analyses.batches import _main_output
-from analyses.metrics import Metric, mean_pool
-from interp import distributed
+from analyses.causal.ablation import ablation_scan
+from analyses.data.batches import _main_output
+from analyses.data.metrics import Metric, mean_pool
+from interp.runtime import distributed
 from tests.tiny import model_class, tiny_model
 
 # A rank runs its share of the rows, a batch of another shape, and CPU matrix kernels may sum in another order for
@@ -108,8 +108,8 @@ def minilm_studies(_folder=None) -> dict[str, pd.DataFrame]:
 
 def seq2seq_studies(folder) -> dict[str, pd.DataFrame]:
     """The sharded studies on a tiny T5 (an encoder-decoder: rows per (site, head)), padding on both sides."""
-    from analyses.seq2seq import copy_patching_task, copy_task
-    from analyses.metrics import target_loss
+    from analyses.data.seq2seq import copy_patching_task, copy_task
+    from analyses.data.metrics import target_loss
 
     model = interp.load_model(folder)
     batch = copy_task(model, n=7, length=8, seed=0)

@@ -10,7 +10,7 @@ from conftest import no_torch_hooks, tiny_hf
 from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
 
 import interp
-from interp.attention import eager_attention, flash_attention
+from interp.attention.paths import eager_attention, flash_attention
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_a_device_this_machine_lacks_is_a_clear_error(device, monkeypatch, capsy
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert interp.loading.available_devices()[:3] == ["cpu", "cuda", "cuda:0"]
-    assert str(interp.loading.resolve_device("cuda:0")) == "cuda:0"
+    assert interp.model.loading.available_devices()[:3] == ["cpu", "cuda", "cuda:0"]
+    assert str(interp.model.loading.resolve_device("cuda:0")) == "cuda:0"
     with pytest.raises(ValueError, match=rf"device '{device}'.*this machine has cpu, cuda, cuda:0.*or 'auto'"):
         interp.load_model(tiny_hf("gpt2"), device=device)
     assert main(["heads", "--device", device]) == 2

@@ -1,4 +1,4 @@
-"""Published head tables as checks (issue 38, ``analyses.expectations``), tested on a tiny GPT-2 of GPT-2 small's
+"""Published head tables as checks (issue 38, ``analyses.atlas.expectations``), tested on a tiny GPT-2 of GPT-2 small's
 shape (12 layers x 12 heads) whose weights are planted so that the heads of the ``gpt2-small`` table for
 previous-token, duplicate-token and induction really are those heads by ``detect_heads``'s scores, on both attention
 paths; the induction heads work by K-composition with a planted previous-token head, as in a trained model.
@@ -25,7 +25,7 @@ import transformers
 import interp
 from analyses import detect_heads
 from analyses.cli import main
-from analyses.expectations import (Expectation, ExpectationSet, EXPECTATION_SETS, check_expectations,
+from analyses.atlas.expectations import (Expectation, ExpectationSet, EXPECTATION_SETS, check_expectations,
                                    expectation_set, needs_scores, register_expectations)
 
 V = 14  # tokens 0..13, 0 the BOS: one-hot token features
@@ -302,7 +302,7 @@ def test_an_atlas_is_checked_like_a_head_table(table_model):
 
 
 def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, capsys, monkeypatch):
-    import analyses.heads
+    import analyses.heads.detect
     from analyses.cli.expect import run_expectations
 
     model = interp.load_model(table_model)
@@ -313,7 +313,7 @@ def test_run_expectations_adds_only_the_missing_scores_to_a_table(table_model, c
         asked.append(list(scores))
         return detect_heads(model, scores, **kwargs)
 
-    monkeypatch.setattr(analyses.heads, "detect_heads", spy)
+    monkeypatch.setattr(analyses.heads.detect, "detect_heads", spy)
     assert run_expectations(model, have, "gpt2-small", n_prompts=8) == 1  # IOI and weights scores need a tokenizer
     assert asked == [["induction", "duplicate_token"]]  # what the table lacks and this model can take
     assert "INCOMPLETE: 9 of 19 expected heads pass" in capsys.readouterr().out
@@ -324,7 +324,7 @@ def test_every_row_is_measured_on_a_random_model_of_gpt2_smalls_shape(tmp_path, 
     """The whole published table, the IOI and weights scores included, on a random 12 x 12 GPT-2 (d_model 48) with a
     real tokenizer (SmolLM2's): every row measured, and an untrained model fails the table (a near-uniform score
     can still put a head in a top k by chance: at most 2 of 19 here)."""
-    from interp.bundled import bundled_folder
+    from interp.model.bundled import bundled_folder
     from analyses.cli.expect import run_expectations
 
     tok = transformers.AutoTokenizer.from_pretrained(bundled_folder("smollm2"), local_files_only=True)

@@ -22,7 +22,7 @@ import interp
 from analyses import ablate_heads, ablation_scan, detect_heads, embedding_similarity, lm_loss, prune_model
 from hooks import ActivationCache, spec_for
 from tests.tiny import FAMILIES, tiny_model
-from interp.probe import set_attention_key
+from interp.structure.probe import set_attention_key
 
 N_POS = 14  # longer than the sliding windows (4 keys) of the tiny configs
 # families whose heads cannot be sliced per layer, and the reason the refusal must name

@@ -14,8 +14,8 @@ from conftest import TINY_FAMILIES, hf_kwargs, main_output, padded_batch, tiny_h
 from transformers import AutoModel
 
 import interp
-from interp.kernels import cuda_backend, fused_attention
-from interp.probe import set_attention_key
+from interp.attention.kernels import cuda_backend, fused_attention
+from interp.structure.probe import set_attention_key
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

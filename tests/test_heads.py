@@ -16,13 +16,13 @@ from conftest import tiny_hf
 from transformers import AutoModel
 
 import interp
-from analyses.heads import detect_heads
-from analyses.prompts import corpus_sentences, repeated_random_tokens
-from analyses import registry
-from analyses.labels import head_labels, label_heads
-from analyses.scores import argmax_rows, pattern_scores, rule_pairs
-from interp.site_pass import SiteRead
-from interp.sites import Site
+from analyses.heads.detect import detect_heads
+from analyses.data.prompts import corpus_sentences, repeated_random_tokens
+from analyses.heads import registry
+from analyses.heads.labels import head_labels, label_heads
+from analyses.heads.scores import argmax_rows, pattern_scores, rule_pairs
+from interp.attention.site_pass import SiteRead
+from interp.attention.sites import Site
 
 FLASH_TOL = 1e-5
 WEIGHT_SCORES = ["previous_token", "next_token", "self", "sink", "duplicate_token", "induction"]
@@ -178,7 +178,7 @@ def test_weights_from_qk_and_lse_equal_the_softmax_pattern(causal):
         assert len(pairs.b), record.name
         torch.testing.assert_close(flash.weights(pairs.b, pairs.q, pairs.k), eager.weights(pairs.b, pairs.q, pairs.k),
                                    atol=1e-6, rtol=0, msg=record.name)
-    import interp.stats as stats_module
+    import interp.attention.stats as stats_module
 
     budget = stats_module._TOP_BUDGET
     stats_module._TOP_BUDGET = b * h * 4 * 8  # tiles of 4 query rows by 8 keys

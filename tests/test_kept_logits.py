@@ -12,10 +12,10 @@ import torch
 import interp
 from analyses import (ablation_scan, activation_patching, attribution_patching, logit_difference, next_token_loss,
                       path_patching)
-from analyses import engine
-from analyses.engine import kept_logits
-from analyses.finite import _finite_rows
-from analyses.metrics import _token_nll
+from analyses.causal import engine
+from analyses.causal.engine import kept_logits
+from analyses.causal.finite import _finite_rows
+from analyses.data.metrics import _token_nll
 from tests.tiny import tiny_model
 
 TOL = 1e-5
@@ -99,8 +99,8 @@ def test_token_losses_and_finite_checks_equal_the_plain_forms():
 
 
 def test_copy_losses_read_the_kept_positions():
-    from analyses.metrics import first_copy_loss, second_copy_loss
-    from analyses.toy import repeated_sequences
+    from analyses.data.metrics import first_copy_loss, second_copy_loss
+    from analyses.data.toy import repeated_sequences
 
     g = torch.Generator().manual_seed(2)
     for bos in (None, 0):
@@ -121,10 +121,10 @@ def test_the_class_ablation_gives_the_numbers_of_whole_forwards():
     against the way it was computed before: every set through the scan engine with a plain function reading both
     losses off whole outputs."""
     from analyses import detect_heads
-    from analyses.ablation import _ablation_hooks, _Replacement, _site_masks
-    from analyses.engine import scan
-    from analyses.metrics import first_copy_loss, second_copy_loss
-    from analyses import class_ablation as study
+    from analyses.causal.ablation import _ablation_hooks, _Replacement, _site_masks
+    from analyses.causal.engine import scan
+    from analyses.data.metrics import first_copy_loss, second_copy_loss
+    from analyses.causal import class_ablation as study
 
     def old(model, batch, sets):
         zero, clean = _Replacement(model, "zero"), []

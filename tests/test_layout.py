@@ -98,7 +98,7 @@ def upward_imports(edges: dict[str, set[str]], packages=PACKAGES) -> list[tuple[
 
 def test_imports_go_hooks_interp_analyses_and_form_no_cycle():
     found = modules(ROOT)
-    assert {"hooks", "interp.model", "analyses.heads", "analyses.views.report"} <= set(found)
+    assert {"hooks", "interp.model.hooked", "analyses.heads.detect", "analyses.views.report"} <= set(found)
     edges = import_graph(found)
     assert sum(map(len, edges.values())) > 100  # the parser sees the imports (a few hundred)
     assert upward_imports(edges) == [], "imports must go hooks <- interp <- analyses"
@@ -106,17 +106,74 @@ def test_imports_go_hooks_interp_analyses_and_form_no_cycle():
                                  "module below them")
 
 
+# Issue 47: each package's rooms (sub-packages), lowest first. A room imports only the rooms before it and its own
+# modules; a package's top-level modules (``interp/utils.py``, the ``__init__``s) stand above all of its rooms.
+ROOMS = {
+    "hooks": [],
+    "interp": ["runtime", "tokens", "attention", "structure", "lens", "model", "streaming"],
+    "analyses": ["data", "heads", "causal", "explain", "long", "taxonomy", "atlas", "views", "cli"],
+}
+MAX_MODULES = 16  # per folder; cli/ (one module per verb) and views/ (one per view) may hold more
+ROOMY = ("analyses.cli", "analyses.views")
+
+
+def room(module: str) -> tuple[str, int]:
+    """(package, rank of the module's room): a room's index in ``ROOMS``, top-level modules above every room."""
+    parts = module.split(".")
+    rooms = ROOMS[parts[0]]
+    if len(parts) > 2 or (len(parts) == 2 and parts[1] in rooms):
+        return parts[0], rooms.index(parts[1])
+    return parts[0], len(rooms)
+
+
 def _room(module: str) -> int:
-    """0: a study (analyses/*.py), 1: a view (analyses/views/), 2: the CLI (analyses/cli/), on top."""
+    """0: a study (a room of analyses below views/), 1: a view (analyses/views/), 2: the CLI (analyses/cli/)."""
     return 2 if module.startswith("analyses.cli") else 1 if module.startswith("analyses.views") else 0
 
 
-def test_studies_views_and_the_cli_are_separate_rooms():
-    """Studies import no view and no CLI module, views no CLI module."""
+def downward_only(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs inside one package where a room imports a room above it. The package itself (its
+    ``__init__``) is not a room: ``analyses.views`` reads the one table of the views' names there (cycles through it
+    are caught by the cycle check)."""
+    return sorted((a, b) for a, deps in edges.items() for b in deps
+                  if "." in b and room(a)[0] == room(b)[0] and room(b)[1] > room(a)[1])
+
+
+def test_each_package_folder_is_a_declared_room():
+    """Every sub-package of hooks, interp and analyses is in ``ROOMS`` (so its place in the order is declared), and
+    every declared room exists."""
+    found = sorted(".".join(p.parent.relative_to(ROOT).parts) for package in PACKAGES
+                   for p in (ROOT / package).glob("*/__init__.py"))
+    declared = sorted(f"{package}.{name}" for package, rooms in ROOMS.items() for name in rooms)
+    assert found == declared, "add the new sub-package to ROOMS in its place (lowest first), or remove a stale name"
+
+
+def test_rooms_import_only_the_rooms_below_them():
     edges = import_graph(modules(ROOT))
-    upward = sorted((a, b) for a, deps in edges.items() for b in deps
-                    if a.startswith("analyses") and _room(b) > _room(a))
-    assert upward == [], "studies <- views <- CLI: a study that needs a view's helper should own it"
+    assert downward_only(edges) == [], ("a room imports one above it (ROOMS, lowest first): move what both need into "
+                                        "the lower room, or the importer up")
+
+
+def test_the_room_check_finds_an_arrow_that_runs_back_up():
+    edges = {"analyses.data.prompts": {"analyses.heads.registry"}, "analyses.heads.detect": {"analyses.data.prompts"},
+             "interp.utils": {"interp.lens.tokens"}, "interp.runtime.progress": {"interp.model.hooked"}}
+    assert downward_only(edges) == [("analyses.data.prompts", "analyses.heads.registry"),
+                                    ("interp.runtime.progress", "interp.model.hooked")]
+
+
+def test_no_folder_holds_more_than_16_modules_and_each_room_says_what_it_holds():
+    crowded, silent = {}, []
+    for package in PACKAGES:
+        for folder in [ROOT / package, *(p.parent for p in (ROOT / package).rglob("*/__init__.py"))]:
+            name = ".".join(folder.relative_to(ROOT).parts)
+            count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+            if count > MAX_MODULES and name not in ROOMY:
+                crowded[name] = count
+            doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+            if folder.parent != ROOT and ("import" not in doc.lower() or len(doc) < 40):
+                silent.append(name)
+    assert crowded == {}, f"folders over {MAX_MODULES} modules: {crowded}; group them into rooms"
+    assert silent == [], f"rooms whose docstring does not say what they hold and what they may import: {silent}"
 
 
 def test_studies_draw_nothing():

@@ -2,7 +2,7 @@
 
 The natural-text scores (``induction_text``, ``duplicate_token_text``) run their siblings' target rules on the
 corpus prompts and give their siblings' labels; the ``evidence`` column says which of the two cleared. Every
-target-rule score's ranking of heads is compared on two disjoint halves of its prompts (``analyses.stability``).
+target-rule score's ranking of heads is compared on two disjoint halves of its prompts (``analyses.data.stability``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 from conftest import tiny_hf
 
 import interp
-from analyses import registry
-from analyses.heads import detect_heads
-from analyses.labels import choose_scores, head_labels, label_evidence
-from analyses.scores import pattern_scores, rule_pairs
-from analyses.stability import stability
+from analyses.heads import registry
+from analyses.heads.detect import detect_heads
+from analyses.heads.labels import choose_scores, head_labels, label_evidence
+from analyses.heads.scores import pattern_scores, rule_pairs
+from analyses.data.stability import stability
 
 TEXT = {"induction_text": "induction", "duplicate_token_text": "duplicate_token"}
 
@@ -112,7 +112,7 @@ def test_every_attention_pattern_score_reports_its_stability_over_two_halves_of_
         assert s["halves"] == "prompts" and s["k"] == min(10, len(df)), (name, s)
         assert 0.0 <= s["top_k_overlap"] <= 1.0 and (s["spearman"] != s["spearman"] or -1.0 <= s["spearman"] <= 1.0)
         assert isinstance(s["unstable"], bool)
-    # the same numbers as analyses.stability on the two halves computed here: 10 prompts, even and odd
+    # the same numbers as analyses.data.stability on the two halves computed here: 10 prompts, even and odd
     half = [detect_heads(tiny_llama, scores=["sink"], prompts=p, n_bootstrap=20).sink for p in _halves(tiny_llama)]
     by_hand = stability(half[0].to_numpy(copy=True), half[1].to_numpy(copy=True))
     assert stable["sink"]["spearman"] == pytest.approx(by_hand["spearman"])
@@ -127,7 +127,7 @@ def test_every_attention_pattern_score_reports_its_stability_over_two_halves_of_
 def _halves(model):
     """The 10 corpus-set prompts detect_heads generated above (random tokens: this model has no tokenizer), split
     into even and odd."""
-    from analyses.heads import prompt_sets
+    from analyses.heads.detect import prompt_sets
 
     records = [registry.score("sink")]
     (_, rows, _), = prompt_sets(model, records, None, 10, 40, 0)

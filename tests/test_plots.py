@@ -23,7 +23,7 @@ import interp  # noqa: E402
 from analyses import ablation_scan, detect_heads, pruning_curve, second_copy_loss  # noqa: E402
 from analyses.views.plots import attention_heatmap, save_figure  # noqa: E402
 from analyses.views.study_plots import ablation_heatmap, head_score_grid, pruning_curve_plot  # noqa: E402
-from analyses.toy import repeated_sequences  # noqa: E402
+from analyses.data.toy import repeated_sequences  # noqa: E402
 
 # seaborn 0.13's heatmap calls Colormap.set_bad, which matplotlib 3.11 plans to deprecate; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:The set_bad function:PendingDeprecationWarning")
@@ -334,7 +334,7 @@ def _bengali_token() -> str:
     """A token of MiniLM's vocabulary in Bengali script (random tokens drew it as a box, with a warning)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(interp.loading.resolve_source("minilm"), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(interp.model.loading.resolve_source("minilm"), local_files_only=True)
     return next(t for t in sorted(tokenizer.get_vocab()) if t and all("\u0980" <= c <= "\u09ff" for c in t))
 
 

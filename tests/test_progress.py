@@ -8,7 +8,7 @@ import torch
 
 import interp
 from analyses import ablation_scan, detect_heads, pruning_curve, second_copy_loss
-from interp import progress as progress_module
+from interp.runtime import progress as progress_module
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, bidirectio
                                         causal_mask_function, eager_mask, sdpa_mask)
 from transformers.models.llama.modeling_llama import eager_attention_forward as hf_eager
 
-from interp.attention import EAGER_KEY, FLASH_KEY, eager_attention, flash_attention
+from interp.attention.paths import EAGER_KEY, FLASH_KEY, eager_attention, flash_attention
 
 
 class _Module(torch.nn.Module):

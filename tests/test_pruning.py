@@ -18,12 +18,12 @@ from test_ablation import _inputs, _model, _out, _weights, assert_clean
 import interp
 from analyses import (ablate_heads, ablation_scan, curve_summary, embedding_similarity, head_importance, lm_loss,
                       prune_model, pruning_curve, second_copy_loss)
-from analyses import pruning as pruning_mod
-from analyses.ablation import all_heads
-from analyses.metrics import first_copy_loss, next_token_loss
-from analyses.toy import repeated_sequences
-from interp.config import real_sites
-from interp.head_slicing import plan_layer
+from analyses.causal import pruning as pruning_mod
+from analyses.causal.ablation import all_heads
+from analyses.data.metrics import first_copy_loss, next_token_loss
+from analyses.data.toy import repeated_sequences
+from interp.model.config import real_sites
+from interp.structure.head_slicing import plan_layer
 
 PRUNE_TOL = 1e-5
 SENTENCES = Path(__file__).resolve().parents[1] / "analyses" / "data" / "sentences.txt"
@@ -356,7 +356,7 @@ def _toy_batch(toy, n=64, length=20):
 
 
 def _induction_heads(toy) -> list[tuple[int, int]]:
-    from analyses.heads import detect_heads
+    from analyses.heads.detect import detect_heads
 
     df = detect_heads(toy, scores=["induction"], seq_len=61)  # [BOS, x, x] with |x| = 30, as in training
     labelled = df[df.label == "induction"]

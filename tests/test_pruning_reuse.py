@@ -15,8 +15,8 @@ import torch
 
 import interp
 from analyses import ablate_heads, ablation_scan, embedding_similarity, head_importance, lm_loss, pruning_curve
-from analyses.ablation import _set_values, all_heads
-from analyses.pruning import _pick
+from analyses.causal.ablation import _set_values, all_heads
+from analyses.causal.pruning import _pick
 from tests.tiny import tiny_model
 
 TOL = 1e-5

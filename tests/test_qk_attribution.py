@@ -14,8 +14,8 @@ from transformers import BertForMaskedLM, T5ForConditionalGeneration
 import interp
 from analyses import qk_attribution, qk_attribution_plot, target_rule
 from analyses.cli import main
-from analyses.qk_causal import causal_summary
-from analyses.toy import repeated_sequences
+from analyses.explain.qk_causal import causal_summary
+from analyses.data.toy import repeated_sequences
 from tests.tiny import tiny_model
 
 from conftest import no_torch_hooks, padded_batch

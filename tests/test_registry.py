@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import analyses
 import interp
-from analyses import detect_heads, registry
+from analyses import detect_heads
+from analyses.heads import registry
 from analyses.cli import main
 from tests.tiny import model_class, tiny_model
 
@@ -163,9 +164,9 @@ class _Sizes(TorchDispatchMode):
 
 
 def test_t5_scoring_on_flash_builds_no_n_by_n_matrix(monkeypatch):
-    import interp.stats
+    import interp.attention.stats
 
-    monkeypatch.setattr(interp.stats, "_TOP_BUDGET", 2 * 4 * 8 * 8)  # the argmax's tiles: 8 x 8 positions, not n x n
+    monkeypatch.setattr(interp.attention.stats, "_TOP_BUDGET", 2 * 4 * 8 * 8)  # the argmax's tiles: 8 x 8 positions, not n x n
     model = interp.load_model(_tiny("t5"), attn="flash")
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, 99, (2, 47), generator=g),

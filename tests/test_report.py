@@ -164,10 +164,10 @@ def test_study_inputs_of_one_length_say_so_and_compute_no_padding():
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     import interp
-    from analyses.prompts import corpus_sentences
-    from analyses.prompts import study_inputs
+    from analyses.data.prompts import corpus_sentences
+    from analyses.data.prompts import study_inputs
 
-    tokenizer = AutoTokenizer.from_pretrained(interp.loading.resolve_source("minilm"), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(interp.model.loading.resolve_source("minilm"), local_files_only=True)
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=64, vocab_size=len(tokenizer)))
     model = interp.load_model(hf.eval())
@@ -321,7 +321,7 @@ def test_the_cli_report_prints_a_line_per_stage_into_a_log_file(tmp_path):
 def test_stage_lines_are_quiet_when_progress_is_turned_off(capsys, monkeypatch):
     from analyses.cli.common import _Progress
 
-    from interp.progress import progress_lines_off_a_terminal
+    from interp.runtime.progress import progress_lines_off_a_terminal
 
     for env, printed in (("lines", True), ("0", False), ("", True)):  # unset: lines, where stderr is no terminal
         monkeypatch.setenv("INTERP_PROGRESS", env)

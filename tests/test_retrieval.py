@@ -1,4 +1,4 @@
-"""Retrieval heads (analyses.retrieval): the scoring rule on a planted attention pattern and planted generation,
+"""Retrieval heads (analyses.long.retrieval): the scoring rule on a planted attention pattern and planted generation,
 the needle prompts, and the toy model whose copying (induction) heads are the heads that retrieve the needle."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import interp
 from analyses import detect_heads
-from analyses.needles import NeedlePrompt, _newline_stop, needle_prompts, rouge1_recall, wu_grid, wu_needle_prompts
-from analyses.retrieval import retrieval_heads, retrieval_step_hits, run_needle
+from analyses.data.needles import NeedlePrompt, _newline_stop, needle_prompts, rouge1_recall, wu_grid, wu_needle_prompts
+from analyses.long.retrieval import retrieval_heads, retrieval_step_hits, run_needle
 
 
 @pytest.fixture(scope="module")

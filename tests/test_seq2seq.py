@@ -11,9 +11,9 @@ from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig
                           MBartForConditionalGeneration, T5Config, T5ForConditionalGeneration)
 
 import interp
-from interp.probe import set_attention_key
+from interp.structure.probe import set_attention_key
 from analyses import ablate_heads, detect_heads
-from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
+from analyses.data.seq2seq import copy_accuracy, copy_task, train_copy_model
 from hooks import spec_for
 
 _BART_LIKE = dict(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

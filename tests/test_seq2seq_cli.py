@@ -15,7 +15,7 @@ import torch
 from browser import Page, chromium
 
 from analyses.cli import main
-from analyses.seq2seq import train_copy_model
+from analyses.data.seq2seq import train_copy_model
 from tests.tiny import model_class, tiny_model
 
 # seaborn 0.13 calls a matplotlib method that matplotlib 3.11 marks for deprecation; not ours to fix

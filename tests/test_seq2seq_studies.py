@@ -13,14 +13,14 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
-from interp.config import real_sites
+from interp.model.config import real_sites
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, composition_scores,
                       direct_logit_attribution, head_importance, logit_lens, ov_circuit, prune_model, pruning_curve,
                       qk_circuit)
-from analyses.composition import head_weights
-from analyses.batches import batch_of
-from analyses.metrics import target_accuracy, target_loss
-from analyses.seq2seq import copy_accuracy, copy_task, train_copy_model
+from analyses.explain.composition import head_weights
+from analyses.data.batches import batch_of
+from analyses.data.metrics import target_accuracy, target_loss
+from analyses.data.seq2seq import copy_accuracy, copy_task, train_copy_model
 from test_seq2seq import _batch, _tiny
 
 FRONT = ["stack", "kind", "site", "layer", "head"]

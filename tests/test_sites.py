@@ -13,11 +13,11 @@ from test_seq2seq import _tiny
 import interp
 from analyses import (ablate_heads, ablation_scan, activation_patching, attribution_patching, head_importance, lm_loss,
                       path_patching)
-from analyses.metrics import target_loss
-from analyses.seq2seq import copy_task, is_seq2seq
+from analyses.data.metrics import target_loss
+from analyses.data.seq2seq import copy_task, is_seq2seq
 from hooks import ActivationCache
-from interp.sites import FRONT, check_heads, head_columns
-from interp.resid import ModelCache
+from interp.attention.sites import FRONT, check_heads, head_columns
+from interp.lens.resid import ModelCache
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""analyses.stability: the halves and the comparison of two rankings that every score's stability is read with."""
+"""analyses.data.stability: the halves and the comparison of two rankings that every score's stability is read with."""
 
 import math
 
 import pytest
 import torch
 
-from analyses.stability import halves, spearman, split_half, stability
+from analyses.data.stability import halves, spearman, split_half, stability
 
 
 def test_spearman_matches_pearson_of_ranks_with_ties():

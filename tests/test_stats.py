@@ -1,4 +1,4 @@
-"""interp.stats: the tiled statistics equal the same statistics read off the eager pattern (<= 1e-5), for every
+"""interp.attention.stats: the tiled statistics equal the same statistics read off the eager pattern (<= 1e-5), for every
 feature the flash path supports (windows, soft-cap, sinks, GQA, T5 position bias, padding, decode rows), with the
 logsumexp computed here or taken from the flash path's kernel, and with tiles small enough to split every row."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interp.attention import eager_attention, flash_attention
-from interp.stats import attention_stats, bucket_labels, offset_buckets
+from interp.attention.paths import eager_attention, flash_attention
+from interp.attention.stats import attention_stats, bucket_labels, offset_buckets
 
 TOL = 1e-5
 

@@ -224,7 +224,7 @@ def test_gemma3_global_layers_stream_beside_sliding_layers(attn):
         with interp.stream_heads(ours, [(0, 1)]):
             pass
     assert interp.streaming.streamable_heads(ours) == [(1, h) for h in range(4)]
-    from analyses.streaming import streaming_order
+    from analyses.long.streaming import streaming_order
     assert sorted(streaming_order(ours, order="random", seed=3)) == [(1, h) for h in range(4)]
     # generation: the global layer's one key/value head streams in the cache, the sliding layers keep theirs
     ids = torch.randint(1, 99, (2, 30), generator=torch.Generator().manual_seed(1))

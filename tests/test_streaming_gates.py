@@ -1,4 +1,4 @@
-"""DuoAttention-style gates (``analyses.streaming_gates``, issue 26): on the trained toy model, whose induction heads
+"""DuoAttention-style gates (``analyses.long.streaming_gates``, issue 26): on the trained toy model, whose induction heads
 (layer 1) copy a token ``len(x)`` positions back and whose layer-0 heads look one token back, the gates keep the
 induction heads full and let layer 0 stream; with a window that covers every row, every gate streams."""
 
@@ -9,9 +9,9 @@ import torch
 
 import interp
 from analyses import second_copy_loss, streaming_curve, streaming_gates, streaming_order
-from analyses.toy import repeated_sequences
+from analyses.data.toy import repeated_sequences
 
-INDUCTION = [(1, 0), (1, 1), (1, 3)]  # the toy model's induction heads (analyses.ablation's doctest)
+INDUCTION = [(1, 0), (1, 1), (1, 3)]  # the toy model's induction heads (analyses.causal.ablation's doctest)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_the_gate_order_in_a_streaming_curve_and_bad_arguments(toy):
 
 def test_a_closed_gate_is_exactly_the_streaming_head():
     """alpha = 0 everywhere: the gated model's distance is the distance of the model under stream_heads."""
-    from analyses.streaming_gates import _distance, _optimise
+    from analyses.long.streaming_gates import _distance, _optimise
 
     model = interp.load_model("toy-induction", attn="eager")
     ids, _ = _copy_task(model, n=4)

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import interp
-from analyses.taxonomy import copy_suppression_scores, successor_scores
+from analyses.taxonomy.weights import copy_suppression_scores, successor_scores
 
 ITEMS = list(range(10, 18))  # an ordinal list of 8 token ids: succ(10) = 11, ...
 OTHER = list(range(20, 28))  # a second list, for the hand-made case where the argmax's candidates matter
@@ -167,8 +167,8 @@ def test_copy_suppression_whole_vocabulary_and_stability_attrs():
     """tokens="all" scores every non-special token against the whole vocabulary and finds the planted suppressor
     (1, 1) at 1.0; a column block narrower than the vocabulary gives the same counts; both scores report the
     stability of their ranking from two disjoint halves of their items."""
-    import analyses.taxonomy as taxonomy
-    from analyses.stability import halves, stability
+    import analyses.taxonomy.weights as taxonomy
+    from analyses.data.stability import halves, stability
 
     model = interp.load_model(_planted())
     every = copy_suppression_scores(model, tokens="all", n_bootstrap=20)
@@ -194,7 +194,7 @@ def test_copy_suppression_whole_vocabulary_and_stability_attrs():
         taxonomy._BUDGET = budget
     s = every.attrs["stability"]["copy_suppression"]
     assert set(s) == {"spearman", "top_k_overlap", "k", "unstable", "halves"} and s["k"] == 8 and s["halves"] == "items"
-    # the same numbers as analyses.stability on the halves of the per-token hits, recomputed here
+    # the same numbers as analyses.data.stability on the halves of the per-token hits, recomputed here
     hf = model.hf
     ids = torch.arange(1, 99)
     hits = []
@@ -284,8 +284,8 @@ def _tiny_with_tokenizer():
 @torch.no_grad()
 def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
     from analyses import direct_logit_attribution, path_patching
-    from analyses.function_vectors import _mean_z, function_vector_scores, icl_prompts, icl_tasks
-    from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
+    from analyses.taxonomy.function_vectors import _mean_z, function_vector_scores, icl_prompts, icl_tasks
+    from analyses.taxonomy.ioi import _ioi, name_mover_scores, s_inhibition_scores
 
     model = _tiny_with_tokenizer()
     clean, corrupted, metric, io, s = _ioi(model, 8, 0)
@@ -325,7 +325,7 @@ def test_task_scores_agree_with_the_project_studies_and_a_hand_patch():
 def test_cached_cie_equals_the_full_forward_per_head():
     """method="cached" (keys and values of the prompts kept, a layer's heads per forward of the final token) gives
     the whole-prompt-per-head numbers: probabilities equal to float rounding, every head, left padding included."""
-    from analyses.function_vectors import function_vector_scores
+    from analyses.taxonomy.function_vectors import function_vector_scores
 
     model = _tiny_with_tokenizer()
     kw = dict(tasks=["antonyms", "country_capital"], n_prompts=5, n_shots=3, n_bootstrap=50)

@@ -1,4 +1,4 @@
-"""The behavioural copy-suppression signature (analyses.taxonomy_behaviour) finds a head planted in a tiny GPT-2 to
+"""The behavioural copy-suppression signature (analyses.taxonomy.behaviour) finds a head planted in a tiny GPT-2 to
 attend to the token the logit lens predicts and write minus its unembedding, and equals the same measures
 recomputed with plain torch from the HF weights and hidden states."""
 
@@ -12,7 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import interp
-from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores
+from analyses.taxonomy.behaviour import copy_suppression_behaviour_scores
 
 M, H, E, V = 32, 2, 16, 99  # d_model, heads, head dim, vocab
 
@@ -122,7 +122,7 @@ def test_detect_heads_computes_the_behaviour_on_corpus_windows():
     from test_taxonomy import _tiny_with_tokenizer
 
     from analyses import detect_heads
-    from analyses.taxonomy_behaviour import corpus_windows
+    from analyses.taxonomy.behaviour import corpus_windows
 
     model = _tiny_with_tokenizer()
     df = detect_heads(model, scores=["copy_suppression_behaviour"], n_bootstrap=20)
@@ -130,7 +130,7 @@ def test_detect_heads_computes_the_behaviour_on_corpus_windows():
     assert len(df) == 8 and df["copy_suppression_behaviour"].tolist() == direct["copy_suppression_behaviour"].tolist()
     assert set(df["label"]) == {"none"}  # no published threshold: the score labels no head
     windows = corpus_windows(model, 4, 16, seed=3)
-    from analyses.prompts import _special_frame
+    from analyses.data.prompts import _special_frame
 
     prefix = _special_frame(model)[0]  # SmolLM2's tokenizer adds none: the config's BOS, as corpus prompts have
     assert windows.shape == (4, 16) and windows[:, :len(prefix)].tolist() == [prefix] * 4

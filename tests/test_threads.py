@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import interp
-from interp import threads
+from interp.runtime import threads
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 import interp
-from interp.bundled import bundled_folder
-from interp.tokens import display_tokens, visible
+from interp.model.bundled import bundled_folder
+from interp.tokens.display import display_tokens, visible
 
 TEXT = "He said “hi”\u00a0there\n\tok"
 

@@ -177,7 +177,7 @@ def test_folded_weights_read_the_normalised_stream_as_the_norm_does(name, reques
 
 
 def utils_scale(norm, x):
-    from interp.norms import norm_scale
+    from interp.structure.norms import norm_scale
     return norm_scale(norm, x)
 
 
@@ -212,7 +212,7 @@ def test_ov_qk_are_factored_matrices_with_factoredmatrix_api(gpt2):
     torch.testing.assert_close((head @ head).AB, full @ full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close((gpt2.W_E[:3] @ head).AB, gpt2.W_E[:3] @ full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head[:5].AB, full[:5])
-    from analyses.composition import LowRank as from_analyses
+    from analyses.explain.composition import LowRank as from_analyses
     assert from_analyses is LowRank
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import interp
-from interp.bundled import bundled_folder
+from interp.model.bundled import bundled_folder
 from tests.conftest import tiny_hf
 from tests.test_transformers_compat import inner_venv
 

@@ -4,7 +4,7 @@ The default run uses whatever pip installed (5.24 when this was written). This t
 the installed packages (`--system-site-packages`) but has transformers 5.17.0 of its own, installed from the
 package index, and runs the parity, family, encoder-decoder, sliding-window, streaming and retrieval tests in it. Found with it: transformers 5.17's T5
 copies its config into each stack, so `set_attn_implementation` on the model left both stacks on HF's attention
-(`interp.probe.set_attention_key` sets every copy). And that 5.17 names the KV cache `past_key_values` in a
+(`interp.structure.probe.set_attention_key` sets every copy). And that 5.17 names the KV cache `past_key_values` in a
 forward's arguments and outputs where 5.24 names it `cache`: retrieval scoring and streaming caches passed `cache=`,
 which 5.17 handed on to the attention function (refused there) or to `generate` (an unused-argument error); they now
 take the name from the model (`interp.cache_kwarg`, `interp.output_cache`), and the streaming and retrieval tests run

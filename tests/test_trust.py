@@ -25,7 +25,7 @@ from transformers import (AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfi
 import interp
 from analyses import ablate_heads, ablation_scan, detect_heads, head_importance, lm_loss, prune_model
 from analyses.cli import main
-from analyses.metrics import embedding_similarity
+from analyses.data.metrics import embedding_similarity
 
 TOL = 1e-5
 
@@ -97,7 +97,7 @@ def test_head_scores_do_not_depend_on_batch_size(family, attn):
 
 def _text_causal_model():
     """A tiny random GPT-2 that uses MiniLM's tokenizer, to run text through a causal model."""
-    folder = interp.loading.resolve_source("minilm")
+    folder = interp.model.loading.resolve_source("minilm")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=len(tokenizer))).eval()
@@ -157,7 +157,7 @@ def test_gradients_through_the_flash_logsumexp_equal_eager(family):
 def test_the_fused_kernel_reads_keys_strided_along_the_head_dimension():
     """Inkling hands its attention keys and values of stride 14 along the head dimension; the CPU flash op read
     them as if the stride were 1 (output off by 9 on a tiny model; found by the family sweep)."""
-    from interp.kernels import fused_attention, tiled_attention
+    from interp.attention.kernels import fused_attention, tiled_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 14, 16, generator=g)
@@ -479,7 +479,7 @@ def test_train_toy_forms_the_circuit_again(tmp_path, capsys):
 def test_the_documented_training_command_forms_the_bundled_circuit(tmp_path):
     """The exact command in TRAINING.md (146 s): the same kinds of heads in the same layers as the bundled model."""
     assert main(["train-toy", "--out", str(tmp_path), "--seed", "0", "--steps", "3000", "--threads", "1"]) == 0
-    ours, bundled = _trained_heads(tmp_path), _trained_heads(interp.loading.resolve_source("toy-induction"))
+    ours, bundled = _trained_heads(tmp_path), _trained_heads(interp.model.loading.resolve_source("toy-induction"))
     for heads in (ours, bundled):
         assert set(heads.loc[heads["induction"] > 0.5, "layer"]) == {1}
         assert set(heads.loc[heads["previous_token"] > 0.4, "layer"]) == {0}

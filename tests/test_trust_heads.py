@@ -12,8 +12,8 @@ import pytest
 import interp
 from analyses import detect_heads
 from analyses.cli import main
-from analyses import registry
-from interp import progress as progress_module
+from analyses.heads import registry
+from interp.runtime import progress as progress_module
 from tests.tiny import model_class, tiny_model
 from test_progress import restore  # noqa: F401  (the fixture that puts the progress setting back)
 

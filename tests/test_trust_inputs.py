@@ -174,7 +174,7 @@ def test_every_tokenizer_use_leaves_the_backend_as_the_user_set_it(text_model, u
 
 
 def test_the_tokenizer_is_restored_after_an_exception(text_model):
-    from interp.inputs import tokenizer_left_alone
+    from interp.tokens.inputs import tokenizer_left_alone
 
     tok = text_model.tokenizer
     before = _user_settings(tok)

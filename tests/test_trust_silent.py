@@ -112,7 +112,7 @@ def test_any_nonzero_mask_value_attends_as_in_hf(attn):
 def test_cross_attention_batch_sizes_broadcast_as_hf_or_fail_clearly(family, attn):
     import copy
 
-    from interp.probe import set_attention_key
+    from interp.structure.probe import set_attention_key
     from tests.tiny import model_class
 
     hf = tiny_model(family, cls=model_class(family, seq2seq=True))
@@ -183,7 +183,8 @@ def test_prune_model_leaves_the_users_torch_hooks_behind():
 def test_path_patching_under_a_steering_hook_equals_no_replay(llama4, monkeypatch):
     from contextlib import nullcontext
 
-    from analyses import engine, path_patching
+    from analyses.causal import engine
+    from analyses import path_patching
 
     steer, clean, corrupted = _steering(llama4), _ids(1), _ids(2)
     with llama4.hooks([("blocks.0.hook_resid_post", lambda x, hook: x + steer)]):
@@ -233,7 +234,7 @@ def test_load_model_leaves_the_instance_as_it_was(kwargs):
     ids = _ids()
     before = _state(hf)
     model = interp.load_model(hf, **kwargs)
-    wanted = interp.loading.resolve_dtype(kwargs.get("dtype")) or torch.float32
+    wanted = interp.model.loading.resolve_dtype(kwargs.get("dtype")) or torch.float32
     assert model.dtype == wanted and model.hf.training
     copied = model.hf is not hf
     assert copied == (wanted != torch.float32 or "device_map" in kwargs)  # a copy only where something changes

@@ -45,7 +45,7 @@ def test_context_without_a_retrieval_order_is_refused(capsys, tmp_path):
 
 
 def test_context_sets_the_retrieval_orders_prompts(capsys, tmp_path, monkeypatch):
-    import analyses.retrieval as retrieval
+    import analyses.long.retrieval as retrieval
 
     seen, original = [], retrieval.retrieval_heads
     monkeypatch.setattr(retrieval, "retrieval_heads", lambda model, **kw: seen.append(kw["context"]) or original(
@@ -59,7 +59,7 @@ def test_context_sets_the_retrieval_orders_prompts(capsys, tmp_path, monkeypatch
 # -- --save --force replaces what interp wrote, and nothing else ------------------------------------------------
 def _another_model(minilm, folder):
     """A folder holding an earlier save of interp: MiniLM, with its tokenizer (vocab.txt, tokenizer.json, ...)."""
-    from interp.model_files import save_model
+    from interp.runtime.model_files import save_model
 
     save_model(minilm, folder)
     (folder / "notes.txt").write_text("the user's own file")
@@ -110,7 +110,7 @@ def test_save_force_refuses_model_files_interp_did_not_write(capsys, tmp_path, m
 def test_save_without_force_refuses_a_non_empty_folder(capsys, tmp_path, minilm, monkeypatch):
     from safetensors import SafetensorError
 
-    from interp.model_files import save_model
+    from interp.runtime.model_files import save_model
 
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(FileExistsError, match=r"exists and is not empty; pass --force \(overwrite=True\)"):

@@ -15,14 +15,14 @@ from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausa
 
 import interp
 from analyses import detect_heads
-from analyses.function_vectors import function_vector_scores
-from analyses.labels import head_labels, label_heads
-from analyses.scores import pattern_scores
-from analyses.taxonomy import copy_suppression_scores, successor_scores
-from analyses.bootstrap import mean_interval
-from analyses.taxonomy_behaviour import copy_suppression_behaviour_scores, corpus_windows
-from analyses.taxonomy_ioi import _ioi, name_mover_scores, s_inhibition_scores
-from analyses.tasks import ioi_task
+from analyses.taxonomy.function_vectors import function_vector_scores
+from analyses.heads.labels import head_labels, label_heads
+from analyses.heads.scores import pattern_scores
+from analyses.taxonomy.weights import copy_suppression_scores, successor_scores
+from analyses.data.bootstrap import mean_interval
+from analyses.taxonomy.behaviour import copy_suppression_behaviour_scores, corpus_windows
+from analyses.taxonomy.ioi import _ioi, name_mover_scores, s_inhibition_scores
+from analyses.data.tasks import ioi_task
 
 WORDS = ["[UNK]", "[PAD]", "the", "a", "cat", "sat", "on"]
 

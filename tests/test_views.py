@@ -15,7 +15,7 @@ from browser import Page, chromium
 import interp
 from analyses import detect_heads
 from analyses.cli import main
-from analyses.toy import repeated_sequences
+from analyses.data.toy import repeated_sequences
 from analyses.views import AttentionGrid, HeadView, attention_grid, head_view
 
 HALF_UNIT = 0.5e-4 + 1e-6  # the page shows 4 decimals

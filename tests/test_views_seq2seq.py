@@ -310,7 +310,7 @@ def test_ablation_heatmap_of_a_table_with_sites():
 # -- the copy toy ---------------------------------------------------------------------------------------
 @pytest.mark.slow  # trains the copy toy: 20 s on a quiet 2-core machine, 2 minutes on a busy one
 def test_copy_toy_cross_attention_shows_the_diagonal(browser, tmp_path):
-    from analyses.seq2seq import copy_task, train_copy_model
+    from analyses.data.seq2seq import copy_task, train_copy_model
 
     model = train_copy_model(steps=400, n_heads=4, seed=0)
     batch = copy_task(model, 1, 10, seed=5)

@@ -1,6 +1,6 @@
 """Sliding-window layers on the flash path without the n x n mask: for a prompt without padding or cache, HF's sdpa
 builds an n x n mask for every sliding-window layer (4 GiB in fp32 at 32k tokens); our mask function skips it and
-``flash_attention`` runs the window by query chunks (``interp.kernels.windowed_attention``). Equal to HF's sdpa and
+``flash_attention`` runs the window by query chunks (``interp.attention.kernels.windowed_attention``). Equal to HF's sdpa and
 eager on tiny Gemma 3 (sliding layers around a full one, GQA) and Mistral, with the query/key weights scaled so that
 attention is far from uniform; padded batches still take HF's mask; chunked attention is not mistaken for a window.
 """
@@ -15,9 +15,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
 import interp
-import interp.attention as attention
-import interp.masks as masks
-from interp.masks import _is_sliding_window
+import interp.attention.paths as attention
+import interp.attention.masks as masks
+from interp.attention.masks import _is_sliding_window
 
 WINDOW = {"gemma3": 9, "mistral": 7}
 

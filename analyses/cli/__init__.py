@@ -1,4 +1,5 @@
-"""The ``interp`` command line.
+"""The ``interp`` command line: one module per verb, which parses, calls and prints. May import every room of
+``analyses`` (views included); nothing imports it.
 
     interp info [MODEL]                         model summary and hook names
     interp heads      [--model M]               classify every head (detect_heads)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging  # here, not above: `interp --help` imports no torch
 
     hf_logging.disable_progress_bar()  # the weight-loading bar is noise in a command's output
-    from interp import distributed
+    from interp.runtime import distributed
 
     with distributed.launched(getattr(args, "device", None)):  # under torchrun: join its process group
         return _run(args, distributed.rank_zero())

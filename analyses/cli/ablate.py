@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_ablate(args) -> int:
-    from ..ablation import ablation_scan
-    from ..prompts import study_inputs
+    from ..causal.ablation import ablation_scan
+    from ..data.prompts import study_inputs
 
     with _Progress(["load", "ablation scan"]) as progress:
         progress("load")

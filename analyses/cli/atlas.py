@@ -43,9 +43,9 @@ def add_parser(sub) -> None:
 def cmd_atlas(args) -> int:
     if args.diff:
         return _cmd_diff(args)
-    from interp.progress import progress_lines_off_a_terminal
+    from interp.runtime.progress import progress_lines_off_a_terminal
 
-    from ..atlas import build_atlas, ours, save_atlas
+    from ..atlas.atlas import build_atlas, ours, save_atlas
     from ..views.atlas import write_atlas_pages
 
     if args.out is None:
@@ -85,7 +85,7 @@ def cmd_atlas(args) -> int:
 
 
 def _cmd_diff(args) -> int:
-    from ..atlas import diff_atlas, load_atlas
+    from ..atlas.atlas import diff_atlas, load_atlas
 
     if args.diff[0] != "diff" or len(args.diff) != 3:
         raise UserError(f"`interp atlas` takes no positional arguments but `diff A.json B.json`; got "

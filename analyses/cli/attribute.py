@@ -41,9 +41,9 @@ def cmd_attribute(args) -> int:
         return _cmd_qk(args)
     if args.pairs is not None or args.plot is not None:
         raise UserError("--pairs and --plot go with --qk HEADS (the heads whose attention to explain)")
-    from ..attribution import token_ids
-    from ..logit_attribution import direct_logit_attribution, logit_lens
-    from ..seq2seq import is_seq2seq
+    from ..causal.attribution import token_ids
+    from ..explain.logit_attribution import direct_logit_attribution, logit_lens
+    from ..data.seq2seq import is_seq2seq
 
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
@@ -85,11 +85,11 @@ def _default_inputs(model, args, seq2seq: bool):
     """(inputs, answer, description): the induction task's second copy (its last token), or on an encoder-decoder
     model the copy task, teacher-forced (its last target token)."""
     if seq2seq:
-        from ..seq2seq import copy_task
+        from ..data.seq2seq import copy_task
 
         batch = copy_task(model, n=args.n_prompts, length=12, seed=args.seed)
         return batch, batch["labels"][:, -1], f"the copy task ({args.n_prompts} pairs), last target token"
-    from ..tasks import induction_task
+    from ..data.tasks import induction_task
 
     clean, _, _ = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)
     return clean[:, :-1], clean[:, -1], "the induction task's second copy, last token"
@@ -100,7 +100,7 @@ def _pair(model, source, target: str | None, answer) -> dict:
     tokens added), so that its last position predicts ``answer``."""
     import torch
 
-    from interp.inputs import encode
+    from interp.tokens.inputs import encode
 
     if target is None:
         ids = []
@@ -116,9 +116,9 @@ def _pair(model, source, target: str | None, answer) -> dict:
 
 def _cmd_qk(args) -> int:
     """`interp attribute --qk HEADS`: each head's scores split into query-side and key-side components."""
-    from ..qk_attribution import qk_attribution
-    from ..qk_causal import causal_summary
-    from ..seq2seq import is_seq2seq
+    from ..explain.qk_attribution import qk_attribution
+    from ..explain.qk_causal import causal_summary
+    from ..data.seq2seq import is_seq2seq
 
     if args.lens or args.answer is not None or args.wrong is not None:
         raise UserError("--qk explains attention scores: it takes no --lens, --answer or --wrong")
@@ -136,11 +136,11 @@ def _cmd_qk(args) -> int:
                 inputs = {"input_ids": source, "decoder_input_ids": model.decoder_inputs(source)}
             pairs = args.pairs or "top1"
         elif seq2seq:
-            from ..seq2seq import copy_task
+            from ..data.seq2seq import copy_task
 
             inputs, pairs = copy_task(model, n=args.n_prompts, length=12, seed=args.seed), args.pairs or "top1"
         else:
-            from ..tasks import induction_task
+            from ..data.tasks import induction_task
 
             inputs, pairs = induction_task(model, n=args.n_prompts, length=12, seed=args.seed)[0], args.pairs or "induction"
         progress("attribution")

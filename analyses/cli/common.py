@@ -49,8 +49,8 @@ def _threads(text: str) -> str:
 
 
 def _check_device(device: str | None) -> None:
-    """--device names a device this machine has (``interp.loading.resolve_device``, the one check)."""
-    from interp.loading import available_devices, resolve_device
+    """--device names a device this machine has (``interp.model.loading.resolve_device``, the one check)."""
+    from interp.model.loading import available_devices, resolve_device
 
     try:
         resolve_device(device)
@@ -106,7 +106,7 @@ def _threads_option(p: argparse.ArgumentParser) -> None:
 
 def _set_threads(value: str) -> int:
     """Set torch's CPU threads from --threads (``interp.set_threads``) and return the count."""
-    from interp.threads import set_threads
+    from interp.runtime.threads import set_threads
 
     try:
         return set_threads(value)
@@ -199,7 +199,7 @@ def _parse_heads(text: str | None, model) -> list[tuple[int, int]] | None:
 
 
 def _refuse_seq2seq(model, what: str, instead: str) -> None:
-    from ..seq2seq import is_seq2seq
+    from ..data.seq2seq import is_seq2seq
 
     if is_seq2seq(model):
         raise UserError(f"{what} does not handle encoder-decoder models yet; {instead}")
@@ -232,12 +232,12 @@ def _emit(df, fmt: str) -> None:
 
 class _Progress:
     """Stage names on a tqdm bar on stderr when it is a terminal; silent otherwise, or with ``lines`` (a command's
-    name) one line per stage where progress is written as lines (``interp.progress.progress_lines_off_a_terminal``):
+    name) one line per stage where progress is written as lines (``interp.runtime.progress.progress_lines_off_a_terminal``):
     each stage as it starts, with the time the one before took. The first stage (loading the model) gets no line of
     its own: a mistake found after it is still the only line on stderr."""
 
     def __init__(self, stages: list[str], lines: str | None = None):
-        from interp import distributed
+        from interp.runtime import distributed
 
         self.bar, self.lines = None, None
         if sys.stderr.isatty() and distributed.rank_zero():
@@ -255,7 +255,7 @@ class _Progress:
                 self.bar.update(1)
             self.bar.set_description(stage)
             self.started = True
-        from interp.progress import progress_mode
+        from interp.runtime.progress import progress_mode
 
         now = time.perf_counter()
         if self.lines and self.last is not None and progress_mode() == "lines":
@@ -300,7 +300,7 @@ def _rank_zero_path(path: Path) -> Path:
     """Where this process writes ``path``: the path itself on rank 0 (and without torchrun); on the other ranks a
     temporary path, removed when the command ends, so that every rank runs the same studies and only rank 0's
     files are written."""
-    from interp import distributed
+    from interp.runtime import distributed
 
     if distributed.rank_zero():
         return path
@@ -311,7 +311,7 @@ def _rank_zero_path(path: Path) -> Path:
 # -- head scores of the user's own --------------------------------------------------------------------------------
 def score_help() -> str:
     """The registered scores, for an option's help (the registry imports no torch)."""
-    from .. import registry
+    from ..heads import registry
 
     ours = [r for r in registry.scores() if r.builtin]
     default = ", ".join(r.name for r in ours if r.default)

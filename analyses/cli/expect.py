@@ -1,4 +1,4 @@
-"""`interp expect`: check a model's heads against a published head table (``analyses.expectations``).
+"""`interp expect`: check a model's heads against a published head table (``analyses.atlas.expectations``).
 
     interp expect --model PATH --expect gpt2-small [--out DIR]
 
@@ -49,7 +49,7 @@ def check_expect_model(model, name) -> None:
     """Refuse, before anything long runs, a model that is not the shape of the set ``name`` (None: no set asked
     for, nothing to check)."""
     if name is not None:
-        from ..expectations import check_shape, expectation_set
+        from ..atlas.expectations import check_shape, expectation_set
 
         expected = expectation_set(name)
         check_shape(expected, model.cfg.n_layers, model.cfg.heads_per_layer)
@@ -66,11 +66,11 @@ def run_expectations(model, df_or_atlas, name, out_dir=None, n_prompts: int = 10
         return 0
     import pandas as pd
 
-    from interp import distributed
+    from interp.runtime import distributed
 
-    from ..expectations import check_expectations, expectation_set, head_table, needs_scores
-    from ..heads import detect_heads
-    from ..registry import score
+    from ..atlas.expectations import check_expectations, expectation_set, head_table, needs_scores
+    from ..heads.detect import detect_heads
+    from ..heads.registry import score
     from .common import _emit
 
     check_expect_model(model, name)  # before any score is computed

@@ -36,9 +36,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_heads(args) -> int:
-    from interp.progress import progress_lines_off_a_terminal
+    from interp.runtime.progress import progress_lines_off_a_terminal
 
-    from ..heads import detect_heads
+    from ..heads.detect import detect_heads
 
     load_score_modules(args)
     kinds = [k.strip() for k in args.scores.split(",")] if args.scores else None
@@ -64,14 +64,14 @@ def cmd_heads(args) -> int:
 
 def _labels_first(df):
     """The head columns, then ``label``, ``labels`` and ``evidence``, then the scores."""
-    from interp.sites import FRONT
+    from interp.attention.sites import FRONT
 
     first = [c for c in (*FRONT, "label", "labels", "evidence") if c in df]
     return df[first + [c for c in df.columns if c not in first]]
 
 
 def _score_column(kind: str) -> str:
-    from .. import registry
+    from ..heads import registry
 
     record = registry.of_column(kind)
     return record.label_column if record is not None else kind
@@ -83,7 +83,7 @@ def _ranked(df, kinds: list[str] | None):
     its score."""
     import pandas as pd
 
-    from ..labels import LABEL_ORDER
+    from ..heads.labels import LABEL_ORDER
 
     if kinds and _score_column(kinds[0]) in df:
         column = _score_column(kinds[0])

@@ -45,7 +45,7 @@ def cmd_info(args) -> int:
         for template in templates:
             print(f"  {template}")
         return 0
-    from interp.structure import describe
+    from interp.structure.layered import describe
 
     print("\nfound by the load probe:")
     for line in describe(model.structure):

@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_patch(args) -> int:
-    from ..attribution import attribution_patching
-    from ..patching import activation_patching, path_patching
+    from ..causal.attribution import attribution_patching
+    from ..causal.patching import activation_patching, path_patching
 
     with _Progress(["load", args.method]) as progress:
         progress("load")
@@ -52,11 +52,11 @@ def cmd_patch(args) -> int:
 def _circuit_inputs(args, model):
     """(clean, corrupted, metric, description): the induction task by default, or --clean/--corrupted texts with
     --answer/--wrong tokens (a logit difference at the last position)."""
-    from ..attribution import token_ids
-    from ..metrics import logit_difference
-    from ..tasks import induction_task
+    from ..causal.attribution import token_ids
+    from ..data.metrics import logit_difference
+    from ..data.tasks import induction_task
 
-    from ..seq2seq import copy_patching_task, is_seq2seq
+    from ..data.seq2seq import copy_patching_task, is_seq2seq
 
     if is_seq2seq(model):
         if args.clean is not None or args.corrupted is not None:

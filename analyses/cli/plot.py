@@ -67,13 +67,13 @@ def cmd_plot(args) -> int:
         if args.csv is not None:
             df = _read_csv(args.csv)
         elif args.kind == "heads":
-            from ..heads import detect_heads
+            from ..heads.detect import detect_heads
 
             model = _load(args)
             df = detect_heads(model, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed)
         else:
-            from ..ablation import ablation_scan
-            from ..prompts import study_inputs
+            from ..causal.ablation import ablation_scan
+            from ..data.prompts import study_inputs
 
             model = _load(args)
             inputs, metric, _ = study_inputs(model, _prompts(args, model), n=args.n_prompts, seed=args.seed)

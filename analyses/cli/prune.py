@@ -24,17 +24,17 @@ def add_parser(sub) -> None:
 
 
 def cmd_prune(args) -> int:
-    from interp import distributed
+    from interp.runtime import distributed
 
-    from ..pruning import curve_summary
-    from ..prompts import study_inputs
+    from ..causal.pruning import curve_summary
+    from ..data.prompts import study_inputs
 
     if args.save is not None:  # check before any work
         if args.fraction is None:
             raise UserError("--save needs --fraction: the share of heads to prune by importance, e.g. 0.3")
         if not 0 < args.fraction < 1:
             raise UserError(f"--fraction is a share of the heads in (0, 1); got {args.fraction}")
-        from interp.model_files import check_model_folder
+        from interp.runtime.model_files import check_model_folder
 
         check_model_folder(args.save, args.force)  # --force replaces only what interp wrote there
     elif args.fraction is not None:
@@ -56,7 +56,7 @@ def cmd_prune(args) -> int:
         print()
     _emit(curves, args.format)
     if pruned is not None:
-        from interp.model_files import save_model
+        from interp.runtime.model_files import save_model
 
         save_model(pruned, _rank_zero_path(args.save), overwrite=args.force)  # whole, or not at all
         if distributed.rank_zero():
@@ -68,7 +68,7 @@ def cmd_prune(args) -> int:
 def _pruning_curves(model, inputs, metric, step: float, seed: int):
     import pandas as pd
 
-    from ..pruning import pruning_curve
+    from ..causal.pruning import pruning_curve
 
     return pd.concat([pruning_curve(model, inputs, metric, order="importance", step=step),
                       pruning_curve(model, inputs, metric, order="random", step=step,
@@ -79,9 +79,9 @@ def _pruned(model, inputs, metric, fraction: float):
     """(the pruned model, the heads it lost): the ``fraction`` of heads least important by Michel et al.'s importance,
     keeping at least one head at every site (layer). A model whose heads cannot be sliced (T5: one relative
     position bias shared by every block's heads) is refused in one line."""
-    from interp.sites import row_head
+    from interp.attention.sites import row_head
 
-    from ..pruning import head_importance, prune_model
+    from ..causal.pruning import head_importance, prune_model
 
     importance = head_importance(model, inputs, loss=metric)
     n = int(round(fraction * len(importance)))

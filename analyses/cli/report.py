@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_report(args) -> int:
-    from interp.progress import progress_lines_off_a_terminal
+    from interp.runtime.progress import progress_lines_off_a_terminal
 
     from ..views.report import write_report
     from ..views.report_parts import _formats

@@ -60,7 +60,7 @@ def _check_args(args) -> list[str]:
             raise UserError("--save needs --fraction: the share of heads that stream, e.g. 0.5")
         if not 0 < args.fraction <= 1:
             raise UserError(f"--fraction is a share of the heads in (0, 1]; got {args.fraction}")
-        from interp.model_files import check_model_folder
+        from interp.runtime.model_files import check_model_folder
 
         check_model_folder(args.save, args.force)  # --force replaces only what interp wrote there
     elif args.fraction is not None:
@@ -75,14 +75,15 @@ def cmd_stream(args) -> int:
     matplotlib.use("Agg")
     import pandas as pd
 
-    from interp import distributed, stream_model
+    from interp.runtime import distributed
+    from interp import stream_model
     from interp.streaming import KVHeadsNote, check_streamable
     from interp.streaming.cache import kv_note
-    from interp.model_files import save_model
+    from interp.runtime.model_files import save_model
 
-    from ..streaming import streaming_curve, streaming_inputs, streaming_order
+    from ..long.streaming import streaming_curve, streaming_inputs, streaming_order
     from ..views.study_plots import streaming_curve_plot
-    from ..prompts import study_inputs
+    from ..data.prompts import study_inputs
 
     orders = _check_args(args)
     with _Progress(["load", "orders", "streaming curves"]) as progress:
@@ -103,11 +104,11 @@ def cmd_stream(args) -> int:
         ranked = {}
         for order in orders:
             if order == "retrieval":
-                from ..retrieval import retrieval_heads
+                from ..long.retrieval import retrieval_heads
 
                 ranked[order] = retrieval_heads(model, context=args.context or tokens, seed=args.seed)
             elif order == "gates":  # DuoAttention-style gates on passkey-like inputs (100 eager forward+backward)
-                from ..streaming_gates import streaming_gates
+                from ..long.streaming_gates import streaming_gates
 
                 ranked[order] = streaming_gates(model, sink=args.sink, window=args.window, seed=args.seed,
                                                  steps=args.steps)

@@ -25,10 +25,10 @@ def cmd_train_toy(args) -> int:
 
     import torch
 
-    from ..toy import train_toy_model
+    from ..data.toy import train_toy_model
 
     _check_out(args.out, args.force)
-    from interp import distributed
+    from interp.runtime import distributed
 
     if distributed.world_size() > 1:
         raise UserError("train-toy trains in one process; run it without torchrun")
@@ -49,7 +49,7 @@ def cmd_train_toy(args) -> int:
 
     command = f"interp train-toy --out {args.out} --seed {args.seed} --steps {steps} --threads {torch.get_num_threads()}"
     try:
-        from interp.files import staged_folder
+        from interp.runtime.files import staged_folder
 
         with staged_folder(args.out, overwrite=args.force) as staging:  # the folder appears whole, or not at all
             metrics = train_toy_model(staging, seed=args.seed, steps=steps, progress=progress, command=command)

@@ -40,7 +40,7 @@ def cmd_view(args) -> int:
     _check_out_file(args.out, args.force)
     if args.kind == "grid" and (args.layers or args.heads):
         raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
-    from ..seq2seq import is_seq2seq
+    from ..data.seq2seq import is_seq2seq
 
     model = _load(args)
     text = args.text if args.text is not None else example_prompt(model, _prompts(args, model), args.seed)

@@ -1,4 +1,5 @@
-"""What a person looks at: interactive attention views, static plots and the HTML report.
+"""What a person looks at: interactive attention views, static plots and the HTML report. May import every study
+room of ``analyses`` (``data`` to ``atlas``); only the CLI imports it.
 
 - ``head_view``, ``attention_grid`` (``attention.py``): one self-contained HTML page or notebook output each,
   with inline JavaScript and CSS (``assets/``) and no network request.

@@ -1,4 +1,4 @@
-"""The page of a head atlas (``analyses.atlas``): one offline HTML file with the model's identity (weights and
+"""The page of a head atlas (``analyses.atlas.atlas``): one offline HTML file with the model's identity (weights and
 tokenizer digests, versions, settings), every score that ran (definition, threshold, prompts and their digest, the
 stability of its ranking, a warning where it is unstable) and those that did not with the reason, the causal check of
 each class (its share of the in-context gain against every random draw), and a table of every head, sortable by any
@@ -14,9 +14,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from interp.files import atomic_write
+from interp.runtime.files import atomic_write
 
-from ..atlas import WRITTEN_BY, ours
+from ..atlas.atlas import WRITTEN_BY, ours
 from .report_page import _CSS
 
 __all__ = ["atlas_page", "write_atlas_pages"]

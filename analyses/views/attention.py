@@ -27,10 +27,10 @@ kept. The weight shown on hover is the pattern's weight to those 4 decimals.
 from __future__ import annotations
 
 import numpy as np
-from interp.sites import one_site_per_layer
+from interp.attention.sites import one_site_per_layer
 
-from ..labels import NO_CLASS
-from .. import registry
+from ..heads.labels import NO_CLASS
+from ..heads import registry
 from .common import MAX_BYTES, SCALE, AttentionGrid, HeadView, _b64, _quantise, _window, model_tokens, visible_token
 from .runs import SIDES, _Run, places_of, site_indices
 
@@ -62,7 +62,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
           the decoder's tokens are its start token and the target but its last token;
         - a batch dict with ``input_ids`` and ``decoder_input_ids`` (``attention_mask``,
           ``decoder_attention_mask`` optional; ``labels`` instead of ``decoder_input_ids`` are shifted), e.g.
-          ``analyses.seq2seq.copy_task(model)``: the decoder's tokens are ``decoder_input_ids`` as given;
+          ``analyses.data.seq2seq.copy_task(model)``: the decoder's tokens are ``decoder_input_ids`` as given;
       or its cache with ``text_or_tokens`` ``(source tokens, target tokens)`` (each token strings, ids
       ``(p,)`` or ``(b, p)``), or the batch dict it was run on, or None (positions).
       layers: sites, as names (``"decoder.blocks.0.cross_attn"``) or indices into ``model.cfg.sites``; heads:
@@ -105,7 +105,7 @@ def attention_grid(source, text_or_tokens=None, score: str | None = None, *, sco
     """
     run = _Run.of(source, text_or_tokens, batch, None)
     if scores is None and run.model is not None:
-        from ..heads import detect_heads
+        from ..heads.detect import detect_heads
 
         scores = detect_heads(run.model)
     data = _embed(run, _choose(run, None, None), window, "grid")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from interp.files import atomic_write
-from interp.tokens import display_tokens, visible
+from interp.runtime.files import atomic_write
+from interp.tokens.display import display_tokens, visible
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SCALE = 10_000  # weights are embedded as round(weight * SCALE): 4 decimals
@@ -23,13 +23,13 @@ MIN_FONT = 7.5  # points, in figures: 10.4 px at 100 px per inch
 
 
 def visible_token(token) -> str:
-    """A token string with its whitespace visible (``interp.tokens.visible``): ``Ġ``/``▁``/spaces as ``␣``, newlines
+    """A token string with its whitespace visible (``interp.tokens.display.visible``): ``Ġ``/``▁``/spaces as ``␣``, newlines
     as ``\\n``."""
     return visible(token)
 
 
 def model_tokens(model, ids) -> list[str]:
-    """The display form of ``ids`` (``interp.tokens.display_tokens``), or their numbers without a tokenizer."""
+    """The display form of ``ids`` (``interp.tokens.display.display_tokens``), or their numbers without a tokenizer."""
     if model.tokenizer is None:
         return [str(int(i)) for i in ids]
     return display_tokens(model.tokenizer, ids)
@@ -68,7 +68,7 @@ class _View:
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
         """Write the view as one HTML page that opens offline; returns the path. The page is written whole or not
-        at all (``interp.files.atomic_write``); an existing file is replaced only with ``overwrite=True``."""
+        at all (``interp.runtime.files.atomic_write``); an existing file is replaced only with ``overwrite=True``."""
         path = Path(path)
         if path.suffix.lower() not in (".html", ".htm"):
             raise ValueError(f"A view is saved as an .html page; got {str(path)!r}.")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache, lru_cache
 
-from interp.tokens import visible
+from interp.tokens.display import visible
 
 __all__ = ["clean_token", "token_labels"]
 
@@ -30,7 +30,7 @@ _NOT_TEXT = ("Last Resort", "cm", "STIXNonUnicode", "STIXSize")
 
 
 def clean_token(token: str) -> str:
-    """A token string fit for a tick label: BPE space/newline markers made visible (``interp.tokens.visible``), ``$``
+    """A token string fit for a tick label: BPE space/newline markers made visible (``interp.tokens.display.visible``), ``$``
     escaped (matplotlib would read it as mathtext)."""
     return visible(token).replace("$", r"\$")
 
@@ -88,7 +88,7 @@ def token_labels(labels: Iterable[str]) -> tuple[list[str], list[str]]:
     """Labels as a figure can show them, and the font families to set on their artists (``fontfamily=``).
 
     Every character some installed font draws stays; its family joins the list after DejaVu Sans. A character
-    none draws, and any whitespace but a space or control character (``interp.tokens.visible`` has already shown
+    none draws, and any whitespace but a space or control character (``interp.tokens.display.visible`` has already shown
     spaces, newlines and tabs), becomes ``\\uXXXX``, so a reader sees which character it was instead of a box.
     """
     shown, families = [], [_FIRST]

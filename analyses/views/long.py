@@ -1,4 +1,4 @@
-"""A head view for long sequences (8k-32k tokens) built from ``interp.stats``, never from an n x n matrix.
+"""A head view for long sequences (8k-32k tokens) built from ``interp.attention.stats``, never from an n x n matrix.
 
 For one layer it shows, per head: each query row's top-1 key as a point (query across, key down: a previous-token
 head draws the diagonal, a sink head the top edge, an induction head a parallel diagonal one copy back), the
@@ -49,7 +49,7 @@ class LongView:
 
     def save(self, path, overwrite: bool = False) -> Path:
         """One offline page, written whole or not at all; an existing file is replaced only with overwrite=True."""
-        from interp.files import atomic_write
+        from interp.runtime.files import atomic_write
 
         return atomic_write(Path(path), self.html, overwrite=overwrite)
 
@@ -57,9 +57,9 @@ class LongView:
 def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None,
               scores=None) -> LongView:
     """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path: the page of
-    ``analyses.long_context.long_stats`` (arguments there), with each registered head score of the layer's heads
+    ``analyses.long.long_context.long_stats`` (arguments there), with each registered head score of the layer's heads
     on this prompt (ours and a user's, ``scores``: names, default every target-rule score that applies)."""
-    from ..long_context import long_stats
+    from ..long.long_context import long_stats
 
     return LongView(long_stats(model, ids, layer, zoom=zoom, n_buckets=n_buckets, scores=scores))
 

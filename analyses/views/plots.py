@@ -182,7 +182,7 @@ def save_figure(figure, path, fmt: str | None = None, dpi: int = 200, overwrite:
     fmt = (fmt or path.suffix.lstrip(".")).lower()
     if fmt not in FORMATS:
         raise ValueError(f"Figures are saved as {', '.join(FORMATS)}; got {fmt or 'no suffix'!r} for {str(path)!r}.")
-    from interp.files import atomic_write, refuse_overwrite
+    from interp.runtime.files import atomic_write, refuse_overwrite
 
     refuse_overwrite(path, overwrite)
     buffer = io.BytesIO()

@@ -1,4 +1,4 @@
-"""One head's query/key attribution (``analyses.qk_attribution``) as a figure: the (query component x key component)
+"""One head's query/key attribution (``analyses.explain.qk_attribution``) as a figure: the (query component x key component)
 heatmap of the mean score over the pairs, and the upstream components that raise the score most on each side, with
 the causal check's drops (the top heads against random heads of the same layers) in the panel titles."""
 
@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..qk_causal import causal_summary
+from ..explain.qk_causal import causal_summary
 from .common import MIN_FONT
 
 __all__ = ["qk_attribution_plot"]

@@ -2,7 +2,7 @@
 for every model: its sections (heads table and score grids, the grid and head views, ablation, circuits, pruning)
 read the model's attention sites, a head is ``(site, head)`` (``layer.head`` where each layer has one site), and a
 section a kind of model cannot have is skipped with a one-line note saying why. What differs is data: the inputs
-(an encoder-decoder model's studies run on the copy task, ``analyses.seq2seq``, or on its prompts copied), and the
+(an encoder-decoder model's studies run on the copy task, ``analyses.data.seq2seq``, or on its prompts copied), and the
 scores its heads have (cross-attention alignment, source sink and source positional).
 
 The page embeds its figures as 2x PNG data URIs (shown at 100 px per inch: no text under 10 px), the interactive
@@ -22,22 +22,22 @@ from pathlib import Path
 import matplotlib.pyplot as plt  # noqa: E402  (the backend stays the user's: figures are saved and closed, never shown)
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from interp.files import staged_folder  # noqa: E402
-from interp.progress import progress_enabled  # noqa: E402
-from interp.structure import describe  # noqa: E402
+from interp.runtime.files import staged_folder  # noqa: E402
+from interp.runtime.progress import progress_enabled  # noqa: E402
+from interp.structure.layered import describe  # noqa: E402
 
-from ..heads import detect_heads  # noqa: E402
-from ..labels import strongest_heads  # noqa: E402
-from ..prompts import repeated_random_tokens, study_inputs  # noqa: E402
-from ..pruning import curve_summary  # noqa: E402
-from ..seq2seq import COPY_LENGTH, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
-from .. import registry  # noqa: E402
-from ..toy import repeated_sequences  # noqa: E402
+from ..heads.detect import detect_heads  # noqa: E402
+from ..heads.labels import strongest_heads  # noqa: E402
+from ..data.prompts import repeated_random_tokens, study_inputs  # noqa: E402
+from ..causal.pruning import curve_summary  # noqa: E402
+from ..data.seq2seq import COPY_LENGTH, copy_study_inputs, copy_task, is_seq2seq  # noqa: E402
+from ..heads import registry  # noqa: E402
+from ..data.toy import repeated_sequences  # noqa: E402
 from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _Figures, _formats  # noqa: E402
-from ..class_ablation import class_ablation  # noqa: E402
+from ..causal.class_ablation import class_ablation  # noqa: E402
 from .report_story import findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
@@ -78,7 +78,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
 
     Writes ``index.html``, ``heads.csv``, ``ablation.csv``, ``pruning.csv``, ``summary.json`` and
     ``figures/*.{fmt}``; returns the summary. ``progress`` is called with the name of each stage (default: a line per
-    stage on stderr where progress is shown, ``interp.progress``).
+    stage on stderr where progress is shown, ``interp.runtime.progress``).
     n_prompts: prompts per head score (default 64, or 32 for a model with more than 100 heads, whose bootstrap
     intervals stay narrow: on SmolLM2 the widest is 0.10, BENCHMARKS.md).
     study_prompts: prompts for the ablation scan and the pruning curves (default 32, or 4 for a model with
@@ -87,7 +87,7 @@ def write_report(model, out: str | Path, prompts: list | None = None, seed: int 
     (``("png", "pdf")``). The page itself always embeds 2x PNGs.
     overwrite: replace the files of an earlier report in ``out`` (those its ``summary.json`` lists under ``files``);
     other files there, also in ``figures/``, are left alone. Without it an existing report file is an error. Every file is written into a staging folder first and moved into
-    ``out`` only when all are written (``interp.files.staged_folder``): a full disk or an error midway leaves
+    ``out`` only when all are written (``interp.runtime.files.staged_folder``): a full disk or an error midway leaves
     ``out`` as it was.
     streaming: add a streaming section (``report_streaming``: heads streamed in order of their induction score
     against random orders, the KV cache beside the metric; ``streaming.csv``). Off by default (it adds a stage);
@@ -309,7 +309,7 @@ def _views(heads, strongest, shown, sites) -> dict:
 
 
 def _print_stage(stage: str) -> None:
-    """The report's stages on stderr, where progress is shown (``interp.progress``: bars, or lines for a log)."""
+    """The report's stages on stderr, where progress is shown (``interp.runtime.progress``: bars, or lines for a log)."""
     if progress_enabled():
         print(f"interp report: {stage}", file=sys.stderr, flush=True)
 

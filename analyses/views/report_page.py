@@ -10,9 +10,9 @@ import time
 
 import pandas as pd
 
-from .. import registry
-from ..labels import NO_CLASS
-from ..stability import UNSTABLE_OVERLAP, UNSTABLE_SPEARMAN
+from ..heads import registry
+from ..heads.labels import NO_CLASS
+from ..data.stability import UNSTABLE_OVERLAP, UNSTABLE_SPEARMAN
 from .report_story import head_name
 from .report_streaming import streaming_html
 
@@ -112,7 +112,7 @@ def _labelled_table(heads: pd.DataFrame) -> str:
 def _evidence_html(heads: pd.DataFrame, thresholds: dict) -> str:
     """Where two scores give one class (``induction`` on random tokens, ``induction_text`` on corpus text): a
     sentence with how many heads clear it on all of them, and a table of the heads that clear it on some only, with
-    each of the class's scores and its interval (``analyses.labels.label_evidence``)."""
+    each of the class's scores and its interval (``analyses.heads.labels.label_evidence``)."""
     if "evidence" not in heads:
         return ""
     by_class: dict[str, list] = {}
@@ -146,7 +146,7 @@ def _evidence_html(heads: pd.DataFrame, thresholds: dict) -> str:
 
 def _stability_html(stable: dict | None) -> str:
     """One sentence naming the scores whose ranking of heads is unstable between two disjoint halves of their
-    prompts or trials (``analyses.stability``), or saying that none is."""
+    prompts or trials (``analyses.data.stability``), or saying that none is."""
     if not stable:
         return ""
     bad = {k: v for k, v in stable.items() if v.get("unstable")}

@@ -1,6 +1,6 @@
 """What the report says first: the model's name and size, the findings (each linked to its evidence), and whether
 each class of heads does what its name says: its heads ablated together against as many random heads from the
-same layers (computed by ``analyses.class_ablation``).
+same layers (computed by ``analyses.causal.class_ablation``).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import html
 from pathlib import Path
 
 from hooks.names import attn_site
-from interp.sites import one_site_per_layer
+from interp.attention.sites import one_site_per_layer
 
-from ..class_ablation import PROPERTY as _PROPERTY
-from ..labels import LABEL_ORDER
+from ..causal.class_ablation import PROPERTY as _PROPERTY
+from ..heads.labels import LABEL_ORDER
 from .report_streaming import streaming_finding
 
 __all__ = ["findings", "head_name", "model_name", "model_size", "site_lines"]

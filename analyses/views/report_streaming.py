@@ -14,7 +14,7 @@ import html
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ..streaming import streaming_curve, streaming_inputs
+from ..long.streaming import streaming_curve, streaming_inputs
 from .study_plots import streaming_curve_plot
 
 __all__ = ["check_streaming", "streaming_section", "streaming_html", "streaming_finding"]
@@ -30,7 +30,7 @@ def check_streaming(model) -> None:
     """A clear error where streaming does not apply: it is for causal decoders with a full-attention layer."""
     from interp.streaming import check_streamable
 
-    from ..seq2seq import is_seq2seq
+    from ..data.seq2seq import is_seq2seq
 
     if is_seq2seq(model) or not model.cfg.causal:
         kind = "an encoder-decoder" if is_seq2seq(model) else "an encoder (non-causal)"

@@ -9,17 +9,17 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from interp.sites import is_layered, row_head
+from interp.attention.sites import is_layered, row_head
 
-from ..ablation import ablation_scan
-from ..attribution import attribution_patching
-from ..logit_attribution import direct_logit_attribution
-from ..engine import copies_per_forward
-from ..batches import batch_of
-from ..patching import activation_patching
-from ..pruning import pruning_curve
-from ..seq2seq import COPY_LENGTH, copy_patching_task, is_seq2seq
-from ..tasks import induction_task
+from ..causal.ablation import ablation_scan
+from ..causal.attribution import attribution_patching
+from ..explain.logit_attribution import direct_logit_attribution
+from ..causal.engine import copies_per_forward
+from ..data.batches import batch_of
+from ..causal.patching import activation_patching
+from ..causal.pruning import pruning_curve
+from ..data.seq2seq import COPY_LENGTH, copy_patching_task, is_seq2seq
+from ..data.tasks import induction_task
 from .study_plots import ablation_heatmap, dla_bars, patching_heatmap, pruning_curve_plot
 
 __all__ = ["circuit_task", "pruning_step"]

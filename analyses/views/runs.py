@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from hooks.names import attn_site, hook_name
-from interp.sites import MASK_OF
+from interp.attention.sites import MASK_OF
 
 from .common import model_tokens, visible_token
 
@@ -203,9 +203,9 @@ def _what(entries) -> str:
 
 def _model_batch(model, inputs, entries: list[str]) -> dict:
     """``{entry: ids (b, p), mask entry: (b, p) or None}`` of what a view is given: a model whose sites read two
-    sequences takes a (source, target) pair or a batch dict (``analyses.seq2seq.pair_batch``)."""
+    sequences takes a (source, target) pair or a batch dict (``analyses.data.seq2seq.pair_batch``)."""
     if len(entries) > 1:
-        from ..seq2seq import pair_batch
+        from ..data.seq2seq import pair_batch
 
         return pair_batch(model, inputs)
     if inputs is None:

@@ -23,9 +23,9 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.patches import Rectangle
 
-from interp.sites import one_site_per_layer
+from interp.attention.sites import one_site_per_layer
 
-from .. import registry
+from ..heads import registry
 from .common import MIN_FONT
 
 _SITE = re.compile(r"(encoder|decoder)\.blocks\.(\d+)\.(attn|cross_attn)")

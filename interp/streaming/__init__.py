@@ -9,6 +9,8 @@ only to the first ``sink`` keys and the last ``window`` keys up to and including
   tile of queries gathers only the sink keys and the keys of the tile's windows (the middle tiles are skipped, so
   its cost grows with ``sink + window``, not with the sequence).
 
+This room may import every room of ``interp`` below it (``runtime`` to ``model``).
+
 Positions count real tokens: with left padding a row's first real token is its position 0, as if it ran alone.
 
 **Real memory** (``interp.streaming.cache``). ``s.new_cache()`` is a transformers ``DynamicCache`` whose layers

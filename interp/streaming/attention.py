@@ -1,7 +1,7 @@
 """The attention of streaming heads (``interp.streaming``): ``streaming_attention``, the kernel that per tile of
 queries reads only the sink keys and the tile's window keys, and ``_LayerStream``, what one attention module does
 while some of its heads stream (the eager path's mask, the flash path's split between the fused kernel and this one,
-and attention over a ``StreamingCache``'s split keys). Our attention (``interp.attention``) calls it through the spec
+and attention over a ``StreamingCache``'s split keys). Our attention (``interp.attention.paths``) calls it through the spec
 that ``stream_heads`` attaches to the module under ``STREAM_ATTR``.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import fused_attention
+from ..attention.kernels import fused_attention
 from .cache import SplitKV
 
 __all__ = ["streaming_attention"]

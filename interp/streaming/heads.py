@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..sites import check_heads
+from ..attention.sites import check_heads
 from .attention import _LayerStream
 from .cache import STREAM_ATTR, KVHeadsNote, StreamingCache, StreamingLayer, kv_note
 
@@ -43,7 +43,7 @@ def _is_int(x) -> bool:
 
 
 def _check(model, heads, sink, window) -> list[tuple[int, int]]:
-    from ..model import HookedModel
+    from ..model.hooked import HookedModel
 
     if not isinstance(model, HookedModel) or not model.cfg.causal:
         raise ValueError("stream_heads needs a causal decoder-only model (an interp HookedModel of a causal LM): "

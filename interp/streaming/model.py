@@ -29,11 +29,11 @@ from transformers.cache_utils import DynamicCache
 
 from hooks.points import TORCH_HOOK_TABLES
 
-from .. import distributed
-from .. import model as _model
-from ..attention import attached_layer_hooks
-from ..head_slicing import CONFIG_KEY as PRUNED_KEY
-from ..head_slicing import kept_heads, plan_layer
+from ..runtime import distributed
+from ..model import hooked as _model
+from ..attention.paths import attached_layer_hooks
+from ..structure.head_slicing import CONFIG_KEY as PRUNED_KEY
+from ..structure.head_slicing import kept_heads, plan_layer
 from .attention import _LayerStream
 from .cache import STREAM_ATTR, KVHeadsNote, kv_note
 from .heads import _check, _is_int, layer_windows, streaming_cache
