@@ -26,7 +26,7 @@ from pathlib import Path
 
 __all__ = ["BUNDLED", "bundled_folder", "cache_dir", "gguf_source"]
 
-_MODELS_DIR = Path(__file__).resolve().parent / "models"
+_MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 
 
 @dataclass(frozen=True)
