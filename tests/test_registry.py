@@ -157,7 +157,7 @@ class _Sizes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given and any(
                     a in self.lengths and b in self.lengths for a, b in zip(t.shape, t.shape[1:])):
                 caller = [f for f in traceback.extract_stack() if "/torch/" not in f.filename][-2]  # -1: this method
-                if any(part in caller.filename for part in ("/analyses/", "/interp/site_pass.py", "/interp/stats.py",
+                if any(part in caller.filename for part in ("/analyses/", "/interp/attention/site_pass.py", "/interp/attention/stats.py",
                                                             "/hooks/cache.py")):
                     self.found.append((str(func), tuple(t.shape), caller.filename, caller.lineno))
         return out
