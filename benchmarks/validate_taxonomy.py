@@ -265,7 +265,9 @@ def print_table(results, k):
 def _quick_model():
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    folder = next((Path.home() / ".cache" / "interp").glob("smollm2-*"))
+    from interp.model.bundled import bundled_folder  # found (and converted) as load_model finds it
+
+    folder = bundled_folder("smollm2")
     tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,

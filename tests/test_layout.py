@@ -8,6 +8,7 @@ one sub-package, no plot in a study, no test helper in the library, every packag
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -314,3 +315,42 @@ def test_analyses_build_hook_names_from_the_table():
     assert hand_made_hook_names(found) == [], "use hooks.names.hook_name(kind, layer or site) / attn_site(layer)"
     pending = hand_made_hook_names({k: v for k, v in modules(ROOT, ("analyses",)).items() if k in _HAND_NAMES_PENDING})
     assert len(pending) <= 4, f"more hand-made names in the pending modules: {pending}"
+
+
+def cache_paths_by_hand(folders=("tests", "benchmarks")) -> list[str]:
+    """Lines of code (docstrings aside) that spell the model cache's folder (``".cache" / "interp"``,
+    ``"~/.cache/interp"``) instead of asking for it; the peers' own caches (``interp-bench``) are not the model cache."""
+    spelled = re.compile(r"""["']\.cache["']\s*/\s*["']interp["']|\.cache/interp(?![-\w])""")
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name == "test_layout.py":
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            docs = set()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node):
+                    docs.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+            found += [f"{path.name}:{i}: {line.strip()}"
+                      for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                      if i not in docs and spelled.search(line)]
+    return found
+
+
+def test_the_cache_check_finds_a_hand_spelled_path(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text('"""Reads ~/.cache/interp (a docstring may say so)."""\n'
+                                                  'folder = Path.home() / ".cache" / "interp"\nvenv = "~/.cache/interp-bench"\n')
+    global ROOT
+    root, ROOT = ROOT, tmp_path
+    try:
+        assert cache_paths_by_hand(("tests",)) == ['test_x.py:2: folder = Path.home() / ".cache" / "interp"']
+    finally:
+        ROOT = root
+
+
+def test_tests_and_benchmarks_find_models_as_users_do():
+    """Issue 52: a test that read SmolLM2's folder from a hard-coded ``~/.cache/interp`` failed when ``INTERP_CACHE``
+    pointed elsewhere (and run alone on a fresh machine): tests and benchmarks find a bundled model's folder with
+    ``interp.model.bundled.bundled_folder``, which honours ``INTERP_CACHE`` and converts on first use."""
+    assert cache_paths_by_hand() == [], "use interp.model.bundled.bundled_folder(name) (or cache_dir())"

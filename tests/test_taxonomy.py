@@ -268,11 +268,11 @@ def test_encoder_decoder_is_refused_for_residual_stream_scores():
 
 def _tiny_with_tokenizer():
     """A tiny random Llama with SmolLM2's tokenizer (49,152 tokens), so the text tasks run in a second."""
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    folder = next((Path.home() / ".cache" / "interp").glob("smollm2-*"))
+    from interp.model.bundled import bundled_folder  # found (and converted) as a user's load_model finds it
+
+    folder = bundled_folder("smollm2")
     tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,

@@ -149,11 +149,11 @@ def test_s_inhibition_default_receivers_skip_layer_zero_and_say_so():
 
 
 def test_s_inhibition_on_one_layer_names_the_default_receivers_and_the_fix():
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(next((Path.home() / ".cache" / "interp").glob("smollm2-*")))
+    from interp.model.bundled import bundled_folder  # found (and converted) as a user's load_model finds it
+
+    tok = AutoTokenizer.from_pretrained(bundled_folder("smollm2"))
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
