@@ -1,0 +1,64 @@
+"""Issue 52 (Trust IV), "Silent wrong numbers": each test here failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import interp
+from interp.bundled import bundled_folder
+
+TEXTS = ["The cat sat on the mat and looked at the door", "Hi there"]
+
+
+@pytest.fixture(scope="module")
+def worded():
+    """A tiny random Llama with SmolLM2's tokenizer (found as users find it), whose pad id is its EOS."""
+    tok = AutoTokenizer.from_pretrained(bundled_folder("smollm2"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+    return interp.load_model(LlamaForCausalLM(cfg).eval(), tokenizer=tok, attn="eager")
+
+
+def _alone(model, text, prepend_bos=None):
+    ids = model.to_tokens(text, prepend_bos=prepend_bos)
+    with torch.no_grad():
+        return model(ids, return_type="logits")[0]
+
+
+# -- 1: text padded by padding_side (or prepend_bos) runs with the mask of its padding ----------------------------
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("entry", ["forward", "run_with_cache", "run_with_hooks"])
+def test_padded_text_rows_equal_each_row_alone(worded, side, entry):
+    call = {"forward": worded, "run_with_cache": lambda *a, **k: worded.run_with_cache(*a, **k)[0],
+            "run_with_hooks": lambda *a, **k: worded.run_with_hooks(*a, fwd_hooks=[], **k)}[entry]
+    with torch.no_grad():
+        logits = call(TEXTS, padding_side=side, return_type="logits")
+    for row, text in enumerate(TEXTS):
+        alone = _alone(worded, text)
+        n = alone.shape[0]
+        got = logits[row, -n:] if side == "left" else logits[row, :n]
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)  # before: the short row off by the padding
+
+
+def test_text_with_prepend_bos_is_masked_too(worded):
+    with torch.no_grad():
+        logits = worded(TEXTS, prepend_bos=True, return_type="logits")  # right-padded by to_tokens's default
+    alone = _alone(worded, TEXTS[1], prepend_bos=True)
+    torch.testing.assert_close(logits[1, :alone.shape[0]], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_text_loss_counts_real_tokens_only(worded):
+    with torch.no_grad():
+        loss = worded(TEXTS, padding_side="left", return_type="loss", loss_per_token=True)
+        alone = worded(worded.to_tokens(TEXTS[1]), return_type="loss", loss_per_token=True)[0]
+    torch.testing.assert_close(loss[1, -alone.shape[0]:], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_on_a_batch_of_texts_equals_each_text_alone(worded):
+    both = worded.generate(TEXTS, max_new_tokens=3, do_sample=False, return_type="tokens", prepend_bos=True)
+    alone = worded.generate(TEXTS[1], max_new_tokens=3, do_sample=False, return_type="tokens", prepend_bos=True)
+    assert both[1, -3:].tolist() == alone[0, -3:].tolist()
