@@ -35,14 +35,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
-__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "columns", "is_fraction", "labelled",
-           "of_column", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
+__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_COLUMNS", "LABEL_ORDER", "columns", "is_fraction", "labelled",
+           "of_column", "reserved_columns", "table_columns", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
            "names", "register", "score", "scores", "unregister"]
 
 SITE_KINDS = ("causal", "bidirectional", "cross")  # the kinds of attention site a score can apply to
 _HOWS = ("target", "argmax", "weights", "behaviour")
 _PROMPTS = ("repeated", "corpus", "task", "needle", "weights")
 _RULE_ARGS = ("ids", "key_ids", "tokenizer")
+LABEL_COLUMNS = ("label", "labels", "evidence")  # what labelling adds to a head table, after the scores
+INTERVAL_ENDS = ("lo", "hi")  # each value score's bootstrap interval: <name>_lo, <name>_hi
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class HeadScore:
     ``function(model, names, seed=, n_bootstrap=, thresholds=, context=)`` with every asked-for score it computes,
     it returns one row per head (``layer``, ``head`` or the head columns) with a column per score. default: computed when no
     scores are named. builtin: ours (a user's score cannot take its name). fraction: whether the score is a share
-    in [0, 1] (None: so for target-rule and argmax scores)."""
+    in [0, 1] (None: so for target-rule and argmax scores). extra: columns its runner writes beside its own
+    (``table_columns``)."""
 
     name: str
     definition: str
@@ -79,6 +82,7 @@ class HeadScore:
     default: bool = False
     builtin: bool = False
     fraction: bool | None = None  # a share in [0, 1]; None: true of target-rule and argmax scores
+    extra: tuple[str, ...] = ()  # further columns its runner writes (name_mover's io_attention)
 
     @property
     def label_column(self) -> str:
@@ -109,15 +113,43 @@ class HeadScore:
 _REGISTRY: dict[str, HeadScore] = {}
 
 
+def table_columns(record: HeadScore) -> tuple[str, ...]:
+    """The columns of a head table that one score fills, in the table's order: an argmax score its ``_offset`` and
+    ``_fraction``, any other its value; then each value's interval ``_lo``, ``_hi``; then its runner's ``extra``.
+    ``analyses.scores.order_columns`` lays a table out from this, and ``register`` refuses a name that would
+    fill a column another score, the head's name (``interp.sites.FRONT``) or its labels (``LABEL_COLUMNS``) fill."""
+    values = [f"{record.name}_offset", f"{record.name}_fraction"] if record.how == "argmax" else [record.name]
+    intervals = [] if record.how == "argmax" else [f"{record.name}_{end}" for end in INTERVAL_ENDS]
+    return (*values, *intervals, *record.extra)
+
+
+def reserved_columns(but: str | None = None) -> dict[str, str]:
+    """Every column a head table can hold, with what fills it: the head's name, its labels and every registered
+    score's columns (but the score named ``but``)."""
+    from interp.sites import FRONT
+
+    owner = {c: "the head's name" for c in FRONT} | {c: "the labels" for c in LABEL_COLUMNS}
+    for r in _REGISTRY.values():
+        if r.name != but:
+            owner.update({c: f"score {r.name!r}" for c in (r.name, *table_columns(r))})
+    return owner
+
+
 def register(record: HeadScore, replace: bool = False) -> HeadScore:
     """Add a score. A user's score may replace a user's score of the same name (a notebook cell run again); ours
-    cannot be replaced."""
+    cannot be replaced. A score whose columns (``table_columns``) another score, the head's name or the labels
+    already fill is refused: it would overwrite that column in every head table."""
     _check(record)
     old = _REGISTRY.get(record.name)
     if old is not None and old.builtin:
         raise ValueError(f"{record.name!r} is one of interp's own scores; give your score another name.")
     if old is not None and not replace:
         raise ValueError(f"A score named {record.name!r} is registered already; pass replace=True to replace it.")
+    taken = reserved_columns(but=record.name)
+    clash = next((c for c in table_columns(record) if c in taken), None)
+    if clash is not None:
+        raise ValueError(f"A score named {record.name!r} would fill the head table's column {clash!r}, which "
+                         f"{taken[clash]} fills; give your score another name.")
     _REGISTRY[record.name] = record
     return record
 
@@ -284,7 +316,8 @@ _OURS = (
     # the literature's classes, computed only on request (analyses.taxonomy, taxonomy_ioi, function_vectors)
     HeadScore("name_mover", "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also "
               "attends END->IO more than END->S (io_attention > 0)", "behaviour", "Wang et al. 2022", 0.1,
-              precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY,
+              extra=("io_attention",)),
     HeadScore("s_inhibition", "on IOI prompts, the share of the clean-corrupted logit difference the head carries "
               "through the name movers' queries (path patching)", "behaviour", "Wang et al. 2022", 0.1,
               precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
@@ -302,7 +335,8 @@ _OURS = (
     HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
               "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
-              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
+              extra=("cs_attends_predicted", "cs_predicted_effect", "cs_attends_predicted_lo", "cs_attends_predicted_hi")),
     HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the generation steps at "
               "which the head's top-1 key is the needle token being generated, per needle token, averaged over the "
               "trials answered (protocol interp, or Wu et al.'s wu2024)", "behaviour",

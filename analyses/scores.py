@@ -229,11 +229,12 @@ def labelled(df: pd.DataFrame, thresholds: dict | None) -> pd.DataFrame:
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     """The head columns, the scores in registry order (an argmax score's offset and fraction), label, labels,
     evidence, then the interval columns and anything else."""
-    main = [c for c in FRONT if c in df]
-    for r in registry.scores():
-        main += [f"{r.name}_offset", f"{r.name}_fraction"] if r.how == "argmax" else [r.name]
-    main += ["label", "labels", "evidence"]
-    intervals = [f"{r.name}_{end}" for r in registry.scores() for end in ("lo", "hi")]
+    main, intervals = [c for c in FRONT if c in df], []
+    for r in registry.scores():  # each score's columns as the registry defines them (registry.table_columns)
+        ends = [f"{r.name}_{end}" for end in registry.INTERVAL_ENDS]
+        main += [c for c in registry.table_columns(r) if c not in ends and c not in r.extra]
+        intervals += [c for c in ends if c in registry.table_columns(r)]
+    main += list(registry.LABEL_COLUMNS)
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
 

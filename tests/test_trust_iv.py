@@ -62,3 +62,29 @@ def test_generate_on_a_batch_of_texts_equals_each_text_alone(worded):
     both = worded.generate(TEXTS, max_new_tokens=3, do_sample=False, return_type="tokens", prepend_bos=True)
     alone = worded.generate(TEXTS[1], max_new_tokens=3, do_sample=False, return_type="tokens", prepend_bos=True)
     assert both[1, -3:].tolist() == alone[0, -3:].tolist()
+
+
+# -- 2: a user score named like a column of the head table is refused at registration ------------------------------
+@pytest.mark.parametrize("name", ["positional_fraction", "positional_offset", "site", "layer", "head", "stack",
+                                  "kind", "label", "labels", "evidence", "induction_lo", "sink_hi", "io_attention",
+                                  "retrieval_lo", "cs_attends_predicted"])
+def test_a_score_named_like_a_column_is_refused(name):
+    from analyses import head_score, registry
+
+    before = list(registry.names())
+    with pytest.raises(ValueError, match=f"column '{name}'"):
+        head_score(name)(lambda ids: ids)
+    assert list(registry.names()) == before
+
+
+def test_a_score_whose_intervals_would_be_another_scores_column_is_refused():
+    from analyses import head_score, registry
+
+    head_score("mine_lo")(lambda ids: ids)
+    try:
+        with pytest.raises(ValueError, match="column 'mine_lo'.*score 'mine_lo'"):
+            head_score("mine")(lambda ids: ids)  # its interval column mine_lo is the other score's value
+        head_score("mine_lo", threshold=0.5)(lambda ids: ids)  # the same notebook cell run again still replaces it
+        assert registry.score("mine_lo").threshold == 0.5
+    finally:
+        registry.unregister("mine_lo")
