@@ -104,28 +104,29 @@ class HeadScore:
         return self.rule
 
     def call_rule(self, **available):
-        """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``)."""
+        """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``), each tensor a
+        copy of its own: a rule that edits ``ids`` in place changes nothing another score reads (``key_ids`` is
+        the same copy as ``ids`` where they were the same tensor)."""
         rule = self.function
         wanted = inspect.signature(rule).parameters
-        return rule(**{k: v for k, v in available.items() if k in wanted})
+        given = {k: v for k, v in available.items() if k in wanted}
+        copies = {id(v): v.clone() for v in given.values() if hasattr(v, "clone")}
+        return rule(**{k: copies.get(id(v), v) for k, v in given.items()})
 
 
 _REGISTRY: dict[str, HeadScore] = {}
 
 
 def table_columns(record: HeadScore) -> tuple[str, ...]:
-    """The columns of a head table that one score fills, in the table's order: an argmax score its ``_offset`` and
-    ``_fraction``, any other its value; then each value's interval ``_lo``, ``_hi``; then its runner's ``extra``.
-    ``analyses.scores.order_columns`` lays a table out from this, and ``register`` refuses a name that would
-    fill a column another score, the head's name (``interp.sites.FRONT``) or its labels (``LABEL_COLUMNS``) fill."""
+    """The head-table columns one score fills (an argmax score's ``_offset``, ``_fraction``, else its value and its
+    interval's ``_lo``, ``_hi``; then ``extra``): what ``order_columns`` lays out and ``register`` keeps apart."""
     values = [f"{record.name}_offset", f"{record.name}_fraction"] if record.how == "argmax" else [record.name]
     intervals = [] if record.how == "argmax" else [f"{record.name}_{end}" for end in INTERVAL_ENDS]
     return (*values, *intervals, *record.extra)
 
 
 def reserved_columns(but: str | None = None) -> dict[str, str]:
-    """Every column a head table can hold, with what fills it: the head's name, its labels and every registered
-    score's columns (but the score named ``but``)."""
+    """Each column a head table can hold -> what fills it: the head's name, the labels, each score (but ``but``)."""
     from interp.sites import FRONT
 
     owner = {c: "the head's name" for c in FRONT} | {c: "the labels" for c in LABEL_COLUMNS}
@@ -137,8 +138,7 @@ def reserved_columns(but: str | None = None) -> dict[str, str]:
 
 def register(record: HeadScore, replace: bool = False) -> HeadScore:
     """Add a score. A user's score may replace a user's score of the same name (a notebook cell run again); ours
-    cannot be replaced. A score whose columns (``table_columns``) another score, the head's name or the labels
-    already fill is refused: it would overwrite that column in every head table."""
+    cannot be replaced. A score that would fill a column something else fills (``reserved_columns``) is refused."""
     _check(record)
     old = _REGISTRY.get(record.name)
     if old is not None and old.builtin:
@@ -171,7 +171,8 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
     key side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the
     model's, or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key
     position, -1 where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several
-    targets. It is called row by row on the unpadded tokens, so positions count from each prompt's first real
+    targets (integer tensors in either form: a float one is refused; a pair listed twice is one target). It gets
+    copies of the ids, so editing them in place changes no other score. It is called row by row on the unpadded tokens, so positions count from each prompt's first real
     token. A head's score is its mean weight on the targets over the rows that have one, with a 95% bootstrap
     interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
     sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
@@ -208,42 +209,30 @@ def names(how: tuple[str, ...] | None = None, site_kind: str | None = None) -> t
     return tuple(r.name for r in scores(how, site_kind))
 
 
-class _LiveMap(Mapping):
-    """A read-only mapping over the registry, current whenever it is read (a user's score included)."""
+class _Live:
+    """A read-only view of the registry, current whenever it is read (a user's score included)."""
 
-    def __init__(self, read: Callable[[], dict]):
+    def __init__(self, read: Callable[[], dict | tuple]):
         self._read = read
 
     def __getitem__(self, key):
         return self._read()[key]
 
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+
+class _LiveMap(_Live, Mapping):
     def __iter__(self):
         return iter(self._read())
 
-    def __len__(self) -> int:
-        return len(self._read())
 
-    def __repr__(self) -> str:
-        return repr(self._read())
-
-
-class _LiveSequence(Sequence):
-    """A read-only sequence over the registry, current whenever it is read."""
-
-    def __init__(self, read: Callable[[], tuple]):
-        self._read = read
-
-    def __getitem__(self, index):
-        return self._read()[index]
-
-    def __len__(self) -> int:
-        return len(self._read())
-
+class _LiveSequence(_Live, Sequence):
     def __add__(self, other) -> tuple:
         return tuple(self._read()) + tuple(other)
-
-    def __repr__(self) -> str:
-        return repr(self._read())
 
 
 def labelled() -> list[HeadScore]:
@@ -305,8 +294,6 @@ def _check(record: HeadScore) -> None:
         if not set(params) & set(_RULE_ARGS) or any(p not in _RULE_ARGS and v.default is inspect.Parameter.empty
                                                    for p, v in params.items()):
             raise bad(f"its function takes some of {_RULE_ARGS} by name; it takes {list(params)}")
-
-
 
 
 # -- interp's own scores ------------------------------------------------------------------------------------------

@@ -88,3 +88,99 @@ def test_a_score_whose_intervals_would_be_another_scores_column_is_refused():
         assert registry.score("mine_lo").threshold == 0.5
     finally:
         registry.unregister("mine_lo")
+
+
+# -- 3 and 4: a user's rule sees copies; target triples follow one rule ---------------------------------------------
+@pytest.fixture(scope="module")
+def llama_ids():
+    from tests.tiny import tiny_model
+
+    model = interp.load_model(tiny_model("llama"), attn="eager")
+    return model, torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _register(name, rule):
+    from analyses import head_score
+
+    head_score(name, threshold=None)(rule)
+
+
+def _scores(model, ids, names):
+    from analyses import detect_heads
+
+    return detect_heads(model, scores=names, prompts=ids, n_bootstrap=20)
+
+
+def _plain_previous(model, ids):
+    """Each head's mean weight on the previous token (rows 1..), from the eager patterns."""
+    _, cache = model.run_with_cache(ids)
+    return torch.cat([cache.pattern(s.name).double().diagonal(-1, -2, -1).mean((0, 2)) for s in model.cfg.sites])
+
+
+def test_a_rule_that_edits_ids_in_place_changes_no_other_score(llama_ids):
+    from analyses import registry
+
+    model, ids = llama_ids
+
+    def vandal(ids):
+        ids.zero_()  # every token now repeats: a previous-token rule on these ids would still be fine, a copy is not
+        return torch.full_like(ids, -1)
+
+    def previous_by_ids(ids):  # the previous token's position where the token differs from the one before it
+        out = torch.arange(ids.shape[1]).expand_as(ids) - 1
+        return torch.where(ids != torch.roll(ids, 1, 1), out, torch.full_like(out, -1))
+
+    _register("vandal_rule", vandal), _register("reader_rule", previous_by_ids)
+    before = ids.clone()
+    try:
+        df = _scores(model, ids, ["vandal_rule", "reader_rule"])
+        alone = _scores(model, ids, ["reader_rule"])
+    finally:
+        registry.unregister("vandal_rule"), registry.unregister("reader_rule")
+    assert torch.equal(ids, before)  # the user's own prompts are untouched too
+    assert df["reader_rule"].tolist() == pytest.approx(alone["reader_rule"].tolist(), abs=1e-9)
+    assert df["reader_rule"].notna().all()
+
+
+def test_a_pair_listed_twice_counts_once(llama_ids):
+    from analyses import registry
+
+    model, ids = llama_ids
+
+    def twice(ids):
+        b, q = torch.meshgrid(torch.arange(ids.shape[0]), torch.arange(1, ids.shape[1]), indexing="ij")
+        b, q = b.reshape(-1), q.reshape(-1)
+        return torch.cat([b, b]), torch.cat([q, q]), torch.cat([q - 1, q - 1])
+
+    _register("previous_twice", twice)
+    try:
+        df = _scores(model, ids, ["previous_twice"])
+    finally:
+        registry.unregister("previous_twice")
+    assert df["previous_twice"].to_numpy() == pytest.approx(_plain_previous(model, ids).numpy(), abs=1e-6)
+    assert df["previous_twice"].le(1).all()
+
+
+@pytest.mark.parametrize("bad", ["float", "nan", "float_tensor", "bool"])
+def test_float_nan_and_bool_targets_are_refused_in_both_forms(llama_ids, bad):
+    from analyses import registry
+
+    model, ids = llama_ids
+
+    def rule(ids):
+        q = torch.arange(1, ids.shape[1]).repeat(ids.shape[0])
+        b = torch.arange(ids.shape[0]).repeat_interleave(ids.shape[1] - 1)
+        if bad == "float":
+            return b, q, (q - 1).double() + 0.7
+        if bad == "nan":
+            return b, q, torch.full(q.shape, float("nan"))
+        if bad == "bool":
+            return b, q, (q - 1).bool()
+        return torch.full(ids.shape, 1.0)
+
+    _register("odd_targets", rule)
+    try:
+        with pytest.raises(ValueError, match="odd_targets.*(float|bool).*integers"):
+            _scores(model, ids, ["odd_targets"])
+    finally:
+        registry.unregister("odd_targets")
