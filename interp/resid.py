@@ -33,7 +33,11 @@ def _pos(tensor: torch.Tensor, pos_slice, dim: int = -2) -> torch.Tensor:
     if isinstance(pos_slice, tuple) and all(isinstance(i, int) for i in pos_slice):
         pos_slice = slice(*pos_slice)
     if isinstance(pos_slice, (list, torch.Tensor)):
-        return tensor.index_select(dim % tensor.ndim, torch.as_tensor(pos_slice, device=tensor.device).reshape(-1))
+        at, n = torch.as_tensor(pos_slice, device=tensor.device).reshape(-1), tensor.shape[dim]
+        if at.is_floating_point() or at.dtype == torch.bool or bool(((at < -n) | (at >= n)).any()):
+            raise ValueError(f"pos_slice's positions are integers in [-{n}, {n}) (negative from the end); got "
+                             f"{at.tolist()}.")
+        return tensor.index_select(dim % tensor.ndim, at % n)
     if not isinstance(pos_slice, (int, slice)):
         raise TypeError(f"pos_slice is None, an int, a (start, stop) tuple, a slice or a list of positions; got "
                         f"{pos_slice!r}.")

@@ -184,3 +184,42 @@ def test_float_nan_and_bool_targets_are_refused_in_both_forms(llama_ids, bad):
             _scores(model, ids, ["odd_targets"])
     finally:
         registry.unregister("odd_targets")
+
+
+# -- 5: positions past the end are refused, never wrapped around ---------------------------------------------------
+@pytest.mark.parametrize("queries", [[100], [12], [-13], [2.0], [True], []])
+def test_qk_attribution_refuses_query_rows_outside_the_prompt(llama_ids, queries):
+    from analyses import qk_attribution
+
+    model, ids = llama_ids
+    with pytest.raises(ValueError, match="queries"):
+        qk_attribution(model, ids[:1], [(1, 0)], pairs="top1", queries=queries, causal=False)
+
+
+def test_qk_attribution_negative_queries_count_from_the_end(llama_ids):
+    from analyses import qk_attribution
+
+    model, ids = llama_ids
+    last = qk_attribution(model, ids[:1], [(1, 0)], pairs="top1", queries=[-1], causal=False)
+    eleven = qk_attribution(model, ids[:1], [(1, 0)], pairs="top1", queries=[11], causal=False)
+    assert [p["query"] for p in last.attrs["pairs"]] == [11]
+    assert last["total"].tolist() == pytest.approx(eleven["total"].tolist())
+
+
+@pytest.mark.parametrize("position", [12, -13, 2.5])
+def test_logit_difference_refuses_a_position_outside_the_logits(llama_ids, position):
+    from analyses import logit_difference
+
+    model, ids = llama_ids
+    with pytest.raises(ValueError, match="position"):
+        metric = logit_difference(3, 4, position=position)
+        metric(model(ids), {"input_ids": ids})
+
+
+def test_cache_pos_slice_lists_refuse_positions_outside_and_take_negative_ones(llama_ids):
+    model, ids = llama_ids
+    _, cache = model.run_with_cache(ids[:1])
+    resid = cache.accumulated_resid()  # (c, b, p, m)
+    torch.testing.assert_close(cache.accumulated_resid(pos_slice=[-1]), resid[:, :, [11]])
+    with pytest.raises(ValueError, match="pos_slice"):
+        cache.accumulated_resid(pos_slice=[12])
