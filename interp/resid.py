@@ -189,6 +189,11 @@ class ModelCache(ActivationCache):
             scale = _pos(norm_scale(norm, stream), pos_slice)
             if self.has_batch_dim and batch_slice is not None:
                 scale = _pos(scale, batch_slice, dim=0)
+            dims = scale.shape[:-1]  # the run's (batch, pos) as sliced: the stack must end with them, never broadcast
+            if residual_stack.ndim <= len(dims) or residual_stack.shape[-len(dims) - 1:-1] != dims:
+                raise ValueError(f"apply_ln_to_stack: the stack {tuple(residual_stack.shape)} must end with the run's "
+                                 f"{tuple(dims)} positions and d_model; for a stack at some positions pass the same "
+                                 "pos_slice (and batch_slice) that took them (e.g. pos_slice=-1).")
         if centred:
             residual_stack = residual_stack - residual_stack.mean(-1, keepdim=True)
         return residual_stack / scale.to(residual_stack.dtype)

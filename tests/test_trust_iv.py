@@ -223,3 +223,50 @@ def test_cache_pos_slice_lists_refuse_positions_outside_and_take_negative_ones(l
     torch.testing.assert_close(cache.accumulated_resid(pos_slice=[-1]), resid[:, :, [11]])
     with pytest.raises(ValueError, match="pos_slice"):
         cache.accumulated_resid(pos_slice=[12])
+
+
+# -- 6: a masked-LM encoder refuses W_U; OV indexes like TransformerLens; apply_ln_to_stack never broadcasts --------
+def test_a_masked_lm_encoder_refuses_the_unembedding():
+    from transformers import BertForMaskedLM
+
+    from tests.tiny import tiny_model
+
+    bert = interp.load_model(tiny_model("bert", cls=BertForMaskedLM), attn="eager")
+    ids = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(0))
+    logits, cache = bert.run_with_cache(ids, return_type="logits")
+    final = cache["blocks.1.hook_resid_post"]
+    plain = bert.hf.cls(final)  # what HF computes from the stream: the head's dense, activation, norm, decoder
+    torch.testing.assert_close(plain, logits)
+    for name in ("W_U", "b_U"):
+        with pytest.raises(NotImplementedError, match="encoder"):
+            getattr(bert, name)
+    with pytest.raises(NotImplementedError, match="encoder"):
+        bert.tokens_to_residual_directions(torch.tensor([5]))
+
+
+def test_ov_takes_negative_row_indices_and_refuses_rows_past_the_end(llama_ids):
+    model, _ = llama_ids
+    attn = model.hf.model.layers[1].self_attn
+    d, group = model.cfg.d_head, model.cfg.n_heads // model.cfg.n_kv_heads
+    w_v = attn.v_proj.weight[(2 // group) * d:(2 // group + 1) * d].T  # head 2's values, (m, d), from HF's weights
+    w_o = attn.o_proj.weight[:, 2 * d:3 * d].T  # (d, m)
+    norm = model.hf.model.layers[1].input_layernorm.weight[:, None]  # fold_ln: the norm's weight on the rows
+    full = (norm * w_v) @ w_o
+    torch.testing.assert_close(model.OV[1, 2, -1].AB, full[-1:], atol=1e-5, rtol=1e-5)  # before: empty
+    torch.testing.assert_close(model.OV[1, 2, -2:].AB, full[-2:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.OV[1, 2, :, -1].AB, full[:, -1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.OV[-1, -1].AB, model.OV[1, model.cfg.n_heads - 1].AB)
+    with pytest.raises(IndexError, match="out of range"):
+        model.OV[1, 2, model.cfg.d_model]
+
+
+def test_apply_ln_to_stack_of_one_position_needs_its_pos_slice(llama_ids):
+    model, ids = llama_ids
+    logits, cache = model.run_with_cache(ids[:1], return_type="logits")
+    resid = cache.accumulated_resid()  # (c, 1, p, m)
+    last = resid[:, :, -1]  # (c, 1, m): one position, taken by the user
+    with pytest.raises(ValueError, match="pos_slice"):
+        cache.apply_ln_to_stack(last)  # before: broadcast to (c, p, m)
+    scaled = cache.apply_ln_to_stack(last, pos_slice=-1)
+    torch.testing.assert_close(scaled, cache.apply_ln_to_stack(resid)[:, :, -1])
+    torch.testing.assert_close(scaled[-1] @ model.W_U + model.b_U, logits[:, -1], atol=1e-4, rtol=1e-4)
