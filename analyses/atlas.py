@@ -291,10 +291,11 @@ _IDENTITY = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("versi
 def diff_atlas(a: dict, b: dict) -> dict:
     """What changed from atlas ``a`` (the reference) to ``b``: ``changed``, one entry per head whose primary label or
     classes differ, or one of whose values in ``b`` lies outside ``a``'s 95% interval (or a value without interval
-    that differs by more than 1e-6); ``missing``: heads or scores of ``a`` that ``b`` lacks; ``notes``: what differs
-    in the inputs (digests, versions, settings, prompts) and scores only ``b`` has. Nothing in ``changed`` and
-    ``missing``: the atlases agree."""
-    changed, missing, notes = [], [], []
+    that differs by more than 1e-6); ``missing``: heads, scores and values of ``a`` that ``b`` lacks; ``added``:
+    heads, and values of a head, that only ``b`` has; ``notes``: what differs in the inputs (digests, versions,
+    settings, prompts) and scores only ``b`` has. Nothing in ``changed``, ``missing`` and ``added``: the atlases
+    agree."""
+    changed, missing, added, notes = [], [], [], []
     for section, key in _IDENTITY:
         x, y = a.get(section, {}).get(key), b.get(section, {}).get(key)
         if x != y:
@@ -309,33 +310,42 @@ def diff_atlas(a: dict, b: dict) -> dict:
         elif record.get("prompt_sha256") != other.get("prompt_sha256"):
             notes.append(f"score {name}: other prompts ({record.get('inputs')} -> {other.get('inputs')})")
     notes += [f"score {n}: in the second atlas only" for n in b.get("scores", {}) if n not in a.get("scores", {})]
-    theirs = {(h["site"], h["head"]): h for h in b["heads"]}
+    mine, theirs = ({(h["site"], h["head"]): h for h in atlas["heads"]} for atlas in (a, b))
+    columns = [{c for h in atlas["heads"] for c in h["values"]} for atlas in (a, b)]  # each atlas's value columns
+    missing += [f"value {c} (in the first atlas only)" for c in sorted(columns[0] - columns[1])
+                if f"score {c} (in the first atlas only)" not in missing]
+    added += [f"head {_head_name(h)}" for key, h in theirs.items() if key not in mine]
     for h in a["heads"]:
-        name = f"{h['site']}.{h['head']}" if h.get("layer") is None else f"{int(h['layer'])}.{h['head']}"
-        other = theirs.get((h["site"], h["head"]))
+        name, other = _head_name(h), theirs.get((h["site"], h["head"]))
         if other is None:
             missing.append(f"head {name}")
             continue
+        missing += [f"head {name} value {c}" for c in h["values"] if c in columns[1] and c not in other["values"]]
+        added += [f"head {name} value {c}" for c in other["values"] if c in columns[0] and c not in h["values"]]
         why = []
         if (h["label"], h["labels"]) != (other["label"], other["labels"]):
             why.append(f"label {h['labels'] or h['label']} -> {other['labels'] or other['label']}")
         for column, entry in h["values"].items():
-            new = other["values"].get(column, {}).get("value")
+            if column not in other["values"]:
+                continue  # in missing
+            new = other["values"][column].get("value")
             old, lo, hi = entry.get("value"), entry.get("lo"), entry.get("hi")
-            if column not in other["values"] or (new is None) != (old is None):
-                if column in other["values"]:
-                    why.append(f"{column} {old} -> {new}")
+            if (new is None) != (old is None):
+                why.append(f"{column} {old} -> {new}")
+            elif new is None:
                 continue
-            if new is None:
-                continue
-            if lo is not None and hi is not None:
+            elif lo is not None and hi is not None:
                 if not lo - 1e-9 <= new <= hi + 1e-9:
                     why.append(f"{column} {new:.4f} outside [{lo:.4f}, {hi:.4f}]")
             elif abs(new - old) > 1e-6:
                 why.append(f"{column} {old:.4f} -> {new:.4f}")
         if why:
             changed.append({"head": name, "site": h["site"], "what": why})
-    return {"changed": changed, "missing": missing, "notes": notes}
+    return {"changed": changed, "missing": missing, "added": added, "notes": notes}
+
+
+def _head_name(h: dict) -> str:
+    return f"{h['site']}.{h['head']}" if h.get("layer") is None else f"{int(h['layer'])}.{h['head']}"
 
 
 def _example() -> dict:

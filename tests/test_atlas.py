@@ -83,7 +83,7 @@ def test_json_round_trip_and_an_unknown_schema_is_refused(atlas, tmp_path):
     path = save_atlas(atlas, tmp_path / "a.json")
     back = load_atlas(path)
     assert back == json.loads(json.dumps(back)) and back["heads"] == atlas["heads"]
-    assert diff_atlas(atlas, back) == {"changed": [], "missing": [], "notes": []}
+    assert diff_atlas(atlas, back) == {"changed": [], "missing": [], "added": [], "notes": []}
     (tmp_path / "b.json").write_text(json.dumps({**back, "schema": SCHEMA + 1}))
     with pytest.raises(ValueError, match=f"schema {SCHEMA + 1}.*reads schema {SCHEMA}"):
         load_atlas(tmp_path / "b.json")

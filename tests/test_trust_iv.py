@@ -270,3 +270,32 @@ def test_apply_ln_to_stack_of_one_position_needs_its_pos_slice(llama_ids):
     scaled = cache.apply_ln_to_stack(last, pos_slice=-1)
     torch.testing.assert_close(scaled, cache.apply_ln_to_stack(resid)[:, :, -1])
     torch.testing.assert_close(scaled[-1] @ model.W_U + model.b_U, logits[:, -1], atol=1e-4, rtol=1e-4)
+
+
+# -- 7: diff_atlas reports a value B dropped and heads only one side has -------------------------------------------
+def _atlas(heads):
+    from analyses.atlas import SCHEMA
+
+    return {"schema": SCHEMA, "scores": {"sink": {}, "induction": {}},
+            "heads": [{"site": "blocks.0.attn", "layer": 0.0, "head": h, "label": "none", "labels": "",
+                       "values": {k: {"value": v, "lo": v - 0.1, "hi": v + 0.1} for k, v in values.items()}}
+                      for h, values in heads]}
+
+
+def test_diff_atlas_reports_a_dropped_value_and_heads_only_one_side_has(tmp_path, capsys):
+    from analyses.atlas import diff_atlas, save_atlas
+    from analyses.cli import main
+
+    a = _atlas([(0, {"sink": 0.9, "induction": 0.1}), (1, {"sink": 0.1, "induction": 0.2})])
+    b = _atlas([(0, {"sink": 0.9}), (1, {"sink": 0.1, "induction": 0.2}), (2, {"sink": 0.5, "induction": 0.3})])
+    found = diff_atlas(a, b)
+    assert found["missing"] == ["head 0.0 value induction"]  # before: silent
+    assert found["added"] == ["head 0.2"]  # before: silent
+    assert found["changed"] == []
+    back = diff_atlas(b, a)
+    assert back["missing"] == ["head 0.2"] and back["added"] == ["head 0.0 value induction"]
+    save_atlas(a, tmp_path / "a.json"), save_atlas(b, tmp_path / "b.json")
+    assert main(["atlas", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1  # before: 0
+    out = capsys.readouterr()
+    assert "head 0.0 value induction" in out.out and "only in" in out.out and "head 0.2" in out.out
+    assert main(["atlas", "diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
