@@ -138,20 +138,34 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
             by_runner.setdefault(r.runner, []).append(r.name)
     groups += list(by_runner.values())
     frames, attrs, ran = [], {"inputs": {}, "stability": {}, "prompt_sha256": {}}, []
-    for names in groups:
+
+    def run(names: list[str]) -> None:
+        """Score ``names`` together; where that fails (not strict), each alone, so that one score's failure (a
+        user's rule that raises) leaves the others' values and gives its own reason."""
         needle = any(registry.score(n).prompts == "needle" for n in names)
+        # ours fail only for what the model lacks; a user's rule may raise anything
+        caught = (TypeError, ValueError, NotImplementedError) if all(registry.score(n).builtin for n in names) \
+            else Exception
         try:
-            df = detect_heads(model, scores=names, n_prompts=n_prompts, seq_len=seq_len if pattern == names else None,
-                              seed=seed, n_bootstrap=n_bootstrap, context=context if needle else None)
-        except (TypeError, ValueError, NotImplementedError) as err:
+            df = detect_heads(model, scores=names, n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap,
+                              seq_len=seq_len if set(names) <= set(pattern) else None,
+                              context=context if needle else None)
+        except caught as err:
             if strict:
                 raise
-            not_run.update(dict.fromkeys(names, _first_sentence(err)))
-            continue
-        ran += names
+            if len(names) > 1:
+                for name in names:
+                    run([name])
+            else:
+                not_run[names[0]] = _first_sentence(err)
+            return
+        ran.extend(names)
         frames.append(df.drop(columns=["label", "labels"]).set_index(FRONT))
         for key in attrs:
             attrs[key].update(df.attrs.get(key) or {})
+
+    for names in groups:
+        run(names)
     if not frames:
         raise ValueError(f"No score ran on this model; the reasons: {not_run}.")
     table = pd.concat(frames, axis=1).reset_index()

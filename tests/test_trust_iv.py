@@ -299,3 +299,28 @@ def test_diff_atlas_reports_a_dropped_value_and_heads_only_one_side_has(tmp_path
     out = capsys.readouterr()
     assert "head 0.0 value induction" in out.out and "only in" in out.out and "head 0.2" in out.out
     assert main(["atlas", "diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
+
+
+# -- 8: one user score raising in a default atlas leaves ours (and other users' scores) running --------------------
+def test_a_failing_user_score_is_the_only_score_not_run(tmp_path):
+    from analyses import build_atlas, registry
+
+    model = interp.load_model("toy-induction")
+
+    def explodes(ids):
+        raise RuntimeError("my rule is broken today. More text")
+
+    def previous_again(ids):
+        out = torch.arange(ids.shape[1]).expand_as(ids) - 1
+        return out.clone()
+
+    _register("explodes", explodes), _register("previous_again", previous_again)
+    try:
+        atlas = build_atlas(model, n_prompts=4, seq_len=16, context=64, draws=2, n_bootstrap=20)
+    finally:
+        registry.unregister("explodes"), registry.unregister("previous_again")
+    assert atlas["not_run"]["explodes"] == "my rule is broken today"  # its own reason
+    assert {"previous_token", "induction", "sink", "previous_again"} <= set(atlas["scores"])  # before: not_run
+    assert not {"previous_token", "induction", "sink", "previous_again"} & set(atlas["not_run"])
+    for h in atlas["heads"]:  # the same rule under two names: the same values
+        assert h["values"]["previous_again"]["value"] == pytest.approx(h["values"]["previous_token"]["value"])
