@@ -324,3 +324,43 @@ def test_a_failing_user_score_is_the_only_score_not_run(tmp_path):
     assert not {"previous_token", "induction", "sink", "previous_again"} & set(atlas["not_run"])
     for h in atlas["heads"]:  # the same rule under two names: the same values
         assert h["values"]["previous_again"]["value"] == pytest.approx(h["values"]["previous_token"]["value"])
+
+
+# -- 10: wu2024's needle span is found as Wu et al.'s find_needle_idx finds it ---------------------------------------
+def _their_find_needle_idx(prompt_ids, needle_ids):
+    """nightdessert/Retrieval_Head, retrieval_head_detection.py, ``find_needle_idx``, as it reads (tokenizing the
+    answer alone done by the caller)."""
+    span_len = len(needle_ids)
+    for i in range(len(prompt_ids)):
+        span_ids = set(prompt_ids[i:i + span_len])
+        overlap = float(len(span_ids.intersection(set(needle_ids)))) / len(set(needle_ids))
+        if overlap > 0.9:
+            return i, i + span_len
+    return -1, -1
+
+
+def test_wu_needle_span_is_their_find_needle_idx_where_it_differs_from_the_planted_digits(worded):
+    from analyses.needles import wu_needle_prompts, wu_needle_span
+
+    assert wu_needle_span([9, 5, 1, 2, 1, 7], [1, 2, 1]) == (1, 4)  # the last token repeats: one early, as theirs
+    prompts = wu_needle_prompts(worded, [200], [0.0, 0.25, 0.5, 0.75, 1.0], needle_len=8, seed=0) + \
+        wu_needle_prompts(worded, [240], [0.0, 0.5, 1.0], needle_len=8, seed=1)
+    differ = 0
+    for p in prompts:
+        answer = worded.tokenizer(p.text, add_special_tokens=False)["input_ids"]
+        assert p.needle == _their_find_needle_idx(p.ids.tolist(), answer)
+        assert worded.tokenizer.decode(p.reference) == p.text  # the planted digits, ROUGE's reference
+        differ += p.needle != p.planted
+    assert differ >= 1  # before: the planted span on every prompt
+
+
+def test_wu_trials_record_the_span_their_code_finds_and_the_planted_digits(worded):
+    from analyses import retrieval_heads
+    from analyses.needles import wu_needle_prompts
+
+    df = retrieval_heads(worded, context=256, lengths=[200, 240], depths=[0.0, 0.5], needle_len=8, n_bootstrap=20,
+                         protocol="wu2024", max_new_tokens=3)
+    prompts = wu_needle_prompts(worded, [200, 240], [0.0, 0.5], needle_len=8, seed=0)
+    assert [(t["span"], t["planted"]) for t in df.attrs["trials"]] == [(list(p.needle), list(p.planted))
+                                                                       for p in prompts]
+    assert all(t["needle_tokens"] == 8 for t in df.attrs["trials"])
