@@ -2,8 +2,13 @@
 distribution over draws (REFERENCE.md: validate every label causally). The report's "does each class do what its name
 says" and the atlas's per-class check read it from here.
 
-On a causal LM the test is the in-context gain on repeated random tokens ``[BOS, x, x]``: the first copy's loss minus
-the second's, which induction heads make (Olsson et al. 2022).
+On a causal LM every class is shown on the in-context gain on repeated random tokens ``[BOS, x, x]``: the first copy's
+loss minus the second's, which induction heads make (Olsson et al. 2022). A class named for another behaviour is
+also checked on that behaviour (``OWN_TASK``, the taxonomy's class tests): successor heads on the next ordinal item,
+name movers and S-inhibition heads on IOI, copy suppressors on the self-repair test (ablating them raises the repeated
+token's logit), retrieval heads on copying a needle. A class is ``confirmed`` when its ablation moves its own
+measure the way its name predicts, more than every draw of random heads; a class whose own test does not confirm it
+says so (``verdict``); an attention-pattern class has no behaviour of its own to test (its score is its evidence).
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import torch
 
 from . import registry
+from interp.inputs import encode
+
 from .ablation import _set_values
+from .batches import _main_output
 from .labels import LABEL_ORDER
-from .metrics import first_copy_loss, second_copy_loss
+from .metrics import Metric, first_copy_loss, second_copy_loss
 from .toy import repeated_sequences
 
-__all__ = ["PROPERTY", "class_ablation"]
+__all__ = ["OWN_TASK", "PROPERTY", "class_ablation"]
 
 PROPERTY = "sink"  # most heads of a large model are sinks: a property shown beside the classes, not a class
 
@@ -68,6 +76,8 @@ def class_ablation(model, heads, seed: int = 0, n: int = 8, length: int = 16, dr
         value, random_values = values[i * (draws + 1)], values[i * (draws + 1) + 1:(i + 1) * (draws + 1)]
         rows.append({"class": kind, "heads": [f"{l}.{h}" for l, h in chosen], "ablated": value,
                      "random": random_values, "share": share(value), "random_share": [share(v) for v in random_values]})
+    _own_tests(model, rows, [sets[i * (draws + 1):(i + 1) * (draws + 1)] for i in range(len(kinds))], ids, length,
+               seed)
     return {"task": f"{n} repeated random sequences [BOS, x, x] of {ids.shape[1]} tokens (|x| = {length})",
             "n": n, "tokens": int(ids.shape[1]), "first_copy_loss": first,
             "second_copy_loss": clean_second, "draws": draws, "rows": rows}
@@ -83,3 +93,105 @@ def _second_copy_losses(model, batch, sets: list) -> tuple[tuple[float, float], 
     with model.studying(), torch.no_grad():
         first = first_copy_loss(model(batch["input_ids"]), batch)
     return (first, baseline), values
+
+
+def _own_tests(model, rows: list[dict], sets: list[list], copy_ids: torch.Tensor, length: int, seed: int) -> None:
+    """Each row's ``own_test`` (task, measure, clean, ablated, random, effect, random_effect: positive effects go the
+    way the class's name predicts), ``confirmed`` and ``verdict``, in place; one scan per task."""
+    by_task: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_task.setdefault(OWN_TASK.get(row["class"]), []).append(i)
+    for name, members in by_task.items():
+        if name is None:
+            for i in members:
+                rows[i].update(own_test=None, confirmed=None, verdict="no test of its own: an attention-pattern class "
+                               "(its score is its evidence); the copy task's share is shown")
+            continue
+        if name == "copy":
+            for i in members:
+                r = rows[i]
+                _judge(r, "the copy task (in-context gain on the repeated sequences)", "share of the gain removed",
+                       None, r["ablated"], r["random"], r["share"], r["random_share"])
+            continue
+        try:
+            batch, metric, sign, what = _task(model, name, copy_ids.to(model.device), length, seed)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            for i in members:
+                rows[i].update(own_test=None, confirmed=None, verdict=f"not checked: {err}")
+            continue
+        clean, values = _set_values(model, batch, metric, [s for i in members for s in sets[i]])
+        n = len(sets[members[0]])
+        for j, i in enumerate(members):
+            got = values[j * n:(j + 1) * n]
+            _judge(rows[i], what, metric.name, clean, got[0], got[1:], sign * (clean - got[0]),
+                   [sign * (clean - v) for v in got[1:]])
+
+
+def _judge(row: dict, task: str, measure: str, clean, ablated, random, effect, random_effect) -> None:
+    ok = effect == effect and effect > 0 and all(effect > v for v in random_effect if v == v)
+    row.update(own_test={"task": task, "measure": measure, "clean": clean, "ablated": ablated, "random": random,
+                         "effect": effect, "random_effect": random_effect}, confirmed=bool(ok))
+    row["verdict"] = (f"confirmed on {task}" if ok else f"not confirmed on {task}: the class's ablation "
+                      + ("does not move it the way its name predicts" if not effect > 0 else
+                         "moves it no more than a draw of random heads"))
+
+
+# -- the behaviour each class is named for ---------------------------------------------------------------------------
+# class -> its own task; a class not named here (an attention pattern: previous_token, duplicate_token, positional,
+# self; a user's class) has none of its own and is shown on the copy task, which the induction circuit serves.
+OWN_TASK = {"induction": "copy", "successor": "ordinal", "name_mover": "ioi", "s_inhibition": "ioi",
+            "copy_suppression": "suppression", "copy_suppression_behaviour": "suppression", "retrieval": "needle"}
+
+
+class _LogProb(Metric):
+    """The mean log-probability of ``targets (b, t)`` at the last ``t`` positions' next-token predictions."""
+
+    higher_is_better = True
+
+    def __init__(self, targets: torch.Tensor, name: str, logit: bool = False, after: bool = False):
+        self.targets, self.name, self.logit, self.after = targets, name, logit, after  # after: they follow the ids
+
+    def per_example(self, output, inputs) -> torch.Tensor:
+        t = self.targets.shape[1]
+        logits = _main_output(output)  # the predictions of the targets: (b, t, vocab)
+        logits = (logits[:, -t:] if self.after else logits[:, -t - 1:-1]).float()
+        scores = logits if self.logit else logits.log_softmax(-1)
+        return scores.gather(-1, self.targets.to(logits.device)[..., None])[..., 0].mean(-1)
+
+    def trailing(self, inputs) -> int:
+        return self.targets.shape[1] + (0 if self.after else 1)
+
+
+def _task(model, name: str, copy_ids: torch.Tensor, length: int, seed: int):
+    """``(batch, metric, sign, description)`` of one task: ``sign`` +1 where the class's ablation should lower the
+    metric, -1 where it should raise it."""
+    if name == "suppression":  # McDougall et al.: ablating copy suppressors raises the repeated token's logit
+        return ({"input_ids": copy_ids, "attention_mask": None}, _LogProb(copy_ids[:, -length + 1:],
+                "the repeated token's logit in the second copy", logit=True), -1, "the copy-suppression self-repair "
+                "test: the repeated token's logit in the second copy of the repeated sequences (ablation should raise it)")
+    if name == "ordinal":
+        from .taxonomy import _bundled_lists
+
+        if model.tokenizer is None:
+            raise ValueError("the ordinal task is text; this model has no tokenizer")
+        texts, answers = [], []
+        for items in _bundled_lists().values():
+            for i in range(0, len(items) - 3, 2):
+                texts.append("".join(" " + x for x in items[i:i + 3]))
+                answers.append(encode(model.tokenizer, " " + items[i + 3], add_special_tokens=False)[0])
+        batch = model.to_batch(texts)
+        return batch, _LogProb(torch.tensor(answers)[:, None], "log P(next item)", after=True), 1, \
+            f"{len(texts)} ordinal prompts (' Monday Tuesday Wednesday' -> ' Thursday'): log P(next item)"
+    if name == "ioi":
+        from .tasks import ioi_task
+
+        clean, _, metric = ioi_task(model, n=16, seed=seed)
+        return clean, metric, 1, "16 IOI prompts: logit(IO) - logit(S) at the end"
+    from .needles import needle_prompts, shortest_needle_prompt  # "needle"
+
+    tokens = min(4 * shortest_needle_prompt(model), model.cfg.max_positions or 1 << 30) - 16
+    prompts = needle_prompts(model, [tokens], (0.1, 0.5, 0.9), seed=seed)
+    answer = torch.stack([p.answer for p in prompts])
+    ids = torch.stack([torch.cat([p.ids, p.answer]) for p in prompts])
+    return {"input_ids": ids.to(model.device), "attention_mask": None}, _LogProb(answer, "log P(needle)"), 1, \
+        f"{len(prompts)} needle prompts of {ids.shape[1]} tokens: the needle's log-probability as it is copied"

@@ -364,3 +364,49 @@ def test_wu_trials_record_the_span_their_code_finds_and_the_planted_digits(worde
     assert [(t["span"], t["planted"]) for t in df.attrs["trials"]] == [(list(p.needle), list(p.planted))
                                                                        for p in prompts]
     assert all(t["needle_tokens"] == 8 for t in df.attrs["trials"])
+
+
+# -- 9: each class is checked on the behaviour it is named for ---------------------------------------------------------
+def test_each_class_is_checked_on_its_own_behaviour_and_says_when_that_does_not_confirm_it(worded):
+    import pandas as pd
+
+    from analyses import ablate_heads
+    from analyses.class_ablation import class_ablation
+    from analyses.toy import repeated_sequences
+
+    kinds = ["previous_token", "successor", "copy_suppression", "retrieval", "induction"]
+    heads = pd.DataFrame({"layer": [0, 0, 1, 1, 1], "head": [0, 1, 0, 1, 2], "label": kinds,
+                          **{k: [0.5 if i == j else 0.0 for j in range(5)] for i, k in enumerate(kinds)}})
+    found = class_ablation(worded, heads, draws=3)
+    rows = {r["class"]: r for r in found["rows"]}
+    assert "self-repair" in rows["copy_suppression"]["own_test"]["task"]  # before: the induction copy task for all
+    assert "ordinal" in rows["successor"]["own_test"]["task"] and "needle" in rows["retrieval"]["own_test"]["task"]
+    assert rows["previous_token"]["own_test"] is None and rows["previous_token"]["confirmed"] is None
+    for r in rows.values():
+        test = r["own_test"]
+        if test is not None and test["clean"] is not None:
+            beaten = test["effect"] > 0 and all(test["effect"] > v for v in test["random_effect"])
+            assert r["confirmed"] == beaten and r["verdict"].startswith("confirmed" if beaten else "not confirmed")
+    # the self-repair measure recomputed by hand: the repeated token's logit in the second copy, with 1.0 ablated
+    ids = repeated_sequences(8, 16, worded.cfg.vocab_size, torch.Generator().manual_seed(0),
+                             worded.hf.config.bos_token_id)
+    with torch.no_grad():
+        clean = worded(ids).logits[:, -16:-1].gather(-1, ids[:, -15:, None]).mean()
+        with ablate_heads(worded, [(1, 0)]):
+            ablated = worded(ids).logits[:, -16:-1].gather(-1, ids[:, -15:, None]).mean()
+    test = rows["copy_suppression"]["own_test"]
+    assert test["clean"] == pytest.approx(float(clean), abs=1e-5)
+    assert test["ablated"] == pytest.approx(float(ablated), abs=1e-5)
+    assert test["effect"] == pytest.approx(float(ablated - clean), abs=1e-5)  # ablating suppressors should raise it
+
+
+def test_the_atlas_page_shows_each_classs_own_verdict(worded):
+    from analyses.views.atlas import _causal_html
+
+    causal = {"draws": 2, "task": "t", "first_copy_loss": 1.0, "second_copy_loss": 0.5, "rows": [
+        {"class": "copy_suppression", "heads": ["1.0"], "share": 0.1, "random_share": [0.2, 0.0], "confirmed": False,
+         "verdict": "not confirmed on <the self-repair test>", "own_test": {
+             "task": "x", "measure": "logit", "clean": 1.0, "ablated": 1.1, "random": [1.0, 1.2], "effect": 0.1,
+             "random_effect": [0.0, 0.2]}}]}
+    page = _causal_html(causal)
+    assert 'data-confirmed="no"' in page and "not confirmed on &lt;the self-repair test&gt;" in page
