@@ -2,13 +2,14 @@
 distribution over draws (REFERENCE.md: validate every label causally). The report's "does each class do what its name
 says" and the atlas's per-class check read it from here.
 
-On a causal LM every class is shown on the in-context gain on repeated random tokens ``[BOS, x, x]``: the first copy's
-loss minus the second's, which induction heads make (Olsson et al. 2022). A class named for another behaviour is
-also checked on that behaviour (``OWN_TASK``, the taxonomy's class tests): successor heads on the next ordinal item,
-name movers and S-inhibition heads on IOI, copy suppressors on the self-repair test (ablating them raises the repeated
-token's logit), retrieval heads on copying a needle. A class is ``confirmed`` when its ablation moves its own
-measure the way its name predicts, more than every draw of random heads; a class whose own test does not confirm it
-says so (``verdict``); an attention-pattern class has no behaviour of its own to test (its score is its evidence).
+On a causal LM every class is shown on the in-context gain on repeated random tokens ``[BOS, x, x]``: the first
+copy's loss minus the second's, which induction heads make (Olsson et al. 2022). A class named for another behaviour
+is also checked on that behaviour (``own_task``: the registry's ``check``, the taxonomy's class tests): successor
+heads on the next ordinal item, name movers and S-inhibition heads on IOI, copy suppressors on the self-repair test
+(ablating them raises the repeated token's logit), retrieval heads on copying a needle. A class is ``confirmed``
+when its ablation moves its own measure the way its name predicts, more than every draw of random heads; a class
+whose own test does not confirm it says so (``verdict``); an attention-pattern class has no behaviour of its own to
+test (its score is its evidence).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .labels import LABEL_ORDER
 from .metrics import Metric, first_copy_loss, second_copy_loss
 from .toy import repeated_sequences
 
-__all__ = ["OWN_TASK", "PROPERTY", "class_ablation"]
+__all__ = ["PROPERTY", "class_ablation", "own_task"]
 
 PROPERTY = "sink"  # most heads of a large model are sinks: a property shown beside the classes, not a class
 
@@ -100,7 +101,7 @@ def _own_tests(model, rows: list[dict], sets: list[list], copy_ids: torch.Tensor
     way the class's name predicts), ``confirmed`` and ``verdict``, in place; one scan per task."""
     by_task: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
-        by_task.setdefault(OWN_TASK.get(row["class"]), []).append(i)
+        by_task.setdefault(own_task(row["class"]), []).append(i)
     for name, members in by_task.items():
         if name is None:
             for i in members:
@@ -137,10 +138,11 @@ def _judge(row: dict, task: str, measure: str, clean, ablated, random, effect, r
 
 
 # -- the behaviour each class is named for ---------------------------------------------------------------------------
-# class -> its own task; a class not named here (an attention pattern: previous_token, duplicate_token, positional,
-# self; a user's class) has none of its own and is shown on the copy task, which the induction circuit serves.
-OWN_TASK = {"induction": "copy", "successor": "ordinal", "name_mover": "ioi", "s_inhibition": "ioi",
-            "copy_suppression": "suppression", "copy_suppression_behaviour": "suppression", "retrieval": "needle"}
+def own_task(kind: str) -> str | None:
+    """The task class ``kind`` is named for (``HeadScore.check`` of a score that gives it); None for a class with none
+    of its own (an attention pattern: previous_token, duplicate_token, positional, self; a user's class), shown on the
+    copy task, which the induction circuit serves."""
+    return next((r.check for r in registry.scores() if r.gives == kind and r.check), None)
 
 
 class _LogProb(Metric):
@@ -168,7 +170,8 @@ def _task(model, name: str, copy_ids: torch.Tensor, length: int, seed: int):
     if name == "suppression":  # McDougall et al.: ablating copy suppressors raises the repeated token's logit
         return ({"input_ids": copy_ids, "attention_mask": None}, _LogProb(copy_ids[:, -length + 1:],
                 "the repeated token's logit in the second copy", logit=True), -1, "the copy-suppression self-repair "
-                "test: the repeated token's logit in the second copy of the repeated sequences (ablation should raise it)")
+                "test: the repeated token's logit in the second copy of the repeated sequences (ablation should "
+                "raise it)")
     if name == "ordinal":
         from .taxonomy import _bundled_lists
 
@@ -179,6 +182,8 @@ def _task(model, name: str, copy_ids: torch.Tensor, length: int, seed: int):
             for i in range(0, len(items) - 3, 2):
                 texts.append("".join(" " + x for x in items[i:i + 3]))
                 answers.append(encode(model.tokenizer, " " + items[i + 3], add_special_tokens=False)[0])
+        step = -(-len(texts) // 32)  # at most 32 prompts, spread over the lists
+        texts, answers = texts[::step], answers[::step]
         batch = model.to_batch(texts)
         return batch, _LogProb(torch.tensor(answers)[:, None], "log P(next item)", after=True), 1, \
             f"{len(texts)} ordinal prompts (' Monday Tuesday Wednesday' -> ' Thursday'): log P(next item)"

@@ -64,7 +64,7 @@ class HeadScore:
     it returns one row per head (``layer``, ``head`` or the head columns) with a column per score. default: computed when no
     scores are named. builtin: ours (a user's score cannot take its name). fraction: whether the score is a share
     in [0, 1] (None: so for target-rule and argmax scores). extra: columns its runner writes beside its own
-    (``table_columns``)."""
+    (``table_columns``). check: the task its class is tested on causally (``analyses.class_ablation``)."""
 
     name: str
     definition: str
@@ -83,6 +83,7 @@ class HeadScore:
     builtin: bool = False
     fraction: bool | None = None  # a share in [0, 1]; None: true of target-rule and argmax scores
     extra: tuple[str, ...] = ()  # further columns its runner writes (name_mover's io_attention)
+    check: str | None = None  # the behaviour its class is ablated on (analyses.class_ablation: copy, ordinal, ...)
 
     @property
     def label_column(self) -> str:
@@ -167,18 +168,19 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
                needs: tuple[str, ...] = (), precedence: int = 19, label: str | None = None, default: bool = True):
     """Register a target-rule head score from outside the package (a decorator).
 
-    The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the
-    key side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the
-    model's, or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key
-    position, -1 where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several
-    targets (integer tensors in either form: a float one is refused; a pair listed twice is one target). It gets
-    copies of the ids, so editing them in place changes no other score. It is called row by row on the unpadded tokens, so positions count from each prompt's first real
-    token. A head's score is its mean weight on the targets over the rows that have one, with a 95% bootstrap
-    interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
-    sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
-    ``"repeated"`` (repeated random tokens) when detect_heads generates them; ``precedence`` places its label
-    among the classes (lower: more specific; the literature's classes are 10-15, cross-attention 16-18, the pattern classes 20-26). default: computed when
-    ``detect_heads`` (and ``interp heads``, the report) is given no score names, beside ours."""
+    The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the key
+    side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the model's,
+    or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key position, -1
+    where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several targets
+    (integer tensors in either form: a float one is refused; a pair listed twice is one target). It gets copies of
+    the ids, so editing them in place changes no other score. It is called row by row on the unpadded tokens, so
+    positions count from each prompt's first real token. A head's score is its mean weight on the targets over the
+    rows that have one, with a 95% bootstrap interval over prompts; ``threshold`` (None: no label) gives it the
+    label ``label`` (default: the name). sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain
+    English text, the default) or ``"repeated"`` (repeated random tokens) when detect_heads generates them;
+    ``precedence`` places its label among the classes (lower: more specific; the literature's classes are 10-15,
+    cross-attention 16-18, the pattern classes 20-26). default: computed when ``detect_heads`` (and ``interp
+    heads``, the report) is given no score names, beside ours."""
     def decorate(rule: Callable) -> Callable:
         register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
                            citation=citation, threshold=threshold, label=label, precedence=precedence,
@@ -304,35 +306,38 @@ _OURS = (
     HeadScore("name_mover", "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also "
               "attends END->IO more than END->S (io_attention > 0)", "behaviour", "Wang et al. 2022", 0.1,
               precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY,
-              extra=("io_attention",)),
+              extra=("io_attention",), check="ioi"),
     HeadScore("s_inhibition", "on IOI prompts, the share of the clean-corrupted logit difference the head carries "
               "through the name movers' queries (path patching)", "behaviour", "Wang et al. 2022", 0.1,
-              precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, check="ioi"),
     HeadScore("function_vector", "the rise in P(answer) when the head's mean few-shot output replaces its output on "
               "shuffled-label prompts, averaged over ICL tasks", "behaviour", "Todd et al. 2024", 0.02,
               precedence=12, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
     HeadScore("successor", "the share of ordinal items (Gould et al.'s dataset) whose MLP0 output the head's OV "
               "maps to the next item's logit, highest among the successor tokens of the item's task", "weights",
               "Gould et al. 2023", 0.4, precedence=13,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
+              check="ordinal"),
     HeadScore("copy_suppression", "the share of tokens (a uniform sample of the vocabulary) whose effective embedding "
               "(block 0 without attention) the head's OV maps to that token among the 10 most negative logits of "
               "the whole vocabulary", "weights", "McDougall et al. 2023", 0.4, precedence=14,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
+              check="suppression"),
     HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
               "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
-              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
-              extra=("cs_attends_predicted", "cs_predicted_effect", "cs_attends_predicted_lo", "cs_attends_predicted_hi")),
+              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True, check="suppression",
+              extra=("cs_attends_predicted", "cs_predicted_effect", "cs_attends_predicted_lo",
+                     "cs_attends_predicted_hi")),
     HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the generation steps at "
               "which the head's top-1 key is the needle token being generated, per needle token, averaged over the "
               "trials answered (protocol interp, or Wu et al.'s wu2024)", "behaviour",
               "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
-              runner="analyses.retrieval:retrieval_frame", fraction=True),
+              runner="analyses.retrieval:retrieval_frame", fraction=True, check="needle"),
     # the attention-pattern classes of self-attention heads
     HeadScore("induction", "the weight a token puts on the token right after an earlier occurrence of itself, on "
               "repeated random tokens; rows without an earlier occurrence are left out", citation="Olsson et al. 2022",
-              precedence=20, prompts="repeated", rule="analyses.rules:induction", default=True),
+              precedence=20, prompts="repeated", rule="analyses.rules:induction", default=True, check="copy"),
     HeadScore("duplicate_token", "the weight a token puts on earlier occurrences of itself", precedence=21,
               prompts="repeated", rule="analyses.rules:duplicate_token", default=True),
     # The same two classes on the corpus prompts, the text a model sees, where a real head can fall short on

@@ -147,7 +147,7 @@ def _causal_html(causal: dict) -> str:
 
 
 def _own_test_html(r: dict) -> str:
-    """The class's check on its own behaviour (``analyses.class_ablation.OWN_TASK``): the verdict, and the effect
+    """The class's check on its own behaviour (``analyses.class_ablation.own_task``): the verdict, and the effect
     against the random draws' where it was measured."""
     test, verdict = r.get("own_test"), r.get("verdict", "")
     numbers = ""
@@ -156,7 +156,8 @@ def _own_test_html(r: dict) -> str:
         numbers = (f' (effect on {html.escape(test["measure"])}: {_fmt(test["effect"], 3)}; random '
                    f'{_fmt(min(draws), 3) if draws else "n/a"} to {_fmt(max(draws), 3) if draws else "n/a"})')
     confirmed = {True: "yes", False: "no", None: "none"}[r.get("confirmed")]
-    return f'<td class="text definition" data-role="verdict" data-confirmed="{confirmed}">{html.escape(verdict)}{numbers}</td>'
+    return (f'<td class="text definition" data-role="verdict" data-confirmed="{confirmed}">{html.escape(verdict)}'
+            f'{numbers}</td>')
 
 
 def _heads_html(atlas: dict, heads_page: str | None) -> str:
