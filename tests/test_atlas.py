@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import interp
-from analyses.heads import registry
+from analyses.heads.detect import registry
 from analyses.atlas.atlas import SCHEMA, build_atlas, diff_atlas, load_atlas, save_atlas, weights_digest
 from analyses.cli import main
 from analyses.views.atlas import atlas_page, write_atlas_pages
@@ -83,7 +83,7 @@ def test_json_round_trip_and_an_unknown_schema_is_refused(atlas, tmp_path):
     path = save_atlas(atlas, tmp_path / "a.json")
     back = load_atlas(path)
     assert back == json.loads(json.dumps(back)) and back["heads"] == atlas["heads"]
-    assert diff_atlas(atlas, back) == {"changed": [], "missing": [], "notes": []}
+    assert diff_atlas(atlas, back) == {"changed": [], "missing": [], "added": [], "notes": []}
     (tmp_path / "b.json").write_text(json.dumps({**back, "schema": SCHEMA + 1}))
     with pytest.raises(ValueError, match=f"schema {SCHEMA + 1}.*reads schema {SCHEMA}"):
         load_atlas(tmp_path / "b.json")

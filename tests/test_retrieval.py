@@ -191,8 +191,8 @@ def test_wu_prompts_put_the_sentence_after_a_full_stop():
     model = _tiny_with_tokenizer()
     tok = model.tokenizer
     for p in wu_needle_prompts(model, [160, 200], [0.0, 0.5, 1.0], needle_len=6, seed=2):
-        start, end = p.needle
-        assert len(p.ids) == p.length and tok.decode(p.answer).strip() == p.text and len(p.text) == 6
+        start, end = p.planted  # where the digits went (p.needle: the span Wu et al.'s search finds)
+        assert len(p.ids) == p.length and tok.decode(p.reference).strip() == p.text and len(p.text) == 6
         before = tok.decode(p.ids[:start])
         assert before.endswith("is ") and " The special magic number for " in before  # the lone space is no answer
         head = before.rsplit(" The special magic number", 1)[0]
@@ -336,4 +336,4 @@ def test_wu_prompts_without_a_chat_template_put_the_question_after_the_text():
         city = text.split("magic number for ")[1].split(" is")[0]
         assert text.endswith(f" Based on the content of the book, Question: What is the special magic number for "
                              f"{city}?\nAnswer:") and text.startswith("<|im_start|> ")  # start token, the haystack
-        assert tok.decode(p.answer) == p.text
+        assert tok.decode(p.reference) == p.text  # the planted digits (p.answer: the span Wu et al. find)

@@ -27,7 +27,7 @@ from interp.runtime.files import atomic_write
 from interp.attention.sites import FRONT
 
 from ..heads import registry
-from ..causal.class_ablation import class_ablation
+from .class_ablation import class_ablation
 from ..heads.detect import detect_heads
 from ..heads.labels import choose_scores, resolve_thresholds
 from ..heads.scores import labelled
@@ -122,7 +122,7 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
     scores: registered score names, or None (``atlas_scores``' choice). n_prompts, seq_len: the attention-pattern
     scores' generated prompts; context: retrieval's longest haystack (cut to the model's positions); seed: the
     prompts, the bootstrap and the random heads; draws: random head sets per class in the causal check
-    (``analyses.causal.class_ablation``); source: how the model was named when loaded (the atlas's ``model.source``).
+    (``analyses.atlas.class_ablation``); source: how the model was named when loaded (the atlas's ``model.source``).
     strict: a score that fails on this model is an error (default: when ``scores`` were named); otherwise it is
     recorded under ``not_run`` with the reason."""
     strict = scores is not None if strict is None else strict
@@ -138,20 +138,34 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
             by_runner.setdefault(r.runner, []).append(r.name)
     groups += list(by_runner.values())
     frames, attrs, ran = [], {"inputs": {}, "stability": {}, "prompt_sha256": {}}, []
-    for names in groups:
+
+    def run(names: list[str]) -> None:
+        """Score ``names`` together; where that fails (not strict), each alone, so that one score's failure (a
+        user's rule that raises) leaves the others' values and gives its own reason."""
         needle = any(registry.score(n).prompts == "needle" for n in names)
+        # ours fail only for what the model lacks; a user's rule may raise anything
+        caught = (TypeError, ValueError, NotImplementedError) if all(registry.score(n).builtin for n in names) \
+            else Exception
         try:
-            df = detect_heads(model, scores=names, n_prompts=n_prompts, seq_len=seq_len if pattern == names else None,
-                              seed=seed, n_bootstrap=n_bootstrap, context=context if needle else None)
-        except (TypeError, ValueError, NotImplementedError) as err:
+            df = detect_heads(model, scores=names, n_prompts=n_prompts, seed=seed, n_bootstrap=n_bootstrap,
+                              seq_len=seq_len if set(names) <= set(pattern) else None,
+                              context=context if needle else None)
+        except caught as err:
             if strict:
                 raise
-            not_run.update(dict.fromkeys(names, _first_sentence(err)))
-            continue
-        ran += names
+            if len(names) > 1:
+                for name in names:
+                    run([name])
+            else:
+                not_run[names[0]] = _first_sentence(err)
+            return
+        ran.extend(names)
         frames.append(df.drop(columns=["label", "labels"]).set_index(FRONT))
         for key in attrs:
             attrs[key].update(df.attrs.get(key) or {})
+
+    for names in groups:
+        run(names)
     if not frames:
         raise ValueError(f"No score ran on this model; the reasons: {not_run}.")
     table = pd.concat(frames, axis=1).reset_index()
@@ -291,10 +305,11 @@ _IDENTITY = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("versi
 def diff_atlas(a: dict, b: dict) -> dict:
     """What changed from atlas ``a`` (the reference) to ``b``: ``changed``, one entry per head whose primary label or
     classes differ, or one of whose values in ``b`` lies outside ``a``'s 95% interval (or a value without interval
-    that differs by more than 1e-6); ``missing``: heads or scores of ``a`` that ``b`` lacks; ``notes``: what differs
-    in the inputs (digests, versions, settings, prompts) and scores only ``b`` has. Nothing in ``changed`` and
-    ``missing``: the atlases agree."""
-    changed, missing, notes = [], [], []
+    that differs by more than 1e-6); ``missing``: heads, scores and values of ``a`` that ``b`` lacks; ``added``:
+    heads, and values of a head, that only ``b`` has; ``notes``: what differs in the inputs (digests, versions,
+    settings, prompts) and scores only ``b`` has. Nothing in ``changed``, ``missing`` and ``added``: the atlases
+    agree."""
+    changed, missing, added, notes = [], [], [], []
     for section, key in _IDENTITY:
         x, y = a.get(section, {}).get(key), b.get(section, {}).get(key)
         if x != y:
@@ -309,33 +324,42 @@ def diff_atlas(a: dict, b: dict) -> dict:
         elif record.get("prompt_sha256") != other.get("prompt_sha256"):
             notes.append(f"score {name}: other prompts ({record.get('inputs')} -> {other.get('inputs')})")
     notes += [f"score {n}: in the second atlas only" for n in b.get("scores", {}) if n not in a.get("scores", {})]
-    theirs = {(h["site"], h["head"]): h for h in b["heads"]}
+    mine, theirs = ({(h["site"], h["head"]): h for h in atlas["heads"]} for atlas in (a, b))
+    columns = [{c for h in atlas["heads"] for c in h["values"]} for atlas in (a, b)]  # each atlas's value columns
+    missing += [f"value {c} (in the first atlas only)" for c in sorted(columns[0] - columns[1])
+                if f"score {c} (in the first atlas only)" not in missing]
+    added += [f"head {_head_name(h)}" for key, h in theirs.items() if key not in mine]
     for h in a["heads"]:
-        name = f"{h['site']}.{h['head']}" if h.get("layer") is None else f"{int(h['layer'])}.{h['head']}"
-        other = theirs.get((h["site"], h["head"]))
+        name, other = _head_name(h), theirs.get((h["site"], h["head"]))
         if other is None:
             missing.append(f"head {name}")
             continue
+        missing += [f"head {name} value {c}" for c in h["values"] if c in columns[1] and c not in other["values"]]
+        added += [f"head {name} value {c}" for c in other["values"] if c in columns[0] and c not in h["values"]]
         why = []
         if (h["label"], h["labels"]) != (other["label"], other["labels"]):
             why.append(f"label {h['labels'] or h['label']} -> {other['labels'] or other['label']}")
         for column, entry in h["values"].items():
-            new = other["values"].get(column, {}).get("value")
+            if column not in other["values"]:
+                continue  # in missing
+            new = other["values"][column].get("value")
             old, lo, hi = entry.get("value"), entry.get("lo"), entry.get("hi")
-            if column not in other["values"] or (new is None) != (old is None):
-                if column in other["values"]:
-                    why.append(f"{column} {old} -> {new}")
+            if (new is None) != (old is None):
+                why.append(f"{column} {old} -> {new}")
+            elif new is None:
                 continue
-            if new is None:
-                continue
-            if lo is not None and hi is not None:
+            elif lo is not None and hi is not None:
                 if not lo - 1e-9 <= new <= hi + 1e-9:
                     why.append(f"{column} {new:.4f} outside [{lo:.4f}, {hi:.4f}]")
             elif abs(new - old) > 1e-6:
                 why.append(f"{column} {old:.4f} -> {new:.4f}")
         if why:
             changed.append({"head": name, "site": h["site"], "what": why})
-    return {"changed": changed, "missing": missing, "notes": notes}
+    return {"changed": changed, "missing": missing, "added": added, "notes": notes}
+
+
+def _head_name(h: dict) -> str:
+    return f"{h['site']}.{h['head']}" if h.get("layer") is None else f"{int(h['layer'])}.{h['head']}"
 
 
 def _example() -> dict:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import operator
 from contextlib import contextmanager
 
 import torch
@@ -21,6 +20,7 @@ from interp.tokens.inputs import encode
 from interp.structure.norms import norm_centres, norm_eps
 from interp.attention.sites import FRONT, check_heads, head_columns, site_of
 
+from ..data.batches import check_position as _check_position
 from .engine import Shard, _arguments, _run, kept_logits
 from .patching import paired_batches, scalar_metric
 
@@ -173,18 +173,6 @@ def token_ids(model, value, n: int, what: str) -> torch.Tensor:
         raise ValueError(f"{what} must be one token id, or one per sequence ({n}), in [0, {model.cfg.vocab_size}); "
                          f"got {value!r}.")
     return ids
-
-
-def _check_position(position, n_pos: int) -> int:
-    """A position of the (padded) batch, Python-style: ``-n_pos <= position < n_pos``."""
-    try:
-        index = None if isinstance(position, bool) else operator.index(position)
-    except TypeError:
-        index = None
-    if index is None or not -n_pos <= index < n_pos:
-        raise ValueError(f"position must be an integer in [-{n_pos}, {n_pos}) (the batch has {n_pos} positions; "
-                         f"-1 is the last); got {position!r}.")
-    return index
 
 
 def _one_token(model, text: str, what: str) -> int:

@@ -99,12 +99,14 @@ def _cmd_diff(args) -> int:
         print(f"note: {note}")
     for item in result["missing"]:
         print(f"missing in {b_path}: {item}")
+    for item in result["added"]:
+        print(f"only in {b_path}: {item}")
     for change in result["changed"]:
         print(f"{change['head']}: {'; '.join(change['what'])}")
-    n = len(result["changed"]) + len(result["missing"])
+    n = len(result["changed"]) + len(result["missing"]) + len(result["added"])
     if n:
-        print(f"{len(result['changed'])} heads changed, {len(result['missing'])} missing ({a_path} -> {b_path})",
-              file=sys.stderr)
+        print(f"{len(result['changed'])} heads changed, {len(result['missing'])} missing, {len(result['added'])} "
+              f"only in the second ({a_path} -> {b_path})", file=sys.stderr)
         return 1
     print(f"no head changed label or left its interval ({a_path} -> {b_path})")
     return 0

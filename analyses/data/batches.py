@@ -3,11 +3,12 @@ and the tensor a model's output is read from (``_main_output``). Below the metri
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["Batch", "batch_of"]
+__all__ = ["Batch", "batch_of", "check_position"]
 
 Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
 
@@ -77,3 +78,16 @@ def _main_output(output) -> torch.Tensor:
 def _mask(inputs: Batch) -> torch.Tensor:
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     return torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+
+
+def check_position(position, n_pos: int, what: str = "position") -> int:
+    """A position of the (padded) batch, Python-style: ``-n_pos <= position < n_pos`` (negative counts from the
+    end); anything else, a float or a position past the end, is refused rather than wrapped around or truncated."""
+    try:
+        index = None if isinstance(position, bool) else operator.index(position)
+    except TypeError:
+        index = None
+    if index is None or not -n_pos <= index < n_pos:
+        raise ValueError(f"{what} must be an integer in [-{n_pos}, {n_pos}) (the batch has {n_pos} positions; "
+                         f"-1 is the last); got {position!r}.")
+    return index

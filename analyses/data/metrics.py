@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .batches import Batch, _main_output, _mask, batch_of
+from .batches import Batch, _main_output, _mask, batch_of, check_position
 
 __all__ = ["Metric", "as_metric", "lm_loss", "first_copy_loss", "second_copy_loss", "logit_difference",
            "embedding_similarity", "mean_pool", "next_token_loss", "target_accuracy", "target_loss"]
@@ -212,13 +212,16 @@ class _LogitDifference(Metric):
     higher_is_better = True
 
     def __init__(self, correct, wrong, position: int):
-        self.correct, self.wrong, self.position = (torch.as_tensor(correct).long(), torch.as_tensor(wrong).long(),
-                                                   int(position))
+        self.correct, self.wrong = torch.as_tensor(correct).long(), torch.as_tensor(wrong).long()
+        if isinstance(position, bool) or not hasattr(position, "__index__"):
+            raise ValueError(f"position is an integer position (-1: the last); got {position!r}.")
+        self.position = int(position)  # its range is checked on the logits (check_position)
         shown = [t.item() if t.ndim == 0 else f"{t.numel()} tokens" for t in (self.correct, self.wrong)]
         self.name = f"logit_difference({shown[0]}, {shown[1]})"
 
     def per_example(self, output, inputs: Batch) -> torch.Tensor:
-        logits = _main_output(output)[:, self.position].float()  # (b, vocab)
+        logits = _main_output(output)
+        logits = logits[:, check_position(self.position, logits.shape[1])].float()  # (b, vocab)
         rows = torch.arange(logits.shape[0], device=logits.device)
         correct, wrong = (t.to(logits.device).expand(logits.shape[0]) if t.ndim == 0 else t.to(logits.device)
                           for t in (self.correct, self.wrong))

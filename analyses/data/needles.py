@@ -19,25 +19,50 @@ from .prompts import _ordinary_ids, _special_frame, haystack, refuse_unreadable
 PROTOCOLS = ("interp", "wu2024")  # ours, and Wu et al. 2024's (Retrieval_Head)
 
 __all__ = ["PROTOCOLS", "NeedlePrompt", "check_protocol", "needle_prompts", "rouge1_recall", "shortest_needle_prompt",
-           "shortest_wu_prompt", "wu_grid", "wu_needle_prompts"]
+           "shortest_wu_prompt", "wu_grid", "wu_needle_prompts", "wu_needle_span"]
 
 _INTRO, _QUESTION = " The secret code is", "\n\nQuestion: What is the secret code? Answer: The secret code is"
 
 
 @dataclass
 class NeedlePrompt:
-    """ids: (p,) the prompt. needle: (start, end) positions of the needle's random tokens; ``answer`` is
-    ``ids[start:end]``."""
+    """ids: (p,) the prompt. needle: (start, end) positions of the needle's random tokens, the span a head is
+    scored on; ``answer`` is ``ids[start:end]``. planted: where the answer's tokens were put, where that differs
+    from the span (wu2024: the span is found as Wu et al.'s code finds it, ``wu_needle_span``); ``reference`` is
+    ``ids`` there."""
 
     ids: torch.Tensor
     needle: tuple[int, int]
     length: int
     depth: float
     text: str | None = None  # wu2024: the answer as text, ROUGE-1's reference
+    planted: tuple[int, int] | None = None  # None: the needle span
 
     @property
     def answer(self) -> torch.Tensor:
-        return self.ids[self.needle[0]:self.needle[1]]
+        return self.ids[self.needle[0]:self.needle[1]] if self.needle[0] >= 0 else self.ids[:0]
+
+    @property
+    def reference(self) -> torch.Tensor:
+        start, end = self.planted or self.needle
+        return self.ids[start:end]
+
+
+def wu_needle_span(ids, answer) -> tuple[int, int]:
+    """Wu et al.'s ``find_needle_idx`` (``retrieval_head_detection.py``): the first window of ``len(answer)`` tokens
+    of ``ids``, from the left (windows at the end run short), whose token set holds more than 90% of the answer's
+    distinct tokens; ``(-1, -1)`` where none does (then no head scores on that trial). The window can start before
+    the planted answer: one token earlier whenever the answer's last token repeats one before it.
+
+    >>> wu_needle_span([9, 5, 1, 2, 1, 7], [1, 2, 1]), wu_needle_span([9, 5], [1])
+    ((1, 4), (-1, -1))
+    """
+    ids, want = [int(t) for t in ids], {int(t) for t in answer}
+    n = len(answer)
+    for i in range(len(ids)):
+        if want and len(set(ids[i:i + n]) & want) / len(want) > 0.9:
+            return i, i + n
+    return -1, -1
 
 
 def _check_needle_len(model, needle_len) -> None:
@@ -217,7 +242,8 @@ def shortest_wu_prompt(model, needle_len: int = 8) -> int:
 def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0) -> list[NeedlePrompt]:
     """One prompt of each length (tokens) at each depth, Wu et al.'s layout: the haystack cut to fit, the needle
     sentence inserted at ``int(depth * haystack)`` moved back to just after a full stop (as their
-    ``insert_needle``; at depth 1 at the very end), then the question. ``prompt.needle`` spans the answer's tokens,
+    ``insert_needle``; at depth 1 at the very end), then the question. ``prompt.needle`` is the span Wu et al.'s
+    ``find_needle_idx`` finds for the answer (``wu_needle_span``), ``prompt.planted`` where its tokens were put,
     ``prompt.text`` is the answer (the ROUGE reference). Their prompt is about 200 tokens shorter than its
     nominal length (``final_context_length_buffer``); ours is exactly ``length`` tokens."""
     lengths, depths = _check_needle(model, lengths, depths, needle_len)
@@ -246,7 +272,9 @@ def wu_needle_prompts(model, lengths, depths, needle_len: int = 8, seed: int = 0
             ids = prefix + hay[:at] + before + code + after + hay[at:] + question + suffix
             refuse_unreadable(model, ids, "The wu2024 needle prompt", "Use a model whose tokenizer reads English "
                               "text and digits.")
-            out.append(NeedlePrompt(torch.tensor(ids), (start, start + len(code)), length, float(depth), text))
+            planted = (start, start + len(code))
+            span = wu_needle_span(ids, code if tok is None else tok(text, add_special_tokens=False)["input_ids"])
+            out.append(NeedlePrompt(torch.tensor(ids), span, length, float(depth), text, planted))
     return out
 
 

@@ -25,7 +25,7 @@ from interp.attention.sites import FRONT, check_heads, head_columns, site_of
 from interp.attention.stats import attention_stats
 
 from ..heads import registry
-from ..data.batches import batch_of
+from ..data.batches import batch_of, check_position
 from ..heads.labels import site_kind
 from ..heads.registry import HeadScore
 from ..heads.scores import rule_pairs
@@ -139,10 +139,19 @@ def _top1(model, batch, heads, queries) -> dict:
         rows = q_ok & (top >= 0)
         if queries is not None:
             chosen = torch.zeros_like(rows)
-            chosen[:, [i % rows.shape[1] for i in queries]] = True
+            chosen[:, _query_rows(queries, rows.shape[1])] = True
             rows &= chosen
         out[head] = [(b_, i, int(top[b_, i])) for b_, i in rows.nonzero().tolist()]
     return out
+
+
+def _query_rows(queries, n_q: int) -> list[int]:
+    """``queries=`` as query positions: integers in ``[-n_q, n_q)`` (negative count from the end), never wrapped."""
+    if isinstance(queries, torch.Tensor):
+        queries = queries.tolist()
+    if not isinstance(queries, (list, tuple, range)) or not len(queries):
+        raise ValueError(f"queries is a non-empty list of query positions; got {queries!r}.")
+    return [check_position(i, n_q, f"each of queries ({n_q} query positions)") for i in queries]
 
 
 def _pairs(model, batch, heads, pairs, queries) -> dict:
@@ -169,7 +178,8 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
     heads: ``(layer, head)`` or ``(site, head)`` pairs (``interp.attention.sites.check_heads``). pairs: which scores to explain:
 
     - a list of ``(batch, query, key)`` triples (``(query, key)`` for a batch of one), positions of the padded batch;
-    - ``"top1"``: every real query row's top-1 key (from q and k in O(n) memory), ``queries=[...]`` to keep some rows;
+    - ``"top1"``: every real query row's top-1 key (from q and k in O(n) memory), ``queries=[...]`` to keep some rows
+      (positions in ``[-p, p)``, negative from the end; any other is refused, never wrapped);
     - a target rule: a callable ``rule(ids (b, p)) -> (b, p)`` key positions, -1 where a row has none, or the name of
       a built-in one, ``"previous_token"`` or ``"induction"`` (pairs it gives that are masked or padded are dropped).
 

@@ -35,14 +35,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
-__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_ORDER", "columns", "is_fraction", "labelled",
-           "of_column", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
+__all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_COLUMNS", "LABEL_ORDER", "columns", "is_fraction", "labelled",
+           "of_column", "reserved_columns", "table_columns", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
            "names", "register", "score", "scores", "unregister"]
 
 SITE_KINDS = ("causal", "bidirectional", "cross")  # the kinds of attention site a score can apply to
 _HOWS = ("target", "argmax", "weights", "behaviour")
 _PROMPTS = ("repeated", "corpus", "task", "needle", "weights")
 _RULE_ARGS = ("ids", "key_ids", "tokenizer")
+LABEL_COLUMNS = ("label", "labels", "evidence")  # what labelling adds to a head table, after the scores
+INTERVAL_ENDS = ("lo", "hi")  # each value score's bootstrap interval: <name>_lo, <name>_hi
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class HeadScore:
     ``function(model, names, seed=, n_bootstrap=, thresholds=, context=)`` with every asked-for score it computes,
     it returns one row per head (``layer``, ``head`` or the head columns) with a column per score. default: computed when no
     scores are named. builtin: ours (a user's score cannot take its name). fraction: whether the score is a share
-    in [0, 1] (None: so for target-rule and argmax scores)."""
+    in [0, 1] (None: so for target-rule and argmax scores). extra: columns its runner writes beside its own
+    (``table_columns``). check: the task its class is tested on causally (``analyses.atlas.class_ablation``)."""
 
     name: str
     definition: str
@@ -79,6 +82,8 @@ class HeadScore:
     default: bool = False
     builtin: bool = False
     fraction: bool | None = None  # a share in [0, 1]; None: true of target-rule and argmax scores
+    extra: tuple[str, ...] = ()  # further columns its runner writes (name_mover's io_attention)
+    check: str | None = None  # the behaviour its class is ablated on (analyses.atlas.class_ablation: copy, ordinal, ...)
 
     @property
     def label_column(self) -> str:
@@ -100,24 +105,52 @@ class HeadScore:
         return self.rule
 
     def call_rule(self, **available):
-        """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``)."""
+        """The target rule called with the arguments it names (``ids``, ``key_ids``, ``tokenizer``), each tensor a
+        copy of its own: a rule that edits ``ids`` in place changes nothing another score reads (``key_ids`` is
+        the same copy as ``ids`` where they were the same tensor)."""
         rule = self.function
         wanted = inspect.signature(rule).parameters
-        return rule(**{k: v for k, v in available.items() if k in wanted})
+        given = {k: v for k, v in available.items() if k in wanted}
+        copies = {id(v): v.clone() for v in given.values() if hasattr(v, "clone")}
+        return rule(**{k: copies.get(id(v), v) for k, v in given.items()})
 
 
 _REGISTRY: dict[str, HeadScore] = {}
 
 
+def table_columns(record: HeadScore) -> tuple[str, ...]:
+    """The head-table columns one score fills (an argmax score's ``_offset``, ``_fraction``, else its value and its
+    interval's ``_lo``, ``_hi``; then ``extra``): what ``order_columns`` lays out and ``register`` keeps apart."""
+    values = [f"{record.name}_offset", f"{record.name}_fraction"] if record.how == "argmax" else [record.name]
+    intervals = [] if record.how == "argmax" else [f"{record.name}_{end}" for end in INTERVAL_ENDS]
+    return (*values, *intervals, *record.extra)
+
+
+def reserved_columns(but: str | None = None) -> dict[str, str]:
+    """Each column a head table can hold -> what fills it: the head's name, the labels, each score (but ``but``)."""
+    from interp.attention.sites import FRONT
+
+    owner = {c: "the head's name" for c in FRONT} | {c: "the labels" for c in LABEL_COLUMNS}
+    for r in _REGISTRY.values():
+        if r.name != but:
+            owner.update({c: f"score {r.name!r}" for c in (r.name, *table_columns(r))})
+    return owner
+
+
 def register(record: HeadScore, replace: bool = False) -> HeadScore:
     """Add a score. A user's score may replace a user's score of the same name (a notebook cell run again); ours
-    cannot be replaced."""
+    cannot be replaced. A score that would fill a column something else fills (``reserved_columns``) is refused."""
     _check(record)
     old = _REGISTRY.get(record.name)
     if old is not None and old.builtin:
         raise ValueError(f"{record.name!r} is one of interp's own scores; give your score another name.")
     if old is not None and not replace:
         raise ValueError(f"A score named {record.name!r} is registered already; pass replace=True to replace it.")
+    taken = reserved_columns(but=record.name)
+    clash = next((c for c in table_columns(record) if c in taken), None)
+    if clash is not None:
+        raise ValueError(f"A score named {record.name!r} would fill the head table's column {clash!r}, which "
+                         f"{taken[clash]} fills; give your score another name.")
     _REGISTRY[record.name] = record
     return record
 
@@ -135,17 +168,19 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
                needs: tuple[str, ...] = (), precedence: int = 19, label: str | None = None, default: bool = True):
     """Register a target-rule head score from outside the package (a decorator).
 
-    The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the
-    key side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the
-    model's, or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key
-    position, -1 where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several
-    targets. It is called row by row on the unpadded tokens, so positions count from each prompt's first real
-    token. A head's score is its mean weight on the targets over the rows that have one, with a 95% bootstrap
-    interval over prompts; ``threshold`` (None: no label) gives it the label ``label`` (default: the name).
-    sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain English text, the default) or
-    ``"repeated"`` (repeated random tokens) when detect_heads generates them; ``precedence`` places its label
-    among the classes (lower: more specific; the literature's classes are 10-15, cross-attention 16-18, the pattern classes 20-26). default: computed when
-    ``detect_heads`` (and ``interp heads``, the report) is given no score names, beside ours."""
+    The decorated function takes any of ``ids`` (the query side's token ids, ``(batch, pos)``), ``key_ids`` (the key
+    side's: the same on a self-attention site, the source on a cross-attention one) and ``tokenizer`` (the model's,
+    or None), and returns either a ``(batch, pos)`` LongTensor of each query position's target key position, -1
+    where a row has none, or a triple ``(batch, query, key)`` of 1-D LongTensors for rows with several targets
+    (integer tensors in either form: a float one is refused; a pair listed twice is one target). It gets copies of
+    the ids, so editing them in place changes no other score. It is called row by row on the unpadded tokens, so
+    positions count from each prompt's first real token. A head's score is its mean weight on the targets over the
+    rows that have one, with a 95% bootstrap interval over prompts; ``threshold`` (None: no label) gives it the
+    label ``label`` (default: the name). sites: where it applies, of ``SITE_KINDS``. prompts: ``"corpus"`` (plain
+    English text, the default) or ``"repeated"`` (repeated random tokens) when detect_heads generates them;
+    ``precedence`` places its label among the classes (lower: more specific; the literature's classes are 10-15,
+    cross-attention 16-18, the pattern classes 20-26). default: computed when ``detect_heads`` (and ``interp
+    heads``, the report) is given no score names, beside ours."""
     def decorate(rule: Callable) -> Callable:
         register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
                            citation=citation, threshold=threshold, label=label, precedence=precedence,
@@ -176,42 +211,30 @@ def names(how: tuple[str, ...] | None = None, site_kind: str | None = None) -> t
     return tuple(r.name for r in scores(how, site_kind))
 
 
-class _LiveMap(Mapping):
-    """A read-only mapping over the registry, current whenever it is read (a user's score included)."""
+class _Live:
+    """A read-only view of the registry, current whenever it is read (a user's score included)."""
 
-    def __init__(self, read: Callable[[], dict]):
+    def __init__(self, read: Callable[[], dict | tuple]):
         self._read = read
 
     def __getitem__(self, key):
         return self._read()[key]
 
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+
+class _LiveMap(_Live, Mapping):
     def __iter__(self):
         return iter(self._read())
 
-    def __len__(self) -> int:
-        return len(self._read())
 
-    def __repr__(self) -> str:
-        return repr(self._read())
-
-
-class _LiveSequence(Sequence):
-    """A read-only sequence over the registry, current whenever it is read."""
-
-    def __init__(self, read: Callable[[], tuple]):
-        self._read = read
-
-    def __getitem__(self, index):
-        return self._read()[index]
-
-    def __len__(self) -> int:
-        return len(self._read())
-
+class _LiveSequence(_Live, Sequence):
     def __add__(self, other) -> tuple:
         return tuple(self._read()) + tuple(other)
-
-    def __repr__(self) -> str:
-        return repr(self._read())
 
 
 def labelled() -> list[HeadScore]:
@@ -275,8 +298,6 @@ def _check(record: HeadScore) -> None:
             raise bad(f"its function takes some of {_RULE_ARGS} by name; it takes {list(params)}")
 
 
-
-
 # -- interp's own scores ------------------------------------------------------------------------------------------
 _SELF = ("causal", "bidirectional")
 _TAXONOMY = "analyses.taxonomy.weights:taxonomy_frame"
@@ -284,34 +305,39 @@ _OURS = (
     # the literature's classes, computed only on request (analyses.taxonomy.weights, taxonomy_ioi, function_vectors)
     HeadScore("name_mover", "on IOI prompts, the head's direct share of logit(IO) - logit(S) at END; a name mover also "
               "attends END->IO more than END->S (io_attention > 0)", "behaviour", "Wang et al. 2022", 0.1,
-              precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              precedence=10, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY,
+              extra=("io_attention",), check="ioi"),
     HeadScore("s_inhibition", "on IOI prompts, the share of the clean-corrupted logit difference the head carries "
               "through the name movers' queries (path patching)", "behaviour", "Wang et al. 2022", 0.1,
-              precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
+              precedence=11, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, check="ioi"),
     HeadScore("function_vector", "the rise in P(answer) when the head's mean few-shot output replaces its output on "
               "shuffled-label prompts, averaged over ICL tasks", "behaviour", "Todd et al. 2024", 0.02,
               precedence=12, prompts="task", needs=("tokenizer", "unembedding"), runner=_TAXONOMY),
     HeadScore("successor", "the share of ordinal items (Gould et al.'s dataset) whose MLP0 output the head's OV "
               "maps to the next item's logit, highest among the successor tokens of the item's task", "weights",
               "Gould et al. 2023", 0.4, precedence=13,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
+              check="ordinal"),
     HeadScore("copy_suppression", "the share of tokens (a uniform sample of the vocabulary) whose effective embedding "
               "(block 0 without attention) the head's OV maps to that token among the 10 most negative logits of "
               "the whole vocabulary", "weights", "McDougall et al. 2023", 0.4, precedence=14,
-              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              prompts="weights", needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True,
+              check="suppression"),
     HeadScore("copy_suppression_behaviour", "on corpus text, the share of positions where the earlier token the "
               "head attends to most is among the 10 tokens the logit lens predicts at its input and the head's "
               "output lowers that token's logit", "behaviour", "McDougall et al. 2023", None, precedence=14,
-              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True),
+              needs=("tokenizer", "unembedding"), runner=_TAXONOMY, fraction=True, check="suppression",
+              extra=("cs_attends_predicted", "cs_predicted_effect", "cs_attends_predicted_lo",
+                     "cs_attends_predicted_hi")),
     HeadScore("retrieval", "while the model copies a random needle out of a long haystack, the generation steps at "
               "which the head's top-1 key is the needle token being generated, per needle token, averaged over the "
               "trials answered (protocol interp, or Wu et al.'s wu2024)", "behaviour",
               "Wu et al. 2024", 0.1, precedence=15, sites=("causal",), prompts="needle",
-              runner="analyses.long.retrieval:retrieval_frame", fraction=True),
+              runner="analyses.long.retrieval:retrieval_frame", fraction=True, check="needle"),
     # the attention-pattern classes of self-attention heads
     HeadScore("induction", "the weight a token puts on the token right after an earlier occurrence of itself, on "
               "repeated random tokens; rows without an earlier occurrence are left out", citation="Olsson et al. 2022",
-              precedence=20, prompts="repeated", rule="analyses.heads.rules:induction", default=True),
+              precedence=20, prompts="repeated", rule="analyses.heads.rules:induction", default=True, check="copy"),
     HeadScore("duplicate_token", "the weight a token puts on earlier occurrences of itself", precedence=21,
               prompts="repeated", rule="analyses.heads.rules:duplicate_token", default=True),
     # The same two classes on the corpus prompts, the text a model sees, where a real head can fall short on

@@ -2,7 +2,8 @@
 a head of that class attends to. Each takes the unpadded tokens of the query side (``ids: (b, q)``) and, for
 cross-attention, of the key side (``key_ids: (b, k)``), and returns a ``(b, q)`` LongTensor (-1: no target) or a
 ``(batch, query, key)`` triple of index tensors for rows with several targets. A user's score is a function of the
-same form (``analyses.head_score``)."""
+same form (``analyses.head_score``). Either form holds integer positions (a float tensor is refused), and a pair
+listed twice is one target (``analyses.heads.scores._as_triple`` applies both to every rule)."""
 
 from __future__ import annotations
 

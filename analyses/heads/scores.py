@@ -45,17 +45,21 @@ class Pairs:
 
 
 def _as_triple(record: HeadScore, out, n_batch: int, n_q: int, n_k: int):
-    """A rule's output as ``(b, q, k)`` with every -1 dropped, after checking its form."""
+    """A rule's output as ``(b, q, k)`` with every -1 dropped, after checking its form. One rule for both forms:
+    positions are integer tensors (a float, bool or complex tensor is refused, never truncated: NaN has no
+    position), and a pair listed twice is one target (a set of targets per row: a head's weight on them is at most
+    1)."""
     form = (f"the target rule of {record.name!r} must return a (batch, pos) LongTensor of key positions (-1: none) "
             f"or a (batch, query, key) triple of 1-D LongTensors")
     if isinstance(out, torch.Tensor):
-        if out.shape != (n_batch, n_q) or out.is_floating_point() or out.dtype == torch.bool:
-            raise ValueError(f"{form}; for ids of shape {(n_batch, n_q)} it returned a {out.dtype} tensor of shape "
+        if out.shape != (n_batch, n_q):
+            raise ValueError(f"{form}; for ids of shape {(n_batch, n_q)} it returned a tensor of shape "
                              f"{tuple(out.shape)}.")
+        _integer(out, form)
         b, q = (out >= 0).nonzero(as_tuple=True)
         triple = b, q, out[b, q].long()
     elif isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out):
-        triple = tuple(t.reshape(-1).long() for t in out)
+        triple = tuple(_integer(t, form).reshape(-1).long() for t in out)
         if len({len(t) for t in triple}) != 1:
             raise ValueError(f"{form}; its triple has lengths {[len(t) for t in triple]}.")
         keep = triple[2] >= 0
@@ -66,7 +70,18 @@ def _as_triple(record: HeadScore, out, n_batch: int, n_q: int, n_k: int):
     if len(b) and (b.min() < 0 or b.max() >= n_batch or q.min() < 0 or q.max() >= n_q or k.max() >= n_k):
         raise ValueError(f"The target rule of {record.name!r} returned positions outside the prompt: batch rows "
                          f"0..{n_batch - 1}, queries 0..{n_q - 1} and keys -1..{n_k - 1} are possible.")
+    if len(b):  # each (b, q, k) once
+        flat = torch.unique((b * n_q + q) * n_k + k)
+        b, q, k = flat // (n_q * n_k), flat // n_k % n_q, flat % n_k
     return b, q, k
+
+
+def _integer(t: torch.Tensor, form: str) -> torch.Tensor:
+    """``t`` where it holds integer positions; a float, bool or complex tensor is refused."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{form}; it returned a {t.dtype} tensor (positions are integers: cast with .long() where "
+                         "they are whole, and mark 'no target' with -1, not NaN).")
+    return t
 
 
 def rule_pairs(record: HeadScore, ids, valid, key_ids, key_valid, causal: bool, tokenizer=None) -> Pairs:
@@ -229,11 +244,12 @@ def labelled(df: pd.DataFrame, thresholds: dict | None) -> pd.DataFrame:
 def order_columns(df: pd.DataFrame) -> pd.DataFrame:
     """The head columns, the scores in registry order (an argmax score's offset and fraction), label, labels,
     evidence, then the interval columns and anything else."""
-    main = [c for c in FRONT if c in df]
-    for r in registry.scores():
-        main += [f"{r.name}_offset", f"{r.name}_fraction"] if r.how == "argmax" else [r.name]
-    main += ["label", "labels", "evidence"]
-    intervals = [f"{r.name}_{end}" for r in registry.scores() for end in ("lo", "hi")]
+    main, intervals = [c for c in FRONT if c in df], []
+    for r in registry.scores():  # each score's columns as the registry defines them (registry.table_columns)
+        ends = [f"{r.name}_{end}" for end in registry.INTERVAL_ENDS]
+        main += [c for c in registry.table_columns(r) if c not in ends and c not in r.extra]
+        intervals += [c for c in ends if c in registry.table_columns(r)]
+    main += list(registry.LABEL_COLUMNS)
     main, intervals = [c for c in main if c in df], [c for c in intervals if c in df]
     return df[main + intervals + [c for c in df if c not in main + intervals]]
 

@@ -23,7 +23,10 @@ shuffled and repeated to the length), the decoding loop (``run_needle``) and the
   to the length less a 200-token buffer and the needle, inserted at ``int(len * depth)`` moved back to just after a
   full stop (at 100% at the very end); the prompt
   ``context + "Based on the content of the book, Question: {q}\nAnswer:"``;
-  the answer's span found by token-set overlap > 0.9; greedy decoding of up to 50 tokens, each step scored, stopping
+  the answer's span found by token-set overlap > 0.9 (``find_needle_idx``: the first window of |answer| tokens
+  whose token set holds more than 90% of the answer's distinct tokens; it starts before the answer when the
+  answer's last token repeats an earlier one, and it is found here the same way, ``needles.wu_needle_span``, the
+  trials recording ``span`` and ``planted``); greedy decoding of up to 50 tokens, each step scored, stopping
   after a newline token; a trial counted when ``rouge_score``'s ROUGE-1 recall of the answer in the response,
   x100, exceeds 50; a head's score the mean of its per-trial scores over counted trials (a trial's score can pass
   1 when the model repeats the answer). Here: the needle " The special magic number for <city> is <needle_len
@@ -171,7 +174,7 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
     scores, trials = [], []
     with model.studying():
         for p in progress(prompts, total=len(prompts), desc="retrieval: " + ("wu2024 " if wu else "") + "needle trials", unit="trial"):
-            answer = p.answer
+            answer, reference = p.answer, p.reference  # the span scored; the tokens planted
             n_steps = min(max_new_tokens, cfg.max_positions - len(p.ids) + 1) if wu else len(answer)
             generated, top = run_needle(model, p, n_steps, stop)
             hits = torch.stack([retrieval_step_hits(top[t], int(generated[t]), p.ids, p.needle)
@@ -181,14 +184,15 @@ def retrieval_heads(model, context: int | None = None, lengths=None, depths=None
                 counted = recall >= min_recall
             else:
                 tok = model.tokenizer
-                recall = (_id_recall(answer, generated) if tok is None else
+                recall = (_id_recall(reference, generated) if tok is None else
                           rouge1_recall(p.text, tok.decode(generated.tolist(), skip_special_tokens=True).strip()))
                 counted = recall > min_recall  # Wu et al.: rouge1 recall * 100 > 50
-            trials.append({"length": len(p.ids), "depth": p.depth, "needle_tokens": len(answer),
+            trials.append({"length": len(p.ids), "depth": p.depth, "needle_tokens": len(reference),
                            "steps": len(generated), "recall": recall, "counted": counted,
-                           "exact": bool(torch.equal(generated[: len(answer)], answer))})
-            if counted:
-                scores.append(hits.sum(0).double() / len(answer))  # (l, h)
+                           "exact": bool(torch.equal(generated[: len(reference)], reference)),
+                           **({"span": list(p.needle), "planted": list(p.planted)} if p.planted else {})})
+            if counted:  # each hit 1 / |span| (Wu et al.: 1 / (needle_end - needle_start)); no span found: 0
+                scores.append(hits.sum(0).double() / max(len(answer), 1))  # (l, h)
     layer = torch.arange(cfg.n_layers).repeat_interleave(n_heads)
     head = torch.arange(n_heads).repeat(cfg.n_layers)
     real_heads = set(cfg.heads())

@@ -135,14 +135,29 @@ def _causal_html(causal: dict) -> str:
                     f'</td><td class="text">{html.escape(", ".join(r["heads"]))}</td>'
                     f'<td>{_fmt(r["share"] * 100 if r["share"] is not None else None, 1)}%</td>'
                     f'<td class="text definition">{spread}%</td><td>{beaten} of {len(draws)}</td>'
-                    f'<td>{_strip(r["share"], draws)}</td></tr>')
+                    f'<td>{_strip(r["share"], draws)}</td>{_own_test_html(r)}</tr>')
     return (f'<p>Each class\'s strongest heads (at most 8) zero-ablated together, against {causal["draws"]} draws of '
             f'as many random heads from the same layers, on {html.escape(causal["task"])}: the share of the '
             f'in-context gain (first-copy loss {causal["first_copy_loss"]:.3f} minus second-copy loss '
             f'{causal["second_copy_loss"]:.3f}) that the ablation removes.</p>'
             '<table data-role="causal"><tr><th class="text">class</th><th class="text">heads ablated</th>'
             '<th>share removed</th><th class="text">random draws, sorted (%)</th><th>draws it beats</th>'
-            f'<th class="text">class (red) and draws (grey)</th></tr>{"".join(rows)}</table>')
+            f'<th class="text">class (red) and draws (grey)</th><th class="text">on the behaviour it is named for'
+            f'</th></tr>{"".join(rows)}</table>')
+
+
+def _own_test_html(r: dict) -> str:
+    """The class's check on its own behaviour (``analyses.atlas.class_ablation.own_task``): the verdict, and the effect
+    against the random draws' where it was measured."""
+    test, verdict = r.get("own_test"), r.get("verdict", "")
+    numbers = ""
+    if test and test.get("clean") is not None:
+        draws = [v for v in test["random_effect"] if v == v]
+        numbers = (f' (effect on {html.escape(test["measure"])}: {_fmt(test["effect"], 3)}; random '
+                   f'{_fmt(min(draws), 3) if draws else "n/a"} to {_fmt(max(draws), 3) if draws else "n/a"})')
+    confirmed = {True: "yes", False: "no", None: "none"}[r.get("confirmed")]
+    return (f'<td class="text definition" data-role="verdict" data-confirmed="{confirmed}">{html.escape(verdict)}'
+            f'{numbers}</td>')
 
 
 def _heads_html(atlas: dict, heads_page: str | None) -> str:

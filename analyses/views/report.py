@@ -37,7 +37,7 @@ from .attention import attention_grid, head_view, model_tokens  # noqa: E402
 from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _Figures, _formats  # noqa: E402
-from ..causal.class_ablation import class_ablation  # noqa: E402
+from ..atlas.class_ablation import class_ablation  # noqa: E402
 from .report_story import findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402

@@ -1,6 +1,6 @@
 """What the report says first: the model's name and size, the findings (each linked to its evidence), and whether
 each class of heads does what its name says: its heads ablated together against as many random heads from the
-same layers (computed by ``analyses.causal.class_ablation``).
+same layers (computed by ``analyses.atlas.class_ablation``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 from hooks.names import attn_site
 from interp.attention.sites import one_site_per_layer
 
-from ..causal.class_ablation import PROPERTY as _PROPERTY
+from ..atlas.class_ablation import PROPERTY as _PROPERTY
 from ..heads.labels import LABEL_ORDER
 from .report_streaming import streaming_finding
 

@@ -103,7 +103,11 @@ class LowRank:
             raise IndexError(f"LowRank takes up to {self.ndim} plain indices (no ... or None); got {index!r}.")
         left, right = self.left.expand(*self.shape[:-2], *self.left.shape[-2:]), \
             self.right.expand(*self.shape[:-2], *self.right.shape[-2:])
-        keep = [slice(i, i + 1) if isinstance(i, int) and n >= lead else i for n, i in enumerate(index)]
+        for n, i in enumerate(index):  # an int past the end is an error, never an empty slice
+            if isinstance(i, int) and not -self.shape[n] <= i < self.shape[n]:
+                raise IndexError(f"index {i} is out of range for axis {n} of size {self.shape[n]} (LowRank "
+                                 f"{tuple(self.shape)}).")
+        keep = [slice(i, i + 1 or None) if isinstance(i, int) and n >= lead else i for n, i in enumerate(index)]
         left, right = left[tuple(keep[:lead])], right[tuple(keep[:lead])]
         if len(index) > lead:
             left = left[(..., keep[lead], slice(None))]

@@ -33,7 +33,11 @@ def _pos(tensor: torch.Tensor, pos_slice, dim: int = -2) -> torch.Tensor:
     if isinstance(pos_slice, tuple) and all(isinstance(i, int) for i in pos_slice):
         pos_slice = slice(*pos_slice)
     if isinstance(pos_slice, (list, torch.Tensor)):
-        return tensor.index_select(dim % tensor.ndim, torch.as_tensor(pos_slice, device=tensor.device).reshape(-1))
+        at, n = torch.as_tensor(pos_slice, device=tensor.device).reshape(-1), tensor.shape[dim]
+        if at.is_floating_point() or at.dtype == torch.bool or bool(((at < -n) | (at >= n)).any()):
+            raise ValueError(f"pos_slice's positions are integers in [-{n}, {n}) (negative from the end); got "
+                             f"{at.tolist()}.")
+        return tensor.index_select(dim % tensor.ndim, at % n)
     if not isinstance(pos_slice, (int, slice)):
         raise TypeError(f"pos_slice is None, an int, a (start, stop) tuple, a slice or a list of positions; got "
                         f"{pos_slice!r}.")
@@ -185,6 +189,11 @@ class ModelCache(ActivationCache):
             scale = _pos(norm_scale(norm, stream), pos_slice)
             if self.has_batch_dim and batch_slice is not None:
                 scale = _pos(scale, batch_slice, dim=0)
+            dims = scale.shape[:-1]  # the run's (batch, pos) as sliced: the stack must end with them, never broadcast
+            if residual_stack.ndim <= len(dims) or residual_stack.shape[-len(dims) - 1:-1] != dims:
+                raise ValueError(f"apply_ln_to_stack: the stack {tuple(residual_stack.shape)} must end with the run's "
+                                 f"{tuple(dims)} positions and d_model; for a stack at some positions pass the same "
+                                 "pos_slice (and batch_slice) that took them (e.g. pos_slice=-1).")
         if centred:
             residual_stack = residual_stack - residual_stack.mean(-1, keepdim=True)
         return residual_stack / scale.to(residual_stack.dtype)

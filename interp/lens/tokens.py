@@ -98,11 +98,16 @@ class TokensMixin:
         the tokenizer's special tokens, True puts a BOS first where it is missing, False drops a leading BOS.
         A list of strings is padded on ``padding_side`` ("right", TransformerLens's default, or "left") with
         the model's pad id; ``truncate`` cuts rows to the model's positions."""
+        ids, _ = self._padded(input, prepend_bos, padding_side, truncate)
+        return ids.to(self.device) if move_to_device else ids
+
+    def _padded(self, input, prepend_bos: bool | None, padding_side: str | None,  # noqa: A002
+                truncate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, attention_mask)`` of text as ``to_tokens`` pads it; the mask is what a forward must get."""
         if padding_side not in (None, "right", "left"):
             raise ValueError(f"padding_side is 'right' or 'left'; got {padding_side!r}.")
         rows = self._rows(input, prepend_bos, truncate)
-        ids, _ = pad_ids(rows, left=padding_side == "left", pad_id=self.pad_token_id)
-        return ids.to(self.device) if move_to_device else ids
+        return pad_ids(rows, left=padding_side == "left", pad_id=self.pad_token_id)
 
     def to_string(self, tokens) -> str | list[str]:
         """Decode ids: ``(p,)`` or one id -> a string; ``(b, p)`` -> a list of strings."""
@@ -166,11 +171,13 @@ class TokensMixin:
 
     # -- what the forward pass returns ----------------------------------------------------------------------------
     def _text_kwargs(self, inputs, kwargs: dict):
-        """Text tokenized as TransformerLens would when ``prepend_bos`` or ``padding_side`` is given."""
+        """Text tokenized as TransformerLens would when ``prepend_bos`` or ``padding_side`` is given: a mapping with
+        the ``attention_mask`` of its padding, so that each padded row computes what it computes alone."""
         prepend_bos, side = kwargs.pop("prepend_bos", None), kwargs.pop("padding_side", None)
         text = isinstance(inputs, str) or isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], str)
         if text and (prepend_bos is not None or side is not None):
-            return self.to_tokens(inputs, prepend_bos=prepend_bos, padding_side=side)
+            ids, mask = self._padded(inputs, prepend_bos, side)
+            return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         return inputs
 
     def _returned(self, output, batch: dict, return_type, loss_per_token: bool):

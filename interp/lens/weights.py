@@ -161,6 +161,11 @@ class WeightsMixin:
         if head is None or not is_layered(self):
             raise NotImplementedError(f"{type(self.hf).__name__} has no output layer to read W_U from"
                                       + ("" if head is None else " as one stream (an encoder-decoder model)") + ".")
+        if not self.cfg.causal:  # BERT's masked-LM head: dense, activation and a norm sit before its output layer
+            raise NotImplementedError(f"{type(self.hf).__name__} is an encoder: its output layer reads the stream "
+                                      "through the masked-LM head's own layers (dense, activation, norm), so no "
+                                      "W_U, b_U maps the residual stream to the logits. Read the logits with "
+                                      "model(ids, return_type='logits').")
         w_u = head.weight.detach().float().T  # (m, vocab)
         b_u = torch.zeros(w_u.shape[1], device=w_u.device)
         if getattr(head, "bias", None) is not None:
