@@ -124,7 +124,7 @@ def test_the_class_ablation_gives_the_numbers_of_whole_forwards():
     from analyses.causal.ablation import _ablation_hooks, _Replacement, _site_masks
     from analyses.causal.engine import scan
     from analyses.data.metrics import first_copy_loss, second_copy_loss
-    from analyses.atlas.atlas import class_ablation as study
+    from analyses.atlas import class_ablation as study
 
     def old(model, batch, sets):
         zero, clean = _Replacement(model, "zero"), []
