@@ -430,3 +430,12 @@ def test_a_flash_forward_without_pattern_hooks_builds_no_n_by_n_matrix(family):
     with _NxN(29) as rec, torch.no_grad():
         model(ids)
     assert rec.found
+
+
+def test_cache_shorthand_takes_a_layer_from_topk():
+    model = interp.load_model(tiny_hf("gpt2"), attn="flash")
+    _, cache = model.run_with_cache(_ids(p=7))
+    layer = torch.tensor([0.2, 0.9]).topk(1).indices[0]  # a 0-dim LongTensor, as TransformerLens's demos index
+    assert torch.equal(cache["attn", layer], cache.pattern(1)) and torch.equal(cache["z", layer], cache["z", 1])
+    with pytest.raises(KeyError, match="shorthand"):
+        cache["z", torch.tensor(1.0)]
