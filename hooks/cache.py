@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -81,15 +82,17 @@ class ActivationCache:
     # -- mapping -------------------------------------------------------------------------------------
     def _name(self, key) -> str:
         if isinstance(key, tuple):
-            if not 2 <= len(key) <= 3 or not isinstance(key[1], int) or isinstance(key[1], bool):
+            layer = _as_layer(key[1]) if len(key) >= 2 else None
+            if not 2 <= len(key) <= 3 or layer is None:
                 raise KeyError(f"The shorthand is cache[kind, layer] (or TransformerLens's cache[kind, layer, "
                                f"sublayer]), e.g. cache['pattern', 3]; got {key!r}.")
-            kind, layer = key[0], key[1]
+            kind = key[0]
             spec = _SHORT.get(_ALIASES.get(kind, kind).removeprefix("hook_"))
             if spec is None:
                 raise KeyError(f"Unknown hook kind {kind!r}; kinds are {sorted(_SHORT)}.")
             if layer < 0:  # as TransformerLens: counted from the last layer in the cache
-                layers = self._layers_of(spec.short)
+                layers = self._layers_of(spec.short) or (  # a flash run's patterns: the layers of its q
+                    self._layers_of("q") if spec.short in ("pattern", "attn_scores") else [])
                 layer = layers[-1] + 1 + layer if layers else layer
             name = spec.name(layer)
         elif isinstance(key, str) and key not in self._store and "." not in key and not key.startswith("hook_"):
@@ -99,25 +102,33 @@ class ActivationCache:
                 name = key
         else:
             name = key
-        if name not in self._store:
+        if name not in self._store and self._rebuilt(name) is None:
             raise self._missing(name)
         return name
 
+    def _rebuilt(self, name: str) -> str | None:
+        """The site whose pattern or scores ``name`` is, where the run cached no n x n matrix but its q and k
+        (a flash run): ``cache[name]`` rebuilds it on access, as ``cache.pattern`` does. Else None."""
+        if not name.endswith((".hook_pattern", ".hook_attn_scores")) or self.meta is None:
+            return None
+        site = name.rsplit(".", 1)[0]
+        return site if f"{site}.hook_q" in self._store and f"{site}.hook_k" in self._store else None
+
     def _missing(self, name: str) -> KeyError:
-        if name.endswith(("hook_pattern", "hook_attn_scores")) and any(k.endswith("hook_q") for k in self._store):
-            site = name.rsplit(".", 1)[0]  # blocks.3.attn -> 3; an encoder-decoder's site by its name
-            layer = site.split(".")[1] if site.startswith("blocks.") else repr(site)
-            return KeyError(
-                f"{name} was not captured: flash-path runs do not build n x n patterns. Use "
-                f"cache.pattern({layer}) to rebuild it from the cached q and k, or model.set_attn('eager')."
-            )
+        if name.endswith(("hook_pattern", "hook_attn_scores")) and name.rsplit(".", 1)[0] + ".hook_q" in self._store:
+            return KeyError(f"{name} cannot be rebuilt: this cache does not record the run's attention settings "
+                            "(make it with model.run_with_cache).")
         if self._store and name not in self._store:
             err = unknown_name_error(name, list(self._store))
             return KeyError(f"{name!r} is not in this cache. {err.args[0].split('. ', 1)[-1]}")
         return KeyError(f"{name!r} is not in this (empty) cache.")
 
     def __getitem__(self, key) -> torch.Tensor:
-        return self._store[self._name(key)]
+        name = self._name(key)
+        if name in self._store:
+            return self._store[name]
+        site = self._rebuilt(name)  # a flash run's pattern or scores: one site's n x n, built now and not kept
+        return self.pattern(site) if name.endswith(".hook_pattern") else self.attn_scores(site)
 
     def __contains__(self, key) -> bool:
         try:
@@ -216,6 +227,7 @@ class ActivationCache:
             raise KeyError(f"{key!r} is not an attention site of this model; give {example}"
                            f"{'a layer' if layered else 'an index'}{f' 0..{len(sites) - 1}' if sites else ''}.")
         n = len(meta.scaling) if meta is not None else None
+        key = key if _as_layer(key) is None else _as_layer(key)
         if not isinstance(key, int) or isinstance(key, bool) or n is not None and not 0 <= key < n:
             if not layered:
                 raise IndexError(f"Site {key!r} is out of range: sites run 0..{n - 1} ({sites[0]}, ...).")
@@ -226,33 +238,63 @@ class ActivationCache:
     def pattern(self, layer: int | str, heads: int | Sequence[int] | None = None) -> torch.Tensor:
         """The attention pattern ``(b, h, q, k)`` of ``heads`` (all if None) of one attention site: a layer
         number where each layer has one site, or any model's site index or name (``"blocks.3.attn"``,
-        ``"decoder.blocks.1.cross_attn"``).
+        ``"decoder.blocks.1.cross_attn"``). ``cache["pattern", l]`` on a flash run is ``cache.pattern(l)``.
 
         Returns the cached pattern if the run was eager; otherwise rebuilds it from the cached q and k
         exactly as the eager path computes it (scores in the model's dtype, soft-cap, position bias, masked
         entries at the dtype's minimum, the softmax in fp32 or, where the site's family takes it so, in the scores'
         dtype), so only the selected heads' n x n matrices are built.
         """
-        index, site = self._site(layer)
-        meta = self.meta
-        if isinstance(heads, int):
-            heads = [heads]
-        if meta is not None:
-            n_heads, n_kv_heads = meta.heads(index)
-            bad = [h for h in (() if heads is None else heads) if not 0 <= h < n_heads]
-            if bad:
-                what = f"layer {index}" if site == f"blocks.{index}.attn" else site
-                raise IndexError(f"Heads of {what} run 0..{n_heads - 1}; got {bad}.")
+        index, site, heads = self._heads(layer, heads)
         name = f"{site}.hook_pattern"
         if name in self._store:
             pattern = self._store[name]
             return pattern if heads is None else pattern[:, list(heads)]
+        scores, heads = self._scores(index, site, heads, layer)
+        meta, dtype = self.meta, self._store[f"{site}.hook_q"].dtype
+        if index in meta.sinks:  # the sink column joins each row and is dropped after the softmax
+            sinks = meta.sinks[index].to(scores.dtype)[heads].reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            combined = torch.cat([scores, sinks], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(dtype)
+        if meta.sites is None or getattr(meta.sites[index], "softmax_fp32", True):
+            return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+        return torch.softmax(scores, dim=-1)  # as the eager path for a family whose softmax is in the scores' dtype
+
+    def attn_scores(self, layer: int | str, heads: int | Sequence[int] | None = None) -> torch.Tensor:
+        """The scores ``(b, h, q, k)`` that ``hook_attn_scores`` sees on the eager path (scaled, soft-capped, with
+        the position bias and the additive mask: masked entries hold the dtype's minimum), cached or rebuilt from
+        q and k as ``pattern`` rebuilds patterns. ``cache["attn_scores", l]`` on a flash run is this."""
+        index, site, heads = self._heads(layer, heads)
+        name = f"{site}.hook_attn_scores"
+        if name in self._store:
+            scores = self._store[name]
+            return scores if heads is None else scores[:, list(heads)]
+        return self._scores(index, site, heads, layer)[0]
+
+    def _heads(self, layer, heads) -> tuple[int, str, list[int] | None]:
+        """``(index, site, heads as a list or None)``, the heads checked against the site's."""
+        index, site = self._site(layer)
+        if isinstance(heads, int):
+            heads = [heads]
+        if self.meta is not None and heads is not None:
+            n_heads = self.meta.heads(index)[0]
+            bad = [h for h in heads if not 0 <= h < n_heads]
+            if bad:
+                what = f"layer {index}" if site == f"blocks.{index}.attn" else site
+                raise IndexError(f"Heads of {what} run 0..{n_heads - 1}; got {bad}.")
+        return index, site, None if heads is None else list(heads)
+
+    def _scores(self, index: int, site: str, heads, layer) -> tuple[torch.Tensor, list[int]]:
+        """The masked scores ``(b, h, q, k)`` of ``heads`` rebuilt from the cached q and k, and the heads."""
+        meta = self.meta
         q_name, k_name = f"{site}.hook_q", f"{site}.hook_k"
         if meta is None or q_name not in self._store or k_name not in self._store:
             raise KeyError(f"cache.pattern({layer!r}) needs {q_name} and hook_k in the cache; "
                            "run_with_cache captures them by default.")
+        n_heads, n_kv_heads = meta.heads(index)
         q, k = self._store[q_name], self._store[k_name]  # (b, q, h, d), (b, k, g, d)
-        heads = list(range(n_heads)) if heads is None else list(heads)
+        heads = list(range(n_heads)) if heads is None else heads
         group = n_heads // n_kv_heads
         q_sel = q[:, :, heads].transpose(1, 2)  # (b, h, q, d)
         k_sel = k[:, :, [h // group for h in heads]].transpose(1, 2)  # (b, h, k, d)
@@ -266,16 +308,19 @@ class ActivationCache:
         if bias is not None:
             scores = scores + bias[:, heads] if bias.shape[1] > 1 else scores + bias
         mask = additive_mask(meta, q.shape[1], k.shape[1], scores.dtype, scores.device, index)
-        if mask is not None:
-            scores = scores + mask
-        if index in meta.sinks:  # the sink column joins each row and is dropped after the softmax
-            sinks = meta.sinks[index].to(scores.dtype)[heads].reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-            combined = torch.cat([scores, sinks], dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
-        if meta.sites is None or getattr(meta.sites[index], "softmax_fp32", True):
-            return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.softmax(scores, dim=-1)  # as the eager path for a family whose softmax is in the scores' dtype
+        return (scores if mask is None else scores + mask), heads
+
+
+def _as_layer(key) -> int | None:
+    """A layer number given as an int, a numpy integer or a 0-dim integer tensor (``topk``'s indices, as
+    TransformerLens's demos index with them), or None."""
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, numbers.Integral):
+        return int(key)
+    if isinstance(key, torch.Tensor) and key.ndim == 0 and not key.is_floating_point() and not key.is_complex():
+        return int(key)
+    return None
 
 
 def allowed_keys(meta: AttentionMeta, n_q: int, n_k: int, device, layer: int | None = None) -> torch.Tensor | None:

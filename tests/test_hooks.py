@@ -223,15 +223,19 @@ def test_resid_mid_is_observe_only_on_pre_ln_models():
     assert model._registry.active() == [] and no_torch_hooks(model.hf)
 
 
-def test_eager_only_hooks_refused_on_flash_with_a_pointer():
+def test_pattern_hooks_on_flash_run_that_layer_eager_and_leave_nothing_behind():
+    """On flash a hook on hook_pattern/hook_attn_scores runs its layer's eager step for that call (issue 53; the
+    numbers: tests/test_transformerlens.py); a flash run's cache rebuilds a pattern on access."""
     model = _model("gpt2", "flash")
-    with pytest.raises(ValueError, match=r"set_attn\('eager'\).*cache\.pattern"):
-        model.run_with_hooks(torch.arange(1, 5), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, h: None)])
-    with pytest.raises(ValueError, match="eager"):
-        model.run_with_cache(torch.arange(1, 5), names=["blocks.0.attn.hook_attn_scores"])
+    fired = []
+    model.run_with_hooks(torch.arange(1, 5), fwd_hooks=[("blocks.0.attn.hook_pattern", lambda t, h: fired.append(t.shape))])
+    assert fired == [(1, 4, 4, 4)] and model.attn == "flash"
+    _, cache = model.run_with_cache(torch.arange(1, 5), names=["blocks.0.attn.hook_attn_scores"])
+    assert list(cache) == ["blocks.0.attn.hook_attn_scores"]
     _, cache = model.run_with_cache(torch.arange(1, 5))
-    with pytest.raises(KeyError, match=r"cache\.pattern\(0\)"):
-        cache["pattern", 0]
+    assert cache["pattern", 0].shape == (1, 4, 4, 4)
+    with model.hooks([("blocks.1.attn.hook_pattern", lambda t, h: None)]):
+        model.set_attn("flash")  # no longer refused with such a hook on
     assert model._registry.active() == [] and no_torch_hooks(model.hf)
 
 

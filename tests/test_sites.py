@@ -61,8 +61,9 @@ def test_one_cache_class_rebuilds_any_sites_pattern_the_same_way_on_every_model(
         assert [s.name for s in qk.sites] == [s.name for s in model.cfg.sites]
         for site in model.cfg.sites:
             heads = [0, site.n_heads - 1]
-            assert f"{site.name}.hook_pattern" not in qk
+            assert f"{site.name}.hook_pattern" not in list(qk)  # not kept: built on access (issue 53)
             assert torch.equal(qk.pattern(site.name, heads), eager[f"{site.name}.hook_pattern"][:, heads]), site.name
+            assert torch.equal(qk[f"{site.name}.hook_pattern"], qk.pattern(site.name)), site.name
     assert torch.equal(qk.pattern(0, 1), qk.pattern(t5.cfg.sites[0].name, 1))  # t5: an index into its sites
     _, cache = llama.run_with_cache(ids, names=lambda n: n.endswith(("hook_q", "hook_k")))
     assert torch.equal(cache.pattern("blocks.1.attn", 2), cache.pattern(1, 2))  # a layered model: layer or site

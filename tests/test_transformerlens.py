@@ -330,3 +330,112 @@ def test_add_hook_reset_hooks_and_hook_layer(llama):
     assert seen == [] and not llama._registry.active()
     with pytest.raises(ValueError, match="forward hooks"):
         llama.add_hook("blocks.0.attn.hook_z", lambda z, hook: None, dir="bwd")
+
+
+# -- patterns on demand on the flash path (issue 53) ------------------------------------------------------------
+class _NxN(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every tensor an op makes (not a view of its inputs) with two adjacent axes of size ``n``."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.found = n, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(x, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given and any(
+                    a == b == self.n for a, b in zip(t.shape, t.shape[1:])):
+                self.found.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_cache_builds_pattern_and_scores_on_access_equal_to_eager(family, padded):
+    hf = tiny_hf(family)
+    flash, eager = interp.load_model(copy.deepcopy(hf), attn="flash"), interp.load_model(hf, attn="eager")
+    ids = _ids(p=11)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+    _, fc = flash.run_with_cache(ids, mask)
+    _, ec = eager.run_with_cache(ids, mask)
+    assert not any(n.endswith(("hook_pattern", "hook_attn_scores")) for n in fc)  # nothing n x n was kept
+    for l in range(flash.cfg.n_layers):
+        for kind in ("pattern", "attn", "attn_scores"):
+            assert fc[kind, l].shape == ec[kind, l].shape == (2, flash.cfg.n_heads, 11, 11)
+            assert (fc[kind, l] - ec[kind, l]).abs().max() <= ATOL, (kind, l)
+        assert torch.equal(fc["pattern", l], fc.pattern(l)) and torch.equal(fc["attn_scores", l], fc.attn_scores(l))
+        assert torch.equal(fc[f"blocks.{l}.attn.hook_pattern"], fc.pattern(l))
+    assert torch.equal(fc["pattern", -1], fc.pattern(flash.cfg.n_layers - 1))
+    assert "blocks.0.attn.hook_pattern" in fc and "blocks.0.attn.hook_pattern" not in list(fc)
+    one = flash.run_with_cache(ids[:1])[1].remove_batch_dim()
+    assert one["pattern", 1].shape == (flash.cfg.n_heads, 11, 11)
+
+
+def test_flash_pattern_on_access_costs_one_layers_matrix():
+    model = interp.load_model(tiny_hf("llama"), attn="flash")
+    ids = _ids(p=23)
+    _, cache = model.run_with_cache(ids)
+    with _NxN(23) as rec:
+        cache["pattern", 1]
+    assert rec.found and max(torch.Size(s).numel() for _, s in rec.found) == 2 * model.cfg.n_heads * 23 * 23
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["pattern", "attn_scores"])
+def test_a_pattern_hook_on_flash_runs_that_layer_eager_and_edits_as_eager(family, kind):
+    hf = tiny_hf(family)
+    flash, eager = interp.load_model(copy.deepcopy(hf), attn="flash"), interp.load_model(hf, attn="eager")
+    ids = _ids(p=13)
+    seen = {}
+
+    def edit(t, hook):
+        seen[hook.name] = t.detach().clone()
+        t = t.clone()
+        t[:, 1, 5:] = 0 if kind == "pattern" else torch.finfo(t.dtype).min  # head 1 of the layer
+        return t
+
+    name = f"blocks.1.attn.hook_{kind}"
+    with torch.no_grad():
+        plain = flash(ids).logits
+        hooked = flash.run_with_hooks(ids, fwd_hooks=[(name, edit)]).logits
+        seen_flash = seen.pop(name)
+        reference = eager.run_with_hooks(ids, fwd_hooks=[(name, edit)]).logits
+    assert (hooked - reference).abs().max() <= ATOL
+    assert (hooked - plain).abs().max() > 1e-3  # the edit reached the model
+    assert (seen_flash - seen[name]).abs().max() <= ATOL  # the hook saw what eager's sees
+    assert flash.attn == "flash" and flash._registry.active() == []
+    # the other layer stayed on flash: one softmax over n x n in such a run, one per layer on eager
+    softmaxes = lambda rec: sum("softmax" in op for op, _ in rec.found)  # noqa: E731
+    with _NxN(13) as rec, torch.no_grad():
+        flash.run_with_hooks(ids, fwd_hooks=[(name, lambda t, hook: None)])
+    with _NxN(13) as all_eager, torch.no_grad():
+        eager(ids)
+    assert softmaxes(rec) == 1 and softmaxes(all_eager) == eager.cfg.n_layers == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_flash_forward_without_pattern_hooks_builds_no_n_by_n_matrix(family):
+    model = interp.load_model(tiny_hf(family), attn="flash")
+    ids = _ids(p=29)
+    with _NxN(29) as rec, torch.no_grad():
+        model(ids)
+        model.run_with_cache(ids)
+        model.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_z", lambda t, hook: t * 1.0)])
+    assert rec.found == []
+    model.set_attn("eager")  # the check can fail: eager builds every layer's pattern
+    with _NxN(29) as rec, torch.no_grad():
+        model(ids)
+    assert rec.found
+
+
+def test_cache_shorthand_takes_a_layer_from_topk():
+    model = interp.load_model(tiny_hf("gpt2"), attn="flash")
+    _, cache = model.run_with_cache(_ids(p=7))
+    layer = torch.tensor([0.2, 0.9]).topk(1).indices[0]  # a 0-dim LongTensor, as TransformerLens's demos index
+    assert torch.equal(cache["attn", layer], cache.pattern(1)) and torch.equal(cache["z", layer], cache["z", 1])
+    with pytest.raises(KeyError, match="shorthand"):
+        cache["z", torch.tensor(1.0)]

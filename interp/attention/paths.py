@@ -9,7 +9,9 @@ HF keeps its weights, projections and RoPE and calls us with ``query: (b, h, q, 
   exactly, and it fires every attention hook inside the computation: an edit to q, scores, pattern or z
   changes what follows.
 - ``flash`` (key ``interp_fused``) runs a kernel that also returns each row's logsumexp and never builds the
-  n x n matrix (``interp.attention.kernels``); it fires q, k, v, z and lse.
+  n x n matrix (``interp.attention.kernels``); it fires q, k, v, z and lse. A layer with a hook on ``hook_attn_scores`` or
+  ``hook_pattern`` runs the eager step instead, for that call only (the mask eager would get, rebuilt from the
+  flash one): you pay for n x n only where you look.
 
 What the model passes is what we compute with: the score scale comes from the call (``scaling``), as do the
 soft-cap (``softcap``) and attention sinks (``s_aux``); sliding windows arrive inside the mask. Any other
@@ -300,17 +302,6 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     stream = module.__dict__.get(_STREAM_ATTR)
     if not isinstance(key, torch.Tensor):  # a StreamingCache's SplitKV
         return _streaming_cached(module, stream, hooks, query, key, attention_mask, scaling, softcap), None
-    if hooks is not None:
-        hooks.bias = position_bias
-        if hooks.attn_scores or hooks.pattern:
-            raise ValueError(
-                "hook_pattern and hook_attn_scores exist only on the eager path. Call model.set_attn('eager'), "
-                "or capture q and k on the flash path and rebuild patterns with cache.pattern(layer, heads)."
-            )
-        query, key, value = _fire_qkv(hooks, query, key, value)
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-
     # As HF's sdpa integration: causal via the kernel flag when no mask was built. The mask function skips the mask
     # for a causal layer without padding; whether the layer is causal is what discovery found (NLLB-MoE's decoder
     # self-attention says is_causal=False, and HF refuses sdpa for it), else the call's or module's flag.
@@ -318,6 +309,15 @@ def flash_attention(module, query, key, value, attention_mask, scaling=None, dro
     causal = is_causal if is_causal is not None else (
         attached.causal if attached is not None and attached.causal is not None else getattr(module, "is_causal", True))
     causal = bool(causal and query.shape[2] > 1 and attention_mask is None)
+    if hooks is not None and (hooks.attn_scores or hooks.pattern):  # n x n only where a user looks: this layer, now
+        mask = _eager_mask(attention_mask, causal, getattr(attached, "window", None), query, key)
+        return eager_attention(module, query, key, value, mask, scaling=scaling, dropout=dropout, softcap=softcap,
+                               s_aux=s_aux, position_bias=position_bias, **kwargs)[0], None
+    if hooks is not None:
+        hooks.bias = position_bias
+        query, key, value = _fire_qkv(hooks, query, key, value)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
     if causal and key.shape[2] > query.shape[2]:  # prefill into a larger static cache, as HF does
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     if position_bias is not None:
@@ -352,6 +352,23 @@ def _z(out, hooks, module, query, key, value, attention_mask, scaling, softcap, 
     if Recording.active is not None:
         _record(module, query, key, value, attention_mask, out, scaling, softcap, s_aux, kwargs, position_bias)
     return out
+
+
+def _eager_mask(mask, causal: bool, window: int | None, query, key) -> torch.Tensor | None:
+    """The additive mask HF's eager mask function builds for a call that got the flash key's mask: ``-inf`` (the
+    flash mask) becomes the dtype's minimum, and a causal layer whose mask was skipped gets its triangle (and
+    sliding window) back, queries being the last of the keys' positions."""
+    low = torch.finfo(query.dtype).min
+    if mask is not None:
+        return torch.where(torch.isneginf(mask), low, 0.0).to(query.dtype)
+    if not causal:
+        return None
+    n_q, n_k = query.shape[2], key.shape[2]
+    offset = torch.arange(n_k, device=query.device)[None] - torch.arange(n_k - n_q, n_k, device=query.device)[:, None]
+    allowed = offset <= 0
+    if window is not None:
+        allowed &= offset >= -window
+    return torch.where(allowed, 0.0, low).to(query.dtype)[None, None]  # (1, 1, q, k)
 
 
 def _streaming_cached(module, stream, hooks, query, key, mask, scaling, softcap):

@@ -73,8 +73,16 @@ class ModelCache(ActivationCache):
         """``ActivationCache.pattern``, also after ``remove_batch_dim()`` (then ``(h, q, k)``)."""
         if self.has_batch_dim:
             return super().pattern(layer, heads)
-        batched = ModelCache({k: t[None] for k, t in self._store.items()}, self.meta, self.model)
-        return batched.pattern(layer, heads)[0]
+        return self._batched().pattern(layer, heads)[0]
+
+    def attn_scores(self, layer, heads=None) -> torch.Tensor:
+        """``ActivationCache.attn_scores``, also after ``remove_batch_dim()`` (then ``(h, q, k)``)."""
+        if self.has_batch_dim:
+            return super().attn_scores(layer, heads)
+        return self._batched().attn_scores(layer, heads)[0]
+
+    def _batched(self) -> ModelCache:
+        return ModelCache({k: t[None] for k, t in self._store.items()}, self.meta, self.model)
 
     # -- the stack read ------------------------------------------------------------------------------------------
     def _stack_prefix(self, stack: str | None) -> tuple[str, int]:

@@ -76,7 +76,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self._attach_at = layout.attach
         self.attn_scales = tuple(site.scale for site in self.cfg.sites)  # what the model passes, not module.scaling
         self.sites = {site.name: site for site in self.cfg.sites}
-        self._registry = HookRegistry(layout.points, on_change=self._sync_module_hooks, check=self._check_points)
+        self._registry = HookRegistry(layout.points, on_change=self._sync_module_hooks)
         self._torch_handles: dict[str, object] = {}
         self._takes_position_ids = "position_ids" in inspect.signature(hf.forward).parameters
         self._layer_hooks: dict[str, LayerHooks] = {}

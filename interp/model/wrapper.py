@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hooks import HookPoint, NameFilter, spec_for
+from hooks import HookPoint, NameFilter
 
 from ..attention.paths import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
 from ..runtime.distributed import input_device
@@ -245,30 +245,16 @@ class _Wrapper:
                     "back; for HF's own attention, load a separate copy of the model.")
 
     def _switch_attn(self, attn: str) -> None:
-        """Set the attention implementation of the HF model to our eager or flash path (refusing hooks that the
-        flash path cannot fire); the caller checks that every attention then calls it."""
+        """Set the attention implementation of the HF model to our eager or flash path (on flash, a layer with a
+        hook on its scores or pattern runs eager for that call); the caller checks that every attention calls it."""
         self._check_attached(key=False)  # switching back from an implementation set behind the wrapper is the fix
         if attn not in ATTN_KEYS:
             raise ValueError(f"attn must be 'eager' or 'flash'; got {attn!r}.")
-        if attn == "flash":
-            eager_only = [n for n in self._registry.active() if spec_for(n).eager_only]
-            if eager_only:
-                raise ValueError(f"Remove the hooks on {eager_only} before switching to the flash path (eager only).")
         set_attention_key(self.hf, ATTN_KEYS[attn])
         # the holders whose attention is ours now: a sub-model that refuses a dynamic switch (GOT-OCR2's vision
         # tower, which does not use the attention interface) keeps its own and is not ours to watch
         self.__dict__["_attn_holders"] = [m for m, found in attention_keys(self.hf) if found == ATTN_KEYS[attn]]
         self.attn = attn
-
-    def _check_points(self, points: list[HookPoint]) -> None:
-        if self.attn == "flash":
-            bad = [p.name for p in points if spec_for(p.name).eager_only]
-            if bad:
-                raise ValueError(
-                    f"{bad[0]} exists only on the eager path (the flash path never builds the n x n matrix). "
-                    "Call model.set_attn('eager'), or capture q and k and use cache.pattern(layer, heads) "
-                    "(an encoder-decoder model: cache.pattern(site prefix, heads))."
-                )
 
     def _keep_handles(self, wanted: set[str]) -> None:
         """Torch hooks exactly on the keys in ``wanted``: remove the others, attach the missing ones."""
