@@ -48,6 +48,8 @@ _LAZY = {
                     "expectations"),
     # A versioned head atlas of a model (issue 38)
     **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
+    # What a head really moves (issue 50): attention sinks, dormant heads, massive activations, checked causally
+    **dict.fromkeys(["sink_heads", "massive_activations", "sink_value_ablation", "massive_dims_ablation"], "sinks"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }
