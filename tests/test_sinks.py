@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import interp
-from analyses import detect_heads, sink_heads
+from analyses import detect_heads, sink_heads, sink_value_ablation
 
 FIRST = 1  # the planted first token
 
@@ -91,3 +91,12 @@ def test_a_dormant_heads_norm_weighted_scores_come_from_its_other_keys_only(attn
     # head 1's sink moves something: its norm-weighted scores change with the sink's logit
     live = (norm[0].loc[1, columns] - norm[1].loc[1, columns]).abs().max()
     assert live > 1e-2
+
+
+def test_zeroing_a_dormant_heads_sink_value_changes_nothing_and_a_live_sinks_does():
+    model = interp.load_model(planted(), attn="flash")
+    df = sink_value_ablation(model, prompts=prompts(), n_random=2, batch_size=4, n_bootstrap=50).set_index("condition")
+    assert abs(df.loc["dormant", "delta_loss"]) < 1e-6  # its sink's value is zero: removing it removes nothing
+    assert abs(df.loc["random", "delta_loss"]) > 1e-3 and df.loc["random", "what"] == "2 draws"
+    assert model.attn == "flash"  # the path is restored
+
