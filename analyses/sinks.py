@@ -334,7 +334,8 @@ def massive_dims_ablation(model, sinks: pd.DataFrame | None = None, massive: pd.
     sinks = sink_heads(model, prompts, n_prompts, seq_len, seed, batch_size, n_bootstrap) if sinks is None else sinks
     born = massive.groupby("dim").first_layer.min().to_dict()  # dim -> the block that first writes it
     start = min(born.values())
-    heads = [(int(l), int(h)) for l, h in sinks.loc[sinks.is_sink & (sinks.layer > start), ["layer", "head"]].to_numpy()]
+    after = sinks.is_sink & (sinks.layer > start)
+    heads = [(int(l), int(h)) for l, h in sinks.loc[after, ["layer", "head"]].to_numpy()]
     if not heads:
         raise ValueError(f"massive_dims_ablation reads the sink heads after block {start}; there are none.")
     median = torch.as_tensor(massive.attrs["dim_median"])  # (layer, dim)
