@@ -344,7 +344,7 @@ _OURS = (
     HeadScore("sink", "the weight a token puts on the first token of the sequence", citation="Gu et al. 2024",
               threshold=0.3, precedence=26, rule="analyses.rules:sink", default=True),
     # a sink head whose sink moves nothing (Guo et al. 2024): the weight minus the norm-weighted share of the first
-    # token; threshold measured on SmolLM2 and Gemma 3 (notebooks/sinks.md)
+    # token; 0.3 (the sink's threshold) is a placeholder until measured on SmolLM2 and Gemma 3 (notebooks/sinks.md)
     HeadScore("dormant", "the weight a token puts on the first token minus the first token's share of the head's "
               "output norm (norm-weighted attention): weight the sink takes without moving anything", "behaviour",
               "Guo et al. 2024", 0.3, precedence=25, runner="analyses.sinks:dormant_frame"),
