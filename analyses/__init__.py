@@ -48,6 +48,9 @@ _LAZY = {
     **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas.atlas"),
     **dict.fromkeys(["ExpectationSet", "Expectation", "check_expectations", "needs_scores", "register_expectations"],
                     "atlas.expectations"),
+    # explain/sinks: what a head really moves (attention sinks, dormant heads, massive activations), checked causally
+    **dict.fromkeys(["sink_heads", "massive_activations", "sink_value_ablation", "massive_dims_ablation"],
+                    "explain.sinks"),
     # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

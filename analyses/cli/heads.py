@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
                         "has tokens) or wu2024 (Wu et al. 2024: a natural-sentence needle, up to 50 greedy steps "
                         "stopping at a newline, a trial counted when ROUGE-1 recall > 0.5); refused unless "
                         "--scores asks for retrieval")
+    p.add_argument("--weighting", choices=("raw", "norm"), default="raw",
+                   help="raw: scores read the attention weights; norm: every target-rule score reads norm-weighted "
+                        "attention, ||w_ij v_j W_O|| / sum_k ||w_ik v_k W_O|| (Kobayashi et al. 2020), the share of "
+                        "the head's output that comes from its targets (argmax scores stay on the weights)")
     p.add_argument("--n-prompts", type=_positive_int, default=100)
     p.add_argument("--top", type=_nonnegative_int, default=None, metavar="N",
                    help=f"the N heads with the highest score (the first of --scores; without --scores, labelled "
@@ -47,7 +51,7 @@ def cmd_heads(args) -> int:
         model = _load(args)
         progress("heads")
         df = detect_heads(model, scores=kinds, prompts=_prompts(args, model), n_prompts=args.n_prompts, seed=args.seed,
-                          context=args.context, protocol=args.protocol)
+                          context=args.context, protocol=args.protocol, weighting=args.weighting)
     if args.format == "table":
         keep = [c for c in df.columns if not c.endswith(("_lo", "_hi"))]
         df = df[keep]

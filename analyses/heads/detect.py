@@ -18,7 +18,8 @@ import torch
 from interp.runtime import distributed
 from interp.tokens.inputs import pad_ids
 from interp.runtime.progress import progress, stage
-from interp.attention.site_pass import each_site
+from interp.attention.site_pass import WEIGHTINGS, each_site
+from interp.lens.circuits import output_grams
 from interp.attention.sites import FRONT, MASK_OF, is_layered, with_head_columns
 
 from ..data.prompts import corpus_prompts, corpus_sentences, prompt_ids, repeated_random_tokens
@@ -33,7 +34,8 @@ __all__ = ["detect_heads", "corpus_sentences", "repeated_random_tokens"]
 
 def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len: int | None = None, seed: int = 0,
                  batch_size: int = 32, thresholds: dict[str, float] | None = None,
-                 n_bootstrap: int = 1000, context: int | None = None, protocol: str | None = None) -> pd.DataFrame:
+                 n_bootstrap: int = 1000, context: int | None = None, protocol: str | None = None,
+                 weighting: str = "raw") -> pd.DataFrame:
     """Score every head of ``model`` and label it; one row per head: ``(site, head)``, shown as ``(layer, head)`` on a
     model with one site per layer.
 
@@ -70,6 +72,11 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     protocol: retrieval's protocol (``analyses.data.needles.PROTOCOLS``): ``"interp"`` (default) or ``"wu2024"`` (Wu et
         al.'s natural-sentence needle, up to 50 steps stopping at a newline, ROUGE-1 recall); recorded in
         ``df.attrs["protocol"]``. Refused where no score asked for reads it.
+    weighting: ``"raw"`` (the attention weights) or ``"norm"``: every target-rule score (ours and a user's) read on
+        norm-weighted attention, ``||w_ij v_j W_O|| / sum_k ||w_ik v_k W_O||`` (Kobayashi et al. 2020), the share of
+        the head's output norm that comes from its targets (``interp.attention.site_pass``; O(n) memory on the flash path).
+        Argmax scores (positional) and the weights and behaviour scores are read as they are; recorded in
+        ``df.attrs["weighting"]``. Refused where no target-rule score is asked for.
 
     Every attention-pattern score is read in one pass per batch over the model's attention sites
     (``interp.attention.site_pass``): from the pattern on the eager path, from q, k and the logsumexp on the flash path (no
@@ -98,6 +105,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
     limits = resolve_thresholds(thresholds)
     records = choose_scores(scores, model)
     attention = [r for r in records if r.how in ("target", "argmax")]
+    _check_weighting(weighting, records)
     runners: dict[str, list[str]] = {}  # "module:function" -> the scores it computes
     for r in records:
         if r.how in ("weights", "behaviour"):
@@ -113,7 +121,7 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
         frames, nonfinite = [], set()
         with model.studying():
             for set_records, rows, what in sets:
-                frame = _tally(model, rows, set_records, batch_size).frame(n_bootstrap, seed)
+                frame = _tally(model, rows, set_records, batch_size, weighting).frame(n_bootstrap, seed)
                 nonfinite |= set(frame.attrs.pop("nonfinite"))
                 stable.update(frame.attrs.pop("stability", {}))
                 frames.append(frame.set_index(FRONT))
@@ -137,10 +145,20 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
         if "trials" in attrs:
             df.attrs["retrieval_trials"] = attrs["trials"]
     df = labelled(df, limits)
-    df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn, stability=stable)
+    df.attrs.update(inputs=inputs, thresholds=limits, attn=model.attn, stability=stable, weighting=weighting)
     if digests:
         df.attrs["prompt_sha256"] = digests
     return df
+
+
+def _check_weighting(weighting, records) -> None:
+    """``"raw"`` or ``"norm"``, and ``"norm"`` only where a target-rule score reads it."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting is one of {WEIGHTINGS} (the attention weights, or norm-weighted attention); "
+                         f"got {weighting!r}.")
+    if weighting == "norm" and not any(r.how == "target" for r in records):
+        raise ValueError(f"weighting='norm' is read by target-rule scores, and none was asked for "
+                         f"({[r.name for r in records]}); add one (e.g. \"sink\" or \"induction\") or drop weighting.")
 
 
 def _check_protocol(protocol, retrieval: bool, records) -> str:
@@ -230,12 +248,12 @@ def _unpadded(batch: dict) -> list[dict]:
 
 
 # -- running -------------------------------------------------------------------------------------------------------
-def _tally(model, rows: list[dict], records, batch_size: int) -> Tally:
+def _tally(model, rows: list[dict], records, batch_size: int, weighting: str = "raw") -> Tally:
     """The prompts' tally over one per-site pass per batch."""
     lengths = torch.tensor([sum(len(v) for v in row.values()) for row in rows])
     order = torch.argsort(lengths, stable=True)  # similar lengths share a batch: less padding
     max_len = max(len(v) for row in rows for v in row.values())
-    tally = Tally(model, records, len(rows), max_len)
+    tally = Tally(model, records, len(rows), max_len, weighting)
     starts = list(range(0, len(rows), batch_size))
     if distributed.initialised():
         checksum = sum(int(v.long().sum()) for row in rows for v in row.values())
@@ -279,7 +297,8 @@ def _score_batch(model, rows: list[dict], index: torch.Tensor, records, tally: T
         tally.add_site(read, index, for_site(read.site))
 
     wanted = [i for i, s in enumerate(model.cfg.sites) if any(r.applies_to(site_kind(s)) for r in records)]
-    each_site(model, batch, visit, wanted)
+    each_site(model, batch, visit, wanted,
+              value_norms=output_grams(model, wanted) if tally.weighting == "norm" else None)
 
 
 def _mark_nonfinite(model, df: pd.DataFrame, nonfinite: set) -> pd.DataFrame:

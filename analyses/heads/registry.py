@@ -10,8 +10,8 @@ A score is computed one of four ways (``HeadScore.how``):
   on every attention site it applies to, at any context length (``analyses.heads.scores``).
 - ``"argmax"``: the offset of each row's top-1 key from its query (Voita et al.'s positional heads), from the
   flash path's tiled statistics or the pattern.
-- ``"weights"`` and ``"behaviour"``: read from the weights, or from forward passes of their own (retrieval,
-  function vectors, the IOI classes); ``runner`` names the function that computes them.
+- ``"weights"`` and ``"behaviour"``: read from the weights, or from forward passes of their own (retrieval, function
+  vectors, the IOI classes, dormant heads); ``runner`` names the function that computes them.
 
 A user adds a target-rule score from their own file, without touching the package:
 
@@ -22,8 +22,8 @@ A user adds a target-rule score from their own file, without touching the packag
     def punctuation(ids, key_ids, tokenizer):
         ...  # (batch, pos) LongTensor: each query's target key position, -1 where it has none
 
-after which ``detect_heads(model, scores=["punctuation"])``, ``interp heads --score-module FILE --scores
-punctuation``, the report and the views take it like ours.
+after which ``detect_heads(model, scores=["punctuation"])``, ``interp heads --score-module FILE``, the report and the
+views take it like ours.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-
 
 __all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_COLUMNS", "LABEL_ORDER", "columns", "is_fraction", "labelled",
            "of_column", "reserved_columns", "table_columns", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
@@ -369,6 +368,10 @@ _OURS = (
     HeadScore("self", "the weight a token puts on itself", precedence=25, rule="analyses.heads.rules:self_target", default=True),
     HeadScore("sink", "the weight a token puts on the first token of the sequence", citation="Gu et al. 2024",
               threshold=0.3, precedence=26, rule="analyses.heads.rules:sink", default=True),
+    # a sink whose sink moves nothing (Guo et al. 2024); 0.3 is a placeholder, not yet measured (notebooks/sinks.md)
+    HeadScore("dormant", "the weight a token puts on the first token minus the first token's share of the head's "
+              "output norm (norm-weighted attention): weight the sink takes without moving anything", "behaviour",
+              "Guo et al. 2024", 0.3, precedence=25, runner="analyses.explain.sinks:dormant_frame"),
     # cross-attention heads of encoder-decoder models (decoder queries on the encoder's output)
     HeadScore("alignment", "cross-attention: the weight a target position i puts on source position i (on the copy "
               "task, the token being copied)", precedence=16, sites=("cross",), prompts="task",
@@ -385,13 +388,10 @@ for _record in _OURS:
 
 
 def markdown_table(ours_only: bool = True) -> str:
-    """Every registered score (ours only, by default) as a Markdown table: the docs' table, in
-    notebooks/head_scores.md, is this text."""
+    """Every registered score (ours only, by default) as a Markdown table: notebooks/head_scores.md's table."""
     rows = ["| score | computed from | sites | threshold | what it measures | source |", "|---|---|---|---|---|---|"]
     how = {"target": "target rule", "argmax": "row argmax", "weights": "weights", "behaviour": "forward passes"}
-    for r in sorted(_REGISTRY.values(), key=lambda r: r.precedence):
-        if ours_only and not r.builtin:
-            continue
+    for r in sorted((r for r in _REGISTRY.values() if r.builtin or not ours_only), key=lambda r: r.precedence):
         threshold = "no label" if r.threshold is None else f"{r.threshold:g} on `{r.label_column}`" + (
             f", label `{r.gives}`" if r.gives != r.name else "")
         rows.append(f"| `{r.name}` | {how[r.how]} ({r.prompts}) | {', '.join(r.sites)} | {threshold} | "

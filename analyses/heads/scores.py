@@ -123,8 +123,9 @@ class Tally:
     """Per-prompt sums ``(prompt, site, head)`` and row counts ``(prompt, site)`` of each target-rule score, and
     each argmax score's histograms ``(half, site, head, offsets)`` of top-1 key offsets (even and odd prompts), for the sites of ``model``."""
 
-    def __init__(self, model, records: Iterable[HeadScore], n_prompts: int, max_len: int):
+    def __init__(self, model, records: Iterable[HeadScore], n_prompts: int, max_len: int, weighting: str = "raw"):
         self.model = model
+        self.weighting = weighting  # "norm": target-rule scores read norm-weighted attention (interp.attention.site_pass)
         self.sites = model.cfg.sites
         self.records = list(records)
         n_sites, n_heads = len(self.sites), max(s.n_heads for s in self.sites)
@@ -147,7 +148,8 @@ class Tally:
         named = [name for name in self.sums if name in pairs]
         if named:  # one gather for the pairs of every score, then split
             parts = [pairs[name] for name in named]
-            w = read.weights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("b", "q", "k"))).double().cpu()
+            w = read.weights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("b", "q", "k")),
+                             weighting=self.weighting).double().cpu()
             for name, p, ws in zip(named, parts, w.split([len(p.b) for p in parts])):
                 per_prompt = torch.zeros(len(index), w.shape[1], dtype=torch.float64).index_add_(0, p.b, ws)
                 self.sums[name][index, i, : w.shape[1]] = per_prompt

@@ -8,6 +8,12 @@ or the ``pattern`` on the eager one. ``read.weights(b, q, k)`` gives the weight 
 ``read.top_keys()`` each row's top-1 key either way, never building an n x n matrix on the flash path. The forward
 stops right after the last site asked for.
 
+With ``value_norms`` (the heads' ``W_O W_O^T`` per site) each read also carries every key's output norm per head, ``||v_j W_O^h||`` (Kobayashi et
+al. 2020: key j moves ``w_ij v_j W_O`` into row i), and ``read.weights(..., weighting="norm")`` gives the
+*norm-weighted* attention ``||w_ij v_j W_O|| / sum_k ||w_ik v_k W_O||``: the share of the head's output norm that
+key j contributes. Its row sums ``sum_k w_ik ||v_k W_O||`` come from the pattern (eager) or as one more statistic
+of the tiled pass (flash, ``interp.attention.stats``): O(n) memory either way.
+
     def visit(read):
         w = read.weights(b, q, k)  # (n_pairs, h)
     each_site(model, {"input_ids": ids, "attention_mask": mask}, visit)
@@ -15,7 +21,7 @@ stops right after the last site asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +31,9 @@ from hooks.names import hook_name
 from .sites import Site
 from .stats import attention_stats, pair_weights
 
-__all__ = ["SiteRead", "each_site"]
+__all__ = ["SiteRead", "each_site", "key_output_norms", "WEIGHTINGS"]
+
+WEIGHTINGS = ("raw", "norm")  # attention weights as the softmax gives them, or norm-weighted (value_norms)
 
 
 @dataclass
@@ -33,7 +41,8 @@ class SiteRead:
     """One site of one forward. ``q: (b, q, h, d)``, ``k: (b, k, g, d)`` and ``lse: (b, h, q)`` on the flash path,
     ``pattern: (b, h, q, k)`` on the eager path (the other fields None); ``bias``: the position bias the model
     added (T5), ``sinks: (h,)`` the sink logits (GPT-OSS); ``query_valid: (b, q)`` and ``key_valid: (b, k)``: real
-    (unpadded) positions."""
+    (unpadded) positions. ``value_norms: (b, h, k)``: each key's ``||v_j W_O^h||`` (``each_site(value_norms=grams)``),
+    else None."""
 
     index: int
     site: Site
@@ -45,6 +54,8 @@ class SiteRead:
     pattern: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    value_norms: torch.Tensor | None = None
+    _norm_totals: torch.Tensor | None = None
 
     @property
     def n_heads(self) -> int:
@@ -64,17 +75,42 @@ class SiteRead:
         before, after = self.site.window or (None, None)
         return before, 0 if self.site.causal and after is None else after
 
-    def weights(self, b: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
+    def weights(self, b: torch.Tensor, qi: torch.Tensor, kj: torch.Tensor, weighting: str = "raw") -> torch.Tensor:
         """The weight of every ``(batch, query, key)`` pair in every head, float32 ``(n_pairs, h)``: read from the
         pattern, or rebuilt as ``exp(cap(scale q.k) + bias - lse)`` one block of pairs at a time. A pair outside the
-        site's window, causal triangle or real keys weighs 0."""
+        site's window, causal triangle or real keys weighs 0. ``weighting="norm"``: the norm-weighted attention
+        ``w_ij ||v_j W_O|| / sum_k w_ik ||v_k W_O||`` instead (0 in a row whose keys all move nothing)."""
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting is one of {WEIGHTINGS}; got {weighting!r}.")
         device = self.pattern.device if self.pattern is not None else self.q.device
         b, qi, kj = b.to(device), qi.to(device), kj.to(device)
         if self.pattern is not None:
-            return self.pattern[b, :, qi, kj].float()
-        w = pair_weights(self.q, self.k, self.lse, self.site.scale, b, qi, kj, softcap=self.site.softcap,
-                         bias=self.bias)
-        return w * (self._inside(qi, kj) & self.key_valid.to(device)[b, kj])[:, None]
+            w = self.pattern[b, :, qi, kj].float()
+        else:
+            w = pair_weights(self.q, self.k, self.lse, self.site.scale, b, qi, kj, softcap=self.site.softcap,
+                             bias=self.bias)
+            w = w * (self._inside(qi, kj) & self.key_valid.to(device)[b, kj])[:, None]
+        if weighting == "raw":
+            return w
+        totals = self.norm_totals()  # (b, h, q)
+        norms = self.value_norms.to(device)[b, :, kj]  # (n, h)
+        denominator = totals[b, :, qi]
+        return torch.where(denominator > 0, w * norms / denominator.clamp(min=1e-30), 0.0)
+
+    def norm_totals(self) -> torch.Tensor:
+        """(b, h, q): each row's ``sum_k w_ik ||v_k W_O||``, the denominator of norm-weighted attention: from the
+        pattern, or one more statistic of the tiled pass over q, k and the logsumexp (O(n) memory)."""
+        if self.value_norms is None:
+            raise ValueError("norm-weighted attention needs each key's ||v W_O||: run each_site(..., "
+                             "value_norms=interp.lens.circuits.output_grams(model, sites)).")
+        if self._norm_totals is None:
+            if self.pattern is not None:
+                pattern = self.pattern.float() * self.key_valid.to(self.pattern.device)[:, None, None, :]
+                self._norm_totals = torch.einsum("bhqk,bhk->bhq", pattern, self.value_norms.float())
+            else:
+                stats = self.stats(fields=(), key_values={"norm": self.value_norms})
+                self._norm_totals = stats.key_values["norm"]
+        return self._norm_totals
 
     def top_keys(self, last: int | None = None) -> torch.Tensor:
         """Each row's top-1 key ``(b, h, q)`` among the keys it may see (-1 where it sees none); ``last``: only the
@@ -132,15 +168,26 @@ class _Done(Exception):
     """Raised after the last site asked for: nothing after it is needed."""
 
 
+def key_output_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """Each key's output norm per head, ``||v_j W_O^h||`` (b, h, k), from values ``v: (b, k, g, e)`` and the heads'
+    ``gram = W_O W_O^T: (h, e, e)`` (float64): O(n) memory, never the (b, k, h, d_model) vectors themselves."""
+    n_heads, n_kv = gram.shape[0], v.shape[2]
+    v = v.double().repeat_interleave(n_heads // n_kv, dim=2)  # (b, k, h, e)
+    squared = torch.einsum("bkhe,hef,bkhf->bhk", v, gram.to(v.device), v)
+    return squared.clamp(min=0).sqrt().float()
+
+
 def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iterable[int] | None = None,
-              stop: bool = True, **kwargs):
+              stop: bool = True, value_norms: Mapping[int, torch.Tensor] | None = None, **kwargs):
     """Run ``model`` once on ``batch`` and call ``visit(read)`` for each site (indices into ``model.cfg.sites``;
     None: all) as it runs, in call order; the forward stops after the last one, or with ``stop=False`` runs to the
     end and its output is returned (a decode step: ``kwargs`` such as ``use_cache`` and the cache go to the model).
 
     batch: ``{"input_ids", "attention_mask"}`` and, on an encoder-decoder model, ``"decoder_input_ids"`` and
     ``"decoder_attention_mask"`` (masks may be None: no padding). With a KV cache the keys are longer than the
-    batch: the cached keys count as real."""
+    batch: the cached keys count as real. value_norms: per site index, its heads' ``W_O W_O^T: (h, e, e)``
+    (``interp.lens.circuits.output_grams``): each read then also carries ``||v_j W_O^h||`` per key and head
+    (``read.value_norms``), for norm-weighted attention (``read.weights(..., weighting="norm")``)."""
     all_sites = model.cfg.sites
     wanted = sorted(set(range(len(all_sites)) if sites is None else sites))
     if not wanted:
@@ -155,6 +202,10 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
     eager = model.attn == "eager"
     sinks = model.attention_meta().sinks if any(all_sites[i].sinks for i in wanted) else {}
     held: dict[str, torch.Tensor] = {}
+    grams = dict(value_norms or {})
+    if value_norms is not None and not set(wanted) <= set(grams):
+        raise ValueError(f"value_norms needs W_O W_O^T of every site read ({sorted(set(wanted) - set(grams))} missing); "
+                         "build it with interp.lens.circuits.output_grams(model, sites).")
     by_prefix = {all_sites[i].name: i for i in wanted}
 
     def hold(tensor, hook):  # q and k of a site, released by its lse hook
@@ -174,14 +225,20 @@ def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iter
             read.pattern = tensor
         else:
             read.q, read.k, read.lse = held.pop(hook_name("q", prefix)), held.pop(hook_name("k", prefix)), tensor
+        if value_norms is not None:
+            v = held.pop(hook_name("v", prefix))
+            if v.shape[1] != n_keys:
+                raise ValueError(f"norm-weighted attention needs the values of every key; {site.name} saw "
+                                 f"{v.shape[1]} values for {n_keys} keys (a KV cache): run it without a cache.")
+            read.value_norms = key_output_norms(v, grams[index])
         visit(read)
         if index == last and stop:
             raise _Done
 
     prefixes = [all_sites[i].name for i in wanted]
-    hooks = [([hook_name("pattern", p) for p in prefixes], fire)] if eager else \
-        [([hook_name(kind, p) for p in prefixes for kind in ("q", "k")], hold),
-         ([hook_name("lse", p) for p in prefixes], fire)]
+    held_kinds = (() if eager else ("q", "k")) + (("v",) if value_norms is not None else ())
+    hooks = [([hook_name(kind, p) for p in prefixes for kind in held_kinds], hold)] if held_kinds else []
+    hooks.append(([hook_name("pattern" if eager else "lse", p) for p in prefixes], fire))
     extra = {k: batch.get(k) for k in ("decoder_input_ids", "decoder_attention_mask") if batch.get(k) is not None}
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     try:

@@ -8,7 +8,9 @@ in a first pass over the same tiles (online logsumexp, the sink logit added at t
 
 Per query row and head it returns: the top-1 key (index and weight), the weight on the first ``n_sink`` real
 keys, the weight per distance bucket (``|q - k|`` = 0, 1, 2-3, 4-7, ..., the last bucket holding everything
-farther), the weight on given key sets (a needle span: ``(b, k)`` booleans), the weight of given
+farther), the weight on given key sets (a needle span: ``(b, k)`` booleans), the weight-averaged value of given
+per-key quantities (``key_values``: ``(b, h, k)``, such as each key's norm ``||v_j W_O||`` per head, whose row sum is
+the denominator of norm-weighted attention), the weight of given
 ``(batch, query, key)`` pairs (per-row target sets such as earlier occurrences), the entropy and the row's total
 weight (1, or less with sinks; 0 for a fully masked row).
 
@@ -38,7 +40,8 @@ class HeadStats:
     top_index: key position of the row's largest weight (-1 for a fully masked row). top_weight: that weight.
     sink: weight on the first ``n_sink`` real keys. offsets: ``(b, h, q, n_buckets)`` weight per distance bucket.
     entropy: ``-sum w log w`` in nats. total: the row's weight on keys (1 without sinks; 0 when fully masked).
-    key_sets: name -> weight on that set of keys. pairs: name -> ``(n_pairs, h)`` weight of each pair.
+    key_sets: name -> weight on that set of keys. key_values: name -> ``sum_k w_qk x_hk`` of that per-key quantity.
+    pairs: name -> ``(n_pairs, h)`` weight of each pair.
     A field not asked for (``attention_stats(fields=...)``) is None.
     """
 
@@ -50,6 +53,7 @@ class HeadStats:
     total: torch.Tensor | None
     key_sets: dict[str, torch.Tensor] = field(default_factory=dict)
     pairs: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -100,7 +104,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                     n_buckets: int = 16, key_sets: dict[str, torch.Tensor] | None = None,
                     pairs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
                     fields: tuple[str, ...] = FIELDS, budget: int | None = None,
-                    query_offset: int | None = None) -> HeadStats:
+                    query_offset: int | None = None,
+                    key_values: dict[str, torch.Tensor] | None = None) -> HeadStats:
     """Statistics of ``softmax(cap(scale * q k^T) + bias + mask)`` (a sink column joining the softmax) per row.
 
     query: (b, h, q, d); key: (b, g, k, d). lse: (b, h, q) the rows' logsumexp as the flash path's ``hook_lse``
@@ -113,7 +118,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     are None); ``("top_index",)`` alone needs no logsumexp, so it is one pass over the scores. budget: elements of one
     block (default ``_BUDGET``, 2^22; for ``("top_index",)`` alone at most 2^20, with power-of-two query tiles).
     query_offset: the key position of query row 0 (default ``k - q``: the queries are the last of the keys); 0 for
-    a cross-attention site, whose queries and keys are different sequences.
+    a cross-attention site, whose queries and keys are different sequences. key_values: name -> (b, h, k) a
+    quantity per key and head; the result's ``key_values[name]`` is each row's ``sum_k w_qk x_hk`` (b, h, q).
     """
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
@@ -133,7 +139,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     first = valid.int().argmax(dim=1)  # (b,) first real key
     sets = {name: s.to(device).bool() for name, s in (key_sets or {}).items()}
     r = h // g
-    weighted = bool(want - {"top_index"} or key_sets or pairs)  # anything that needs the weights, hence the lse
+    # anything that needs the weights, hence the lse
+    weighted = bool(want - {"top_index"} or key_sets or pairs or key_values)
     side = int(math.isqrt(budget // (b * h)))
     if not weighted:  # the top-1 adds nothing up across key tiles, so their size cannot change it: smaller blocks,
         budget = min(budget, _TOP_BUDGET)  # which stay in cache, with power-of-two query tiles, run faster
@@ -215,6 +222,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
     offsets = zeros(n_buckets) if "offsets" in want else None
     set_out = {name: zeros() for name in sets}
     set_keys = {name: key_set.float() for name, key_set in sets.items()}  # (b, k)
+    value_in = {name: x.to(device).float() for name, x in (key_values or {}).items()}  # (b, h, k)
+    value_out = {name: zeros() for name in value_in}
     pair_idx = {name: tuple(t.to(device).long() for t in p) for name, p in (pairs or {}).items()}
     pair_out = {name: torch.zeros(len(p[0]), h, device=device) for name, p in pair_idx.items()}
     sink_logits = None if sinks is None else sinks.float().to(device).reshape(1, h, 1)
@@ -256,6 +265,8 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
                 sink[:, :, s:e] += row_sum(w, in_sink[:, ks:ke])
             for name, key_set in set_keys.items():
                 set_out[name][:, :, s:e] += row_sum(w, key_set[:, ks:ke])
+            for name, x in value_in.items():
+                value_out[name][:, :, s:e] += torch.einsum("bhtk,bhk->bht", w, x[:, :, ks:ke])
             for name, (pb, pq, pk) in pair_idx.items():
                 hit = (pq >= s) & (pq < e) & (pk >= ks) & (pk < ke)
                 if hit.any():
@@ -269,7 +280,7 @@ def attention_stats(query: torch.Tensor, key: torch.Tensor, scale: float, lse: t
         return value if name in want else None
 
     return HeadStats(top_index, kept("top_weight", top_weight), kept("sink", sink), offsets,
-                     kept("entropy", entropy), kept("total", total), set_out, pair_out)
+                     kept("entropy", entropy), kept("total", total), set_out, pair_out, value_out)
 
 
 def _improve(scores: torch.Tensor, value: torch.Tensor, best: torch.Tensor, best_at: torch.Tensor,

@@ -246,3 +246,14 @@ def head_biases(model, layer) -> dict[str, torch.Tensor]:
     biases = {"b_Q": b_q.reshape(h, site.d_head), "b_K": b_k.reshape(g, site.d_head),
               "b_V": b_v.reshape(g, site.d_head_v), "b_O": b_o}
     return {name: b.to(model.device) for name, b in biases.items()}
+
+
+def output_grams(model, indices) -> dict[int, torch.Tensor]:
+    """Per site index (into ``model.cfg.sites``), ``W_O W_O^T: (h, e, e)`` in float64 (the output projection's
+    weight, no norm folded): what ``interp.attention.site_pass.each_site(value_norms=...)`` reads norm-weighted
+    attention with."""
+    grams = {}
+    for i in indices:
+        w_o = head_weights(model, model.cfg.sites[i].name, fold_norms=False)["W_O"]  # (h, e, m)
+        grams[i] = torch.einsum("hem,hfm->hef", w_o, w_o)
+    return grams

@@ -1,0 +1,102 @@
+"""Sinks and dormant heads on a planted model (weights set by hand), massive activations and the causal checks.
+
+The planted model is a one-layer Llama whose first token (id 1) lives alone in residual dimension 0. Both heads
+put most of their weight on it (a query direction that only the first token's key answers, in the one RoPE pair that
+hardly rotates); head 0 reads no value from dimension 0, so the first token's value there is exactly zero (a
+dormant head), head 1 reads it (a sink that moves something)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import interp
+from analyses import detect_heads, sink_heads, sink_value_ablation
+
+FIRST = 1  # the planted first token
+
+
+def planted(sink_query: float = 3.0, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=1e12,
+                      rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=FIRST, eos_token_id=0)
+    hf = LlamaForCausalLM(cfg).eval()
+    attn, g = hf.model.layers[0].self_attn, torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    with torch.no_grad():
+        emb = torch.zeros(20, 16)
+        emb[2:, 1:15] = rand(18, 14)
+        emb[2:, 15] = 1.0  # every ordinary token carries a constant direction: the sink query reads it
+        emb[FIRST, 0] = 4.0  # the first token: dimension 0 alone
+        hf.model.embed_tokens.weight.copy_(emb)
+        hf.lm_head.weight.copy_(rand(20, 16))
+        for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+            w.zero_()
+            w[:, 1:15] = 0.5 * rand(w.shape[0], 14)
+        for head in (0, 1):
+            d = head * 8 + 3  # RoPE pair (3, 7): inverse frequency 1e12^-0.75, no rotation to speak of
+            for w in (attn.q_proj.weight, attn.k_proj.weight):
+                w[[d, d + 4]] = 0.0
+            attn.q_proj.weight[d, 15] = sink_query
+            attn.k_proj.weight[d, 0] = 3.0
+        attn.v_proj.weight[8:16, 0] = rand(8)  # head 1 reads the first token's value; head 0 does not
+        attn.o_proj.weight.copy_(rand(16, 16))
+        for w in (hf.model.layers[0].mlp.down_proj.weight,):
+            w.zero_()
+    return hf
+
+
+def prompts(n: int = 6, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randint(2, 20, (6 + 3 * i,), generator=g)
+        out.append([FIRST, *x.tolist(), *x.tolist()])  # repeats: duplicate-token and induction rows exist
+    return out
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_a_head_whose_sink_value_is_zero_is_dormant(attn):
+    model = interp.load_model(planted(), attn=attn)
+    df = sink_heads(model, prompts=prompts(), batch_size=4, n_bootstrap=50).set_index("head")
+    assert df.loc[0, "sink_weight"] > 0.5 and df.loc[1, "sink_weight"] > 0.5  # both are sinks
+    assert df.loc[0, "sink_output"] == 0.0 and df.loc[0, "sink_value_ratio"] == 0.0  # the sink moves nothing
+    assert df.loc[1, "sink_output"] > 0.3 and df.loc[1, "sink_value_ratio"] > 0.5
+    assert df.loc[0, "dormant"] == pytest.approx(df.loc[0, "sink_weight"], abs=1e-6)
+    assert bool(df.loc[0, "is_dormant"]) and not bool(df.loc[1, "is_dormant"])
+    assert df.loc[0, "dormant_lo"] <= df.loc[0, "dormant"] <= df.loc[0, "dormant_hi"]
+    heads = detect_heads(model, scores=["dormant", "sink"], n_bootstrap=50).set_index("head")
+    assert "dormant" in heads.loc[0, "labels"] and "dormant" not in heads.loc[1, "labels"]
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_a_dormant_heads_norm_weighted_scores_come_from_its_other_keys_only(attn):
+    """A weaker sink query changes only the sink's logit: the raw scores of head 0 move, its norm-weighted scores
+    (the sink moves nothing, so it takes no share) stay."""
+    kwargs = dict(prompts=prompts(), batch_size=4, n_bootstrap=20,
+                  scores=["previous_token", "self", "duplicate_token", "induction", "sink"])
+    strong, weak = (interp.load_model(planted(sink_query=q), attn=attn) for q in (3.0, 1.5))
+    columns = ["previous_token", "self", "duplicate_token", "induction"]
+    norm = [detect_heads(m, weighting="norm", **kwargs).set_index("head") for m in (strong, weak)]
+    raw = [detect_heads(m, **kwargs).set_index("head") for m in (strong, weak)]
+    assert norm[0].loc[0, "sink"] == 0.0 and norm[1].loc[0, "sink"] == 0.0
+    moved = torch.tensor((raw[0].loc[0, columns] - raw[1].loc[0, columns]).abs().to_numpy(dtype=float))
+    kept = torch.tensor((norm[0].loc[0, columns] - norm[1].loc[0, columns]).abs().to_numpy(dtype=float))
+    assert moved.max() > 1e-2 and kept.max() < 1e-5
+    # head 1's sink moves something: its norm-weighted scores change with the sink's logit
+    live = (norm[0].loc[1, columns] - norm[1].loc[1, columns]).abs().max()
+    assert live > 1e-2
+
+
+def test_zeroing_a_dormant_heads_sink_value_changes_nothing_and_a_live_sinks_does():
+    model = interp.load_model(planted(), attn="flash")
+    df = sink_value_ablation(model, prompts=prompts(), n_random=2, batch_size=4, n_bootstrap=50).set_index("condition")
+    assert abs(df.loc["dormant", "delta_loss"]) < 1e-6  # its sink's value is zero: removing it removes nothing
+    assert abs(df.loc["random", "delta_loss"]) > 1e-3 and df.loc["random", "what"] == "2 draws"
+    assert model.attn == "flash"  # the path is restored
+
