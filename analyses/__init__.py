@@ -48,6 +48,9 @@ _LAZY = {
                     "expectations"),
     # A versioned head atlas of a model (issue 38)
     **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas"),
+    # Circuits of heads (issue 48): the graph of nodes and edges, exact edge patching
+    **dict.fromkeys(["edge_frame", "graph_edges"], "circuits.graph"),
+    **dict.fromkeys(["edge_patching"], "circuits.patching"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -1,0 +1,11 @@
+"""Circuits of heads (issue 48): a model as a graph of nodes and edges, exact edge patching, edge attribution.
+
+- ``graph``: the nodes (the input, each head's output as ``(site, head)``, each MLP's output) and the edges into
+  each downstream input (a head's q, k or v input, under GQA k and v belonging to the key/value head; an MLP's
+  input; the logits), as a DataFrame with one row per edge.
+- ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
+  downstream input recomputed through the receiver's own norm.
+
+May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
+here imports the views or the CLI. Not ``interp.circuits`` (low-rank OV/QK circuits of weights, another meaning).
+"""

@@ -1,0 +1,147 @@
+"""Edge circuits (issue 48): exact edge patching equals a direct recomputation of the one receiver input it changes
+(both ways, every kind of input), equals path patching on attention-only models, and every edge / no edge gives the
+other run / the run itself; models the graph does not cover are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import interp
+from analyses import edge_patching, graph_edges, logit_difference, path_patching
+from test_seq2seq import _tiny as tiny_seq2seq
+from tests.tiny import tiny_model
+
+TOL = 1e-5
+
+
+def _pair(seed=0, shape=(2, 10)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 99, shape, generator=g), torch.randint(4, 99, shape, generator=g)
+
+
+def _outputs(model, ids):
+    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{l}.attn.hook_result" for l in range(model.cfg.n_layers)]
+    names += [f"blocks.{l}.hook_mlp_out" for l in range(model.cfg.n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(ids, names=names)
+    return cache
+
+
+def _node(cache, name):
+    if name == "input":
+        return cache["blocks.0.hook_resid_pre"]
+    if name.startswith("mlp."):
+        return cache[f"blocks.{name[4:]}.hook_mlp_out"]
+    site, head = name.split(":")
+    return cache[f"{site}.hook_result"][:, :, int(head)]
+
+
+def _by_hand(model, base, other, up, down):
+    """The base run in which only ``down`` reads base's stream plus (other's - base's) output of ``up``: the stream
+    edited at the receiver's block input (or the MLP's, or the output's), the receiver's own q/k/v or MLP output taken
+    from that run and put into an otherwise untouched base run."""
+    delta = _node(_outputs(model, other), up) - _node(_outputs(model, base), up)
+    add = lambda act, hook: act + delta  # noqa: E731
+    with torch.no_grad():
+        if down == "logits":
+            last = model.cfg.n_layers - 1
+            return model.run_with_hooks(base, fwd_hooks=[(f"blocks.{last}.hook_resid_post", add)]).logits
+        if down.startswith("mlp."):
+            layer = int(down[4:])
+            _, c = model.run_with_cache(base, names=[f"blocks.{layer}.hook_mlp_out"],
+                                        fwd_hooks=[(f"blocks.{layer}.hook_attn_out", add)])
+            put = c[f"blocks.{layer}.hook_mlp_out"]
+            return model.run_with_hooks(base, fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda a, h: put)]).logits
+        site, rest = down.split(":")
+        head, which = int(rest.split(".")[0]), rest.split(".")[1]
+        layer = int(site.split(".")[1])
+        name = f"{site}.hook_{which}"
+        _, c = model.run_with_cache(base, names=[name], fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", add)])
+
+        def put(act, hook):
+            act = act.clone()
+            act[:, :, head] = c[name][:, :, head]
+            return act
+
+        return model.run_with_hooks(base, fwd_hooks=[(name, put)]).logits
+
+
+EDGES = [("input", "blocks.1.attn:3.q"), ("blocks.0.attn:1", "blocks.1.attn:1.k"), ("mlp.0", "blocks.1.attn:0.v"),
+         ("blocks.1.attn:2", "mlp.1"), ("blocks.0.attn:0", "mlp.0"), ("mlp.1", "logits"), ("blocks.0.attn:3", "logits")]
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_one_edge_equals_a_direct_recomputation(family, attn):
+    model = interp.load_model(tiny_model(family), attn=attn)
+    clean, corrupted = _pair()
+    for run, (base, other) in (("clean", (clean, corrupted)), ("corrupted", (corrupted, clean))):
+        for up, down in EDGES:
+            got = edge_patching(model, clean, corrupted, [(up, down)], run=run).logits
+            want = _by_hand(model, base, other, up, down)
+            with torch.no_grad():
+                plain = model(base).logits
+            assert (got - plain).abs().max() > 1e-4, (up, down)  # the edge matters
+            assert (got - want).abs().max() <= TOL, (run, up, down, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_every_edge_gives_the_other_run_and_none_the_run(family, attn):
+    model = interp.load_model(tiny_model(family), attn=attn)
+    clean, corrupted = _pair(1)
+    every = [(u.name, r.name) for u, r in graph_edges(model)]
+    with torch.no_grad():
+        logits = {"clean": model(clean).logits, "corrupted": model(corrupted).logits}
+    for run, other in (("clean", "corrupted"), ("corrupted", "clean")):
+        assert (edge_patching(model, clean, corrupted, every, run=run).logits - logits[other]).abs().max() <= TOL
+        assert torch.equal(edge_patching(model, clean, corrupted, [], run=run).logits, logits[run])
+
+
+def _attention_only(model):
+    """The MLPs' output weights zeroed: no MLP carries a sender's effect another way."""
+    for l in range(model.cfg.n_layers):
+        mlp = model._blocks[l].get_submodule(model.structure.mlp[l])
+        last = [m for m in mlp.modules() if hasattr(m, "weight") and m.weight.ndim == 2][-1]
+        with torch.no_grad():
+            last.weight.zero_()
+            if getattr(last, "bias", None) is not None:
+                last.bias.zero_()
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_one_edge_clean_equals_path_patching_on_an_attention_only_model(family):
+    model = _attention_only(interp.load_model(tiny_model(family, num_hidden_layers=3, n_layer=3)))
+    clean, corrupted = _pair(2)
+    metric = logit_difference(5, 7)
+    site = model.cfg.sites[2]
+    group = site.n_heads // site.n_kv_heads
+    for via in ("q", "k", "v"):
+        for sender, receiver in ((0, 1), (1, 3)):
+            df = path_patching(model, clean, corrupted, [(2, receiver)], metric, senders=[(0, sender), (1, sender)],
+                               via=via, heads_per_forward=1)
+            r = receiver if via == "q" else receiver // group
+            for layer in (0, 1):
+                got = edge_patching(model, clean, corrupted, [(f"blocks.{layer}.attn:{sender}",
+                                                               f"blocks.2.attn:{r}.{via}")], metric, run="corrupted")
+                want = df.set_index(["layer", "head"]).loc[(layer, sender), "metric"]
+                assert abs(got - want) <= TOL, (via, layer, sender, got, want)
+                assert abs(got - df.attrs["corrupted"]) > 1e-4  # the path carries something
+
+
+def test_bad_edges_and_unsupported_models_get_one_line():
+    model = interp.load_model(tiny_model("llama"))
+    clean, corrupted = _pair()
+    with pytest.raises(ValueError, match="no edge blocks.1.attn:0 -> blocks.0.attn:0.q"):
+        edge_patching(model, clean, corrupted, [("blocks.1.attn:0", "blocks.0.attn:0.q")])
+    with pytest.raises(ValueError, match="No downstream input 'blocks.1.attn:3.k'"):  # 2 key/value heads
+        edge_patching(model, clean, corrupted, [("input", "blocks.1.attn:3.k")])
+    with pytest.raises(ValueError, match="No upstream node 'mlp.7'"):
+        edge_patching(model, clean, corrupted, [("mlp.7", "logits")])
+    for family, why in (("bert", "post-norm"), ("gemma3_text", "normalises them first")):
+        with pytest.raises(ValueError, match=why):
+            graph_edges(interp.load_model(tiny_model(family)))
+    with pytest.raises(ValueError, match="encoder-decoder models .* are not supported yet"):
+        graph_edges(interp.load_model(tiny_seq2seq("t5")))
