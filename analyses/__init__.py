@@ -51,6 +51,7 @@ _LAZY = {
     # Circuits of heads (issue 48): the graph of nodes and edges, exact edge patching
     **dict.fromkeys(["edge_frame", "graph_edges"], "circuits.graph"),
     **dict.fromkeys(["edge_patching"], "circuits.patching"),
+    "edge_attribution": "circuits.attribution",
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import interp
-from analyses import edge_patching, graph_edges, logit_difference, path_patching
+from analyses import edge_attribution, edge_patching, graph_edges, logit_difference, path_patching
 from test_seq2seq import _tiny as tiny_seq2seq
 from tests.tiny import tiny_model
 
@@ -145,3 +145,53 @@ def test_bad_edges_and_unsupported_models_get_one_line():
             graph_edges(interp.load_model(tiny_model(family)))
     with pytest.raises(ValueError, match="encoder-decoder models .* are not supported yet"):
         graph_edges(interp.load_model(tiny_seq2seq("t5")))
+
+
+def _linear_one_layer():
+    """A one-layer attention-only Llama whose norms are linear: RMSNorm with an epsilon so large that the input's own
+    mean square vanishes beside it in float32 (the weight scaled back up)."""
+    model = _attention_only(interp.load_model(tiny_model("llama", num_hidden_layers=1), attn="eager"))
+    for norm in (model.in_norm_of(model.cfg.sites[0]), model.block_norm(0, mlp_input=True), model.final_norm()):
+        norm.variance_epsilon = 1e12
+        with torch.no_grad():
+            norm.weight.mul_(1e6)
+    return model
+
+
+def test_eap_equals_exact_edge_patching_on_a_linear_one_layer_model_with_frozen_patterns():
+    model = _linear_one_layer()
+    clean, corrupted = _pair(4)
+    metric = logit_difference(5, 7)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(corrupted, names=["blocks.0.attn.hook_pattern"])
+    frozen = cache["blocks.0.attn.hook_pattern"]
+    with model.hooks([("blocks.0.attn.hook_pattern", lambda act, hook: frozen)]):
+        df = edge_attribution(model, clean, corrupted, metric, method="eap")
+        ig = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
+        base = edge_patching(model, clean, corrupted, [], metric, run="corrupted")
+        exact = [edge_patching(model, clean, corrupted, [(u, d)], metric, run="corrupted") - base
+                 for u, d in zip(df["upstream"], df["downstream"])]
+    exact = torch.tensor(exact, dtype=torch.float64)
+    assert exact.abs().max() > 0.1  # the edges carry something
+    assert (torch.tensor(df["score"].to_numpy()) - exact).abs().max() <= TOL
+    assert (torch.tensor(ig["score"].to_numpy()) - exact).abs().max() <= TOL  # a linear model: IG = EAP
+    # q and k edges do nothing with the patterns frozen; v and logit edges do
+    assert df.loc[df["input"].isin(["q", "k"]), "score"].abs().max() == 0.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eap_on_the_flash_path_equals_the_eager_path_and_ig_with_one_step_is_eap(family):
+    clean, corrupted = _pair(5)
+    metric = logit_difference(5, 7)
+    got = {attn: edge_attribution(interp.load_model(tiny_model(family), attn=attn), clean, corrupted, metric,
+                                  method="eap") for attn in ("eager", "flash")}
+    assert got["eager"]["score"].abs().max() > 0.1
+    assert (got["eager"]["score"] - got["flash"]["score"]).abs().max() <= 1e-4
+    model = interp.load_model(tiny_model(family), attn="flash")
+    one = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=1)
+    assert (one["score"] - got["flash"]["score"]).abs().max() <= TOL
+    five = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=5)
+    assert (five["score"] - one["score"]).abs().max() > 1e-3  # a non-linear model: the path matters
+    assert list(five.columns[:10]) == ["upstream", "up_kind", "up_layer", "up_site", "up_head", "downstream", "input",
+                                       "down_layer", "down_site", "down_head"]
+    assert set(five["input"]) == {"q", "k", "v", "mlp", "logits"}

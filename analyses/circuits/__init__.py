@@ -5,6 +5,7 @@
   input; the logits), as a DataFrame with one row per edge.
 - ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
   downstream input recomputed through the receiver's own norm.
+- ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
 
 May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
 here imports the views or the CLI. Not ``interp.circuits`` (low-rank OV/QK circuits of weights, another meaning).

@@ -52,12 +52,25 @@ def _columns(model, site, which: str, head: int) -> tuple[str, slice]:
     return getattr(proj, which), slice(start + head * d, start + (head + 1) * d)
 
 
-class _Patcher:
-    """The hooks of one patched run: node outputs captured as they are computed, receivers' inputs rebuilt."""
+def _head_columns(module, y: torch.Tensor, cols: slice) -> torch.Tensor:
+    """``module(y)[..., cols]`` computed for those columns only (a linear layer, or GPT-2's transposed Conv1D)."""
+    if isinstance(module, torch.nn.Linear):
+        bias = None if module.bias is None else module.bias[cols]
+        return torch.nn.functional.linear(y, module.weight[cols], bias)
+    if type(module).__name__ == "Conv1D":
+        return y @ module.weight[:, cols] + module.bias[cols]
+    return module.forward(y)[..., cols]
 
-    def __init__(self, model, source: dict, edges: list[tuple[Node, Receiver]], copies: int = 1):
-        self.model, self.source, self.run, self.x = model, source, {}, {}
-        self.into: dict[Receiver, list[Node]] = {}
+
+class _Patcher:
+    """The hooks of one run: node outputs captured as they are computed, receivers' inputs rebuilt. A receiver's
+    input is the run's stream plus, for each patched edge into it, ``source_u - run_u``, plus (``opened``) a zero
+    tensor that needs a gradient: its gradient is the metric's derivative with respect to that input alone."""
+
+    def __init__(self, model, source: dict | None, edges: list[tuple[Node, Receiver]], opened=()):
+        self.model, self.source, self.run, self.x, self.zeros = model, source, {}, {}, {}
+        self.into: dict[Receiver, list[Node]] = {r: [] for r in opened}
+        self.opened = set(opened)
         for u, r in edges:
             self.into.setdefault(r, []).append(u)
 
@@ -65,6 +78,9 @@ class _Patcher:
         total = torch.zeros_like(like)
         for u in self.into[receiver]:
             total = total + (node_output(self.source, u).to(like.dtype) - node_output(self.run, u))
+        if receiver in self.opened:
+            self.zeros[receiver] = torch.zeros_like(like, requires_grad=True)
+            total = total + self.zeros[receiver]
         return total
 
     def _keep(self, act, point):
@@ -83,9 +99,9 @@ class _Patcher:
     def _project(self, site, norm, entries):
         def post(module, args, out):
             out = out.clone()
+            x = self.x[site.name]
             for receiver, cols in entries:
-                y = module.forward(norm.forward(self.x[site.name] + self.delta(receiver, self.x[site.name])))
-                out[..., cols] = y[..., cols]
+                out[..., cols] = _head_columns(module, norm.forward(x + self.delta(receiver, x)), cols)
             return out
         return post
 
