@@ -6,6 +6,8 @@
 - ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
   downstream input recomputed through the receiver's own norm.
 - ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
+- ``evaluation``: circuits chosen from the scores (top-n, threshold, pruned to what reaches the metric), their
+  faithfulness curve by exact patching with bootstrap intervals, MIB's CPR and CMD, random circuits of each size.
 
 May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
 here imports the views or the CLI. Not ``interp.circuits`` (low-rank OV/QK circuits of weights, another meaning).
