@@ -53,6 +53,7 @@ _LAZY = {
     **dict.fromkeys(["edge_patching"], "circuits.patching"),
     "edge_attribution": "circuits.attribution",
     **dict.fromkeys(["circuit_areas", "faithfulness", "select_circuit"], "circuits.evaluation"),
+    **dict.fromkeys(["greater_than_task"], "circuits.tasks"),
     # Views (issues 5 and 14): every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import interp
-from analyses import (circuit_areas, edge_attribution, edge_patching, faithfulness, graph_edges, induction_task,
+from analyses import (circuit_areas, edge_attribution, edge_patching, faithfulness, graph_edges, greater_than_task,
+                      induction_task,
                       logit_difference, path_patching, select_circuit)
 from test_seq2seq import _tiny as tiny_seq2seq
 from tests.tiny import tiny_model
@@ -244,3 +245,75 @@ def test_select_circuit_drops_edges_with_no_path_to_the_metric_and_areas_are_mib
     assert cpr == pytest.approx(0.5) and cmd == pytest.approx(0.5)
     cpr, cmd = circuit_areas([0.1, 0.5], [1.0, 1.0])
     assert cpr == pytest.approx(0.95) and cmd == pytest.approx(0.05)
+
+
+def _word_model(digits: str):
+    """A tiny random Llama with a word-level tokenizer that splits numbers into ``digits`` ("\\d\\d": two-digit
+    tokens, as GPT-2 writes years; "\\d": one digit each, as SmolLM2 does)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "The", "the", "lasted", "from", "year", "to", "war", "deal", "trip", "strike", "project",
+             "famine", "drought", "dynasty", "siege", "voyage", *[f"{i:02d}" for i in range(100)],
+             *[str(i) for i in range(10)]]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Split(Regex(digits), "isolated")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    return interp.load_model(LlamaForCausalLM(cfg).eval(), tokenizer=fast)
+
+
+def test_greater_than_task_is_built_from_the_tokenizer_and_refused_where_it_splits_digits():
+    model = _word_model(r"\d\d")
+    clean, corrupted, metric = greater_than_task(model, n=6, seed=1)
+    ids = clean["input_ids"]
+    tok = model.tokenizer
+    assert [tok.decode([i]) for i in ids[0, -6:-4]] == ["17", f"{int(metric.years[0]):02d}"]
+    assert all(tok.decode([i]) == "01" for i in corrupted["input_ids"][:, -5])
+    with torch.no_grad():
+        probs = model(clean["input_ids"]).logits[:, -1].softmax(-1)[:, metric.year_ids]
+    later = torch.arange(100)[None] > metric.years[:, None]
+    want = (probs * later).sum(-1) - (probs * ~later).sum(-1)
+    assert torch.allclose(metric.per_example(model(clean["input_ids"]), clean), want, atol=1e-6)
+    df = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2)
+    assert df["score"].abs().max() > 0
+    with pytest.raises(ValueError, match=r"one token .*writes 'the year 1700' as \['7', '0', '0'\]"):
+        greater_than_task(_word_model(r"\d"))
+
+
+@pytest.mark.parametrize("study", ["attribution", "patching", "faithfulness"])
+def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study):
+    from test_ablation import _weights, assert_clean
+
+    model = interp.load_model(tiny_model("llama"))
+    model.hf.train()
+    model.hf.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    weights, grads = _weights(model), {n: p.requires_grad for n, p in model.hf.named_parameters()}
+    clean, corrupted = _pair(7)
+    good = logit_difference(5, 7)
+    scores = edge_attribution(model, clean, corrupted, good, method="eap")
+    calls = {"n": 0}
+
+    def broken(output, inputs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("the metric broke")
+        return good(output, inputs)
+
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="the metric broke"):
+        if study == "attribution":  # the third call: in the gradient step
+            edge_attribution(model, clean, corrupted, broken, method="eap-ig", steps=2)
+        elif study == "patching":
+            calls["n"] = 2
+            edge_patching(model, clean, corrupted, [("input", "logits")], broken)
+        else:
+            faithfulness(model, clean, corrupted, broken, scores, sizes=(3,), n_random=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.hf.training
+    assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
+    assert_clean(model, weights)
