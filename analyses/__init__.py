@@ -11,7 +11,7 @@ _VIEWS = {
     "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
-    "atlas_page": "atlas", "write_atlas_pages": "atlas",
+    "atlas_page": "atlas", "write_atlas_pages": "atlas", "faithfulness_plot": "circuit_plots",
 }
 
 _LAZY = {

@@ -317,3 +317,36 @@ def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study):
     assert model.hf.training
     assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
     assert_clean(model, weights)
+
+
+def test_the_circuit_command_writes_its_folder_and_refuses_mistakes_in_one_line(tmp_path, capsys):
+    import pandas as pd
+
+    from analyses.cli import main
+
+    out = tmp_path / "circuit"
+    assert main(["circuit", "--model", "toy-induction", "--task", "induction", "--edges", "40", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "faithfulness" in printed and "CPR" in printed and "CMD" in printed
+    edges = pd.read_csv(out / "edges.csv")
+    assert {"upstream", "downstream", "input", "score", "in_circuit"} <= set(edges.columns)
+    assert 0 < edges["in_circuit"].sum() <= 40
+    curve = pd.read_csv(out / "faithfulness.csv")
+    assert curve["edges"].max() <= 40 and (out / "faithfulness.png").stat().st_size > 1000
+
+    def one_line(argv, expected):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, err
+
+    one_line(["circuit", "--model", "toy-induction", "--task", "induction", "--out", str(out)], "pass --force")
+    one_line(["circuit", "--model", "toy-induction", "--task", "ioi", "--out", str(tmp_path / "a")], "no tokenizer")
+    one_line(["circuit", "--model", "toy-induction", "--edges", "0", "--out", str(tmp_path / "b")], "at least 1")
+    one_line(["circuit", "--model", "toy-induction", "--method", "acdc", "--out", str(tmp_path / "c")], "invalid choice")
+    bert = tmp_path / "bert"
+    interp.load_model(tiny_model("bert")).save_pretrained(bert)
+    one_line(["circuit", "--model", str(bert), "--task", "induction", "--out", str(tmp_path / "d")], "pre-norm")
