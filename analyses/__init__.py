@@ -11,7 +11,7 @@ _VIEWS = {
     "ablation_heatmap": "study_plots", "pruning_curve_plot": "study_plots", "patching_heatmap": "study_plots",
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
-    "atlas_page": "atlas", "write_atlas_pages": "atlas",
+    "atlas_page": "atlas", "write_atlas_pages": "atlas", "faithfulness_plot": "circuit_plots",
 }
 
 _LAZY = {
@@ -51,6 +51,12 @@ _LAZY = {
     # explain/sinks: what a head really moves (attention sinks, dormant heads, massive activations), checked causally
     **dict.fromkeys(["sink_heads", "massive_activations", "sink_value_ablation", "massive_dims_ablation"],
                     "explain.sinks"),
+    # circuits/: a model as a graph of nodes and edges, exact edge patching, edge attribution (EAP, EAP-IG), faithfulness
+    **dict.fromkeys(["edge_frame", "graph_edges"], "circuits.graph"),
+    "edge_patching": "circuits.patching",
+    "edge_attribution": "circuits.attribution",
+    **dict.fromkeys(["circuit_areas", "faithfulness", "select_circuit"], "circuits.evaluation"),
+    "greater_than_task": "circuits.tasks",
     # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -112,7 +112,7 @@ def test_imports_go_hooks_interp_analyses_and_form_no_cycle():
 ROOMS = {
     "hooks": [],
     "interp": ["runtime", "tokens", "attention", "structure", "lens", "model", "streaming"],
-    "analyses": ["data", "heads", "causal", "explain", "long", "taxonomy", "atlas", "views", "cli"],
+    "analyses": ["data", "heads", "causal", "explain", "long", "taxonomy", "circuits", "atlas", "views", "cli"],
 }
 MAX_MODULES = 16  # per folder; cli/ (one module per verb) and views/ (one per view) may hold more
 ROOMY = ("analyses.cli", "analyses.views")

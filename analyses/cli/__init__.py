@@ -36,13 +36,13 @@ import os
 import shutil
 import sys
 
-from . import ablate, atlas, attribute, expect, heads, info, patch, plot, prune, report, stream, train_toy, view
+from . import ablate, atlas, attribute, circuit, expect, heads, info, patch, plot, prune, report, stream, train_toy, view
 from .common import BUNDLED_NAMES, _one_line, _Parser, _SCRATCH, _set_threads, _user_mistake
 
 __all__ = ["main", "build_parser", "BUNDLED_NAMES"]
 
 # the verbs, in the order `interp --help` lists them
-VERBS = (info, heads, ablate, prune, stream, plot, view, patch, attribute, train_toy, report, atlas, expect)
+VERBS = (info, heads, ablate, prune, stream, plot, view, patch, attribute, circuit, train_toy, report, atlas, expect)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,14 @@
+"""Circuits of heads (issue 48): a model as a graph of nodes and edges, exact edge patching, edge attribution.
+
+- ``graph``: the nodes (the input, each head's output as ``(site, head)``, each MLP's output) and the edges into
+  each downstream input (a head's q, k or v input, under GQA k and v belonging to the key/value head; an MLP's
+  input; the logits), as a DataFrame with one row per edge.
+- ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
+  downstream input recomputed through the receiver's own norm.
+- ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
+- ``evaluation``: circuits chosen from the scores (top-n, threshold, pruned to what reaches the metric), their
+  faithfulness curve by exact patching with bootstrap intervals, MIB's CPR and CMD, random circuits of each size.
+
+May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
+here imports the views or the CLI. Not ``interp.lens.circuits`` (low-rank OV/QK circuits of weights, another meaning).
+"""

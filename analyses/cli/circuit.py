@@ -1,0 +1,80 @@
+"""`interp circuit`: edge attribution (EAP or EAP-IG) of a task, the circuit of the top edges and its faithfulness
+curve by exact edge patching, written to a folder: edges.csv, faithfulness.csv, faithfulness.png."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import UserError, _check_out, _load, _model_options, _positive_int, _Progress
+
+TASKS = ("ioi", "induction", "greater-than")
+
+
+def add_parser(sub) -> None:
+    """`interp circuit`: its options."""
+    p = sub.add_parser("circuit", help="edge attribution (EAP, EAP-IG), a circuit of heads and its faithfulness")
+    _model_options(p)
+    p.add_argument("--task", choices=TASKS, default="ioi")
+    p.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig")
+    p.add_argument("--steps", type=_positive_int, default=5, help="EAP-IG's interpolation steps")
+    p.add_argument("--edges", type=_positive_int, default=200, help="the circuit's size: the top edges by |score|")
+    p.add_argument("--n-prompts", type=_positive_int, default=16, help="prompts of the task")
+    p.add_argument("--random", type=int, default=5, help="random circuits per size on the faithfulness curve")
+    p.add_argument("--out", required=True, help="folder for edges.csv, faithfulness.csv and faithfulness.png")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    p.set_defaults(func=cmd_circuit)
+
+
+def _task(model, name: str, n: int, seed: int):
+    from ..circuits.tasks import greater_than_task
+    from ..data.tasks import induction_task, ioi_task
+
+    if name == "ioi":
+        return ioi_task(model, n=n, seed=seed)
+    if name == "induction":
+        return induction_task(model, n=n, length=12, seed=seed)
+    return greater_than_task(model, n=n, seed=seed)
+
+
+def cmd_circuit(args) -> int:
+    from ..circuits.attribution import edge_attribution
+    from ..circuits.evaluation import faithfulness, select_circuit
+    from ..views.circuit_plots import faithfulness_plot
+    from ..views.plots import save_figure
+
+    if args.random < 0:
+        raise UserError(f"--random must be 0 or more; got {args.random}")
+    out = Path(args.out)
+    _check_out(out, args.force)
+    with _Progress(["load", "task", args.method, "faithfulness", "write"], lines="circuit") as progress:
+        progress("load")
+        model = _load(args)
+        progress("task")
+        clean, corrupted, metric = _task(model, args.task, args.n_prompts, args.seed)
+        progress(args.method)
+        df = edge_attribution(model, clean, corrupted, metric, method=args.method, steps=args.steps)
+        total = len(df)
+        sizes = sorted({max(1, min(total, s)) for s in (args.edges // 8, args.edges // 4, args.edges // 2, args.edges)})
+        progress("faithfulness")
+        curve = faithfulness(model, clean, corrupted, metric, df, sizes=sizes, n_random=args.random)
+        chosen = select_circuit(model, df, edges=args.edges)
+        progress("write")
+        out.mkdir(parents=True, exist_ok=True)
+        df["in_circuit"] = df.index.isin(chosen.index)
+        df.sort_values("abs_score", ascending=False).to_csv(out / "edges.csv", index=False)
+        curve.to_csv(out / "faithfulness.csv", index=False)
+        ax = faithfulness_plot(curve, title=f"{args.task}, {args.method}: {df.attrs['metric']}")
+        save_figure(ax.figure, out / "faithfulness.png", overwrite=True)
+    last = curve.iloc[-1]
+    a = curve.attrs
+    print(f"{args.task} ({args.n_prompts} prompts), {args.method}: {df.attrs['metric']} clean {a['clean']:.4f}, "
+          f"corrupted {a['corrupted']:.4f}; {total} edges scored")
+    print(f"circuit of {int(last['edges'])} edges (top {args.edges}, pruned to those reaching the metric): faithfulness "
+          f"{last['faithfulness']:.3f} [{last['lo']:.3f}, {last['hi']:.3f}], complement {last['complement']:.3f}, "
+          f"random circuits of that size {last['random']:.3f} (max {last['random_max']:.3f})")
+    print(f"CPR {a['cpr']:.3f} (random {a['cpr_random']:.3f}), CMD {a['cmd']:.3f} (random {a['cmd_random']:.3f})")
+    heads = sorted({u for u in chosen["upstream"] if ":" in u} | {d.rsplit(".", 1)[0] for d in chosen["downstream"]
+                                                                  if ":" in d})
+    print(f"heads in the circuit ({len(heads)}): {', '.join(heads[:30])}{' ...' if len(heads) > 30 else ''}")
+    print(f"wrote {out / 'edges.csv'}, {out / 'faithfulness.csv'}, {out / 'faithfulness.png'}")
+    return 0
