@@ -1,9 +1,10 @@
-"""Everything the GPU issue asks for, in three parts that each fit one 10-minute device call, offline.
+"""Everything the GPU issue asks for, in four parts that each fit one 10-minute device call, offline.
 
     python benchmarks/gpu_suite.py --part all --device cpu --quick     # the rehearsal CI runs (tests/test_gpu_suite.py)
     python benchmarks/gpu_suite.py --part 1                            # on the GPU machine: parity, kernel TFLOP/s
     python benchmarks/gpu_suite.py --part 2                            # forward: Llama-1B shape bf16 8 x 4096, GPT-2 small
     python benchmarks/gpu_suite.py --part 3                            # head scores at 8k/32k/128k: memory and time
+    python benchmarks/gpu_suite.py --part 4                            # norm-weighted statistics, EAP-IG vs the CPU
 
 Parts:
 
@@ -17,6 +18,9 @@ Parts:
 3. ``bench_head_scores.py``: detect_heads on the Llama-1B shape and on Gemma 3 270M's shape (random weights: time and
    memory depend on the shape, not the weights) at 8k, 32k and 128k tokens against a plain forward, with
    ``torch.cuda.max_memory_allocated``; the eager path until it runs out of memory.
+4. ``gpu_agreement.py``: what landed after the suite was written, on the device against the CPU from the same
+   weights: norm-weighted head statistics (fp32, within 1e-4) and EAP-IG edge attribution (fp32 within 1e-3
+   relative; fp32 and bf16 times).
 
 Every part writes its figures, with the date, the device, torch and transformers versions and each command, to
 ``$OUT/gpu_part<N>.md`` (``--out`` elsewhere; the current folder when neither is set). Nothing is downloaded: on
@@ -70,7 +74,10 @@ def _steps(part: int, device: str, quick: bool) -> list[tuple[str, list[str]]]:
         common = ["--device", device, "--dtype", dtype, "--n-prompts", "0", "--lengths", *lengths]
         return [(f"head scores, {shape} shape", [py, str(BENCH / "bench_head_scores.py"), "--shape", shape, *common])
                 for shape in (("small",) if quick else ("llama-1b", "gemma3-270m"))]
-    raise ValueError(f"--part must be 1, 2, 3 or all; got {part!r}")
+    if part == 4:
+        return [("norm-weighted statistics and EAP-IG against the CPU",
+                 [py, str(BENCH / "gpu_agreement.py"), "--device", device, *(["--quick"] if quick else [])])]
+    raise ValueError(f"--part must be 1, 2, 3, 4 or all; got {part!r}")
 
 
 def _versions() -> str:
@@ -108,7 +115,7 @@ def run_part(part: int, device: str, quick: bool, out: Path, timeout: float) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", default="all", help="1, 2, 3 or all (all only fits one device call with --quick)")
+    p.add_argument("--part", default="all", help="1, 2, 3, 4 or all (all only fits one device call with --quick)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a rehearsal that runs on the CPU in seconds")
     p.add_argument("--out", default=None, help="folder for gpu_part<N>.md (default: $OUT, else the current folder)")
@@ -121,9 +128,9 @@ def main(argv=None) -> int:
             print("gpu_suite: --device cuda but torch sees no CUDA device; use --device cpu --quick to rehearse",
                   file=sys.stderr)
             return 2
-    parts = [1, 2, 3] if args.part == "all" else [int(args.part)] if args.part in ("1", "2", "3") else None
+    parts = [1, 2, 3, 4] if args.part == "all" else [int(args.part)] if args.part in ("1", "2", "3", "4") else None
     if parts is None:
-        print(f"gpu_suite: --part must be 1, 2, 3 or all; got {args.part!r}", file=sys.stderr)
+        print(f"gpu_suite: --part must be 1, 2, 3, 4 or all; got {args.part!r}", file=sys.stderr)
         return 2
     folder = Path(args.out or os.environ.get("OUT") or ".")
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ def test_gpu_suite_rehearses_every_part_on_the_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--part", "all", "--device",
                            "cpu", "--quick", "--out", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    for part, wanted in ((1, ["collected", "TFLOP/s"]), (2, ["x HF sdpa", "ours flash"]), (3, ["| tokens |", "flash"])):
+    for part, wanted in ((1, ["collected", "TFLOP/s"]), (2, ["x HF sdpa", "ours flash"]), (3, ["| tokens |", "flash"]),
+                         (4, ["norm-weighted", "EAP-IG", "bfloat16"])):
         text = (tmp_path / f"gpu_part{part}.md").read_text()
         assert "(exit 0," in text and "exit 1" not in text, text[-2000:]
         for word in wanted:
