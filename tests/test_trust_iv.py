@@ -413,3 +413,14 @@ def test_the_atlas_page_shows_each_classs_own_verdict(worded):
              "random_effect": [0.0, 0.2]}}]}
     page = _causal_html(causal)
     assert 'data-confirmed="no"' in page and "not confirmed on &lt;the self-repair test&gt;" in page
+
+
+def test_our_own_scores_fill_no_column_another_fills():
+    """``register`` checks a user's score against every column (our records are checked here instead, so that
+    registering them at import reads no ``interp`` module and ``interp --help`` imports no torch)."""
+    from analyses.heads import registry
+
+    for record in registry.scores():
+        if record.builtin:
+            taken = registry.reserved_columns(but=record.name)
+            assert not set(registry.table_columns(record)) & set(taken), record.name
