@@ -100,8 +100,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 def _threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
-                   help="torch CPU threads (default auto: the idle cores, CPUs minus those busy over a 0.2 s "
-                        "sample, at least 1; on a 2-core machine with one other busy process two threads ran slower than one)")
+                   help="torch CPU threads (default auto: the idle cores, CPUs minus those busy over a 0.2 s sample, "
+                        "at least 1; on a 2-core machine with one other busy process two threads ran slower "
+                        "than one)")
 
 
 def _set_threads(value: str) -> int:
