@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import interp
-from analyses.heads.detect import registry
+from analyses.heads import registry
 from analyses.atlas.atlas import SCHEMA, build_atlas, diff_atlas, load_atlas, save_atlas, weights_digest
 from analyses.cli import main
 from analyses.views.atlas import atlas_page, write_atlas_pages
