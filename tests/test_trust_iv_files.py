@@ -5,11 +5,13 @@ at all."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
 import interp
 from analyses.atlas.atlas import build_atlas
+from analyses.cli import main
 from analyses.views.atlas import atlas_page
 
 EVIL = '"><script>alert(1)</script><img src=x onerror=alert(2)>'
@@ -64,3 +66,50 @@ def test_a_number_replaced_by_script_is_shown_as_text(atlas, where):
     else:
         bad[section][key] = EVIL
     _safe(atlas_page(bad, heads_page="x_heads.html"))
+
+
+def _atlas_args(tmp_path, *more):
+    return ["atlas", "--model", "toy-induction", "--out", str(tmp_path / "out"), "--n-prompts", "4", "--draws", "2",
+            "--scores", "previous_token,induction", "--threads", "1", *more]
+
+
+@pytest.fixture
+def expect_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "layers": 2, "heads": 4, "entries": [
+        {"class": "induction", "heads": ["1.0"], "score": "induction", "test": "top", "k": 4}]}))
+    return str(path)
+
+
+def test_atlas_expect_never_overwrites_a_users_csv_and_force_replaces_only_ours(tmp_path, expect_file, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    csv = out / "toy-induction_expectations.csv"
+    csv.write_text("my,own\n1,2\n")
+    for force in ([], ["--force"]):
+        assert main(_atlas_args(tmp_path, "--expect", expect_file, *force)) == 2
+        assert "toy-induction_expectations.csv" in capsys.readouterr().err
+        assert csv.read_text() == "my,own\n1,2\n" and not (out / "toy-induction.json").exists()
+    csv.unlink()
+    assert main(_atlas_args(tmp_path, "--expect", expect_file)) in (0, 1)
+    ours = csv.read_text()
+    assert main(_atlas_args(tmp_path, "--expect", expect_file)) == 2  # ours too needs --force
+    assert main(_atlas_args(tmp_path, "--expect", expect_file, "--force")) in (0, 1)
+    assert csv.read_text().splitlines()[0] == ours.splitlines()[0]
+
+
+def test_interp_expect_force_does_not_replace_a_users_csv(tmp_path, expect_file, capsys):
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "expectations.csv").write_text("mine\n")
+    assert main(["expect", "--model", "toy-induction", "--expect", expect_file, "--out", str(out), "--force",
+                 "--n-prompts", "4", "--threads", "1"]) == 2
+    assert "not an expectations CSV interp wrote" in capsys.readouterr().err
+    assert (out / "expectations.csv").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".hidden", "/tmp/x", "a\\b", ""])
+def test_atlas_name_cannot_leave_out(tmp_path, name, capsys):
+    assert main(_atlas_args(tmp_path, "--name", name)) == 2
+    assert "--name is a file name" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.html")) and not list(tmp_path.rglob("*.json"))
