@@ -113,3 +113,14 @@ def test_atlas_name_cannot_leave_out(tmp_path, name, capsys):
     assert main(_atlas_args(tmp_path, "--name", name)) == 2
     assert "--name is a file name" in capsys.readouterr().err
     assert not list(tmp_path.rglob("*.html")) and not list(tmp_path.rglob("*.json"))
+
+
+def test_attribute_qk_plot_never_overwrites_a_users_file(tmp_path, capsys):
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"my picture")
+    args = ["attribute", "--model", "toy-induction", "--qk", "1.1", "--n-prompts", "4", "--draws", "0", "--threads",
+            "1", "--plot", str(mine)]
+    assert main(args) == 2
+    assert "pass --force" in capsys.readouterr().err and mine.read_bytes() == b"my picture"
+    assert main(args + ["--force"]) == 0 and mine.read_bytes()[:4] == b"\x89PNG"  # the user asked: replaced
+    assert main(["attribute", "--model", "toy-induction", "--force"]) == 2  # --force belongs to --qk --plot
