@@ -124,3 +124,89 @@ def test_attribute_qk_plot_never_overwrites_a_users_file(tmp_path, capsys):
     assert "pass --force" in capsys.readouterr().err and mine.read_bytes() == b"my picture"
     assert main(args + ["--force"]) == 0 and mine.read_bytes()[:4] == b"\x89PNG"  # the user asked: replaced
     assert main(["attribute", "--model", "toy-induction", "--force"]) == 2  # --force belongs to --qk --plot
+
+
+# -- the registry --------------------------------------------------------------------------------------------------
+def _write_module(folder, stem, body):
+    path = folder / f"{stem}.py"
+    path.write_text("import analyses\n\n" + body)
+    return str(path)
+
+
+_RULE = '''
+@analyses.head_score({name!r}, threshold=0.3)
+def rule(ids):
+    return ids * 0 - 1
+'''
+
+
+def test_another_module_cannot_replace_a_users_score(tmp_path, capsys):
+    from analyses.heads import registry
+
+    first = _write_module(tmp_path, "mine", _RULE.format(name="b2_mine"))
+    second = _write_module(tmp_path, "theirs", _RULE.format(name="b2_mine"))
+    try:
+        assert main(["heads", "--model", "toy-induction", "--score-module", first, "--score-module", second,
+                     "--scores", "b2_mine", "--n-prompts", "2", "--threads", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "registered already, from interp_scores_mine" in err and "Traceback" not in err
+        assert registry.score("b2_mine").rule.__module__ == "interp_scores_mine"  # the user's own stays
+        with pytest.raises(ValueError, match="registered already, from interp_scores_mine"):  # from Python too
+            __import__("analyses").head_score("b2_mine")(lambda ids: ids * 0 - 1)
+    finally:
+        registry.unregister("b2_mine")
+
+
+def test_a_notebook_cell_run_again_replaces_its_own_score():
+    import analyses
+    from analyses.heads import registry
+
+    try:
+        for threshold in (0.3, 0.5):
+            @analyses.head_score("b2_cell", threshold=threshold)
+            def rule(ids):
+                return ids * 0 - 1
+        assert registry.score("b2_cell").threshold == 0.5
+    finally:
+        registry.unregister("b2_cell")
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("precedence", "high", "precedence is an integer"), ("precedence", 1.5, "precedence is an integer"),
+    ("label", 3, "label is None or an identifier"), ("needs", ("gpu",), "needs is a tuple of some of"),
+    ("needs", "tokenizer", "needs is a tuple"), ("definition", 5, "definition is a string"),
+    ("default", "yes", "default is True or False"), ("fraction", 1, "fraction is True, False or None"),
+    ("extra", ("a", 1), "extra is a tuple of column names"), ("check", "vibes", "check is None or one of"),
+    ("sites", "causal", "sites are some of"), ("column", "a b", "column is None or an identifier"),
+    ("runner", "nocolon", "runner is None or 'module:function'"), ("threshold", True, "threshold is a fraction"),
+    ("citation", None, "citation is a string")])
+def test_a_record_is_checked_whole_when_registered(field, value, says):
+    from analyses.heads import registry
+
+    record = registry.HeadScore(**{"name": "b2_whole", "definition": "a test", "rule": lambda ids: ids * 0 - 1,
+                                   field: value})
+    with pytest.raises(ValueError, match=says):
+        registry.register(record)
+    assert "b2_whole" not in registry.names()
+
+
+def test_precedence_high_is_refused_by_head_score_not_by_detect_heads():
+    import analyses
+    from analyses.heads import registry
+
+    with pytest.raises(ValueError, match="precedence is an integer"):
+        analyses.head_score("b2_high", precedence="high")(lambda ids: ids * 0 - 1)
+    assert "b2_high" not in registry.names()
+
+
+def test_a_score_module_that_fails_after_registering_registers_nothing(tmp_path, capsys):
+    from analyses.heads import registry
+
+    broken = _write_module(tmp_path, "broken", _RULE.format(name="b2_left") + _RULE.format(name="b2_left_too")
+                           + "\nraise RuntimeError('my module breaks here')\n")
+    before = registry.names()
+    assert main(["heads", "--model", "toy-induction", "--score-module", broken, "--n-prompts", "2",
+                 "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "my module breaks here" in err and "Traceback" not in err
+    assert registry.names() == before and "interp_scores_broken" not in __import__("sys").modules

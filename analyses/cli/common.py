@@ -332,8 +332,11 @@ def load_score_modules(args) -> None:
     import importlib
     import importlib.util
 
+    from ..heads import registry
+
     for name in getattr(args, "score_module", None) or ():
         path = Path(name)
+        saved, modules = registry.snapshot(), set(sys.modules)  # a module that fails registers nothing
         try:
             if path.suffix == ".py" or path.exists():
                 if not path.is_file():
@@ -349,7 +352,10 @@ def load_score_modules(args) -> None:
                     importlib.import_module(name)
                 finally:
                     sys.path.remove(str(Path.cwd()))
-        except UserError:
-            raise
         except Exception as err:  # noqa: BLE001  the user's module: say which one failed and how
+            registry.restore(saved)
+            for half_run in {f"interp_scores_{path.stem}", name} - modules:  # its own entry, not what it imported
+                sys.modules.pop(half_run, None)
+            if isinstance(err, UserError):
+                raise
             raise UserError(f"--score-module {name}: importing it failed: {type(err).__name__}: {err}") from err
