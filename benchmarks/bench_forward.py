@@ -87,15 +87,37 @@ def variants(model, ids, has_tl: bool):
         "ours eager, capture patterns": ours("eager", names=lambda n: n.endswith("hook_pattern")),
     }
     if has_tl:
-        table["TransformerLens run_with_cache"] = (lambda: None, _transformer_lens(hf, ids))
+        name, row = transformer_lens_row(hf, ids)
+        if name is None:
+            print(f"# no TransformerLens row: {row}")
+        else:
+            table[name] = row
     return table
 
 
-def _transformer_lens(hf, ids):
+def transformer_lens_row(hf, ids):
+    """(row name, (prepare, run)) for the TransformerLens installed, or (None, why the row is left out).
+
+    3.x: ``HookedTransformer.from_pretrained_no_processing``; 4.x removed it: its ``TransformerBridge``, which wraps
+    the same HF model (raw weights, no folding: the like of 3.x's no_processing) and forces eager attention.
+    """
     import transformer_lens
 
-    tl = transformer_lens.HookedTransformer.from_pretrained_no_processing("gpt2", hf_model=hf, device=ids.device)
-    return lambda: tl.run_with_cache(ids)
+    version = getattr(transformer_lens, "__version__", "?")
+    if hasattr(transformer_lens, "HookedTransformer"):
+        tl = transformer_lens.HookedTransformer.from_pretrained_no_processing("gpt2", hf_model=hf, device=ids.device)
+        return "TransformerLens run_with_cache", (lambda: None, lambda: tl.run_with_cache(ids))
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:
+        return None, (f"TransformerLens {version} has neither HookedTransformer (3.x) nor "
+                      "model_bridge.TransformerBridge (4.x)")
+    try:
+        bridge = TransformerBridge.boot_transformers("gpt2", hf_model=hf, device=ids.device)
+    except Exception as e:  # noqa: BLE001 - e.g. offline: the bridge fetches gpt2's tokenizer; the rest still runs
+        return None, f"TransformerLens {version}'s TransformerBridge could not wrap the model ({type(e).__name__}: {e})"
+    return "TransformerLens bridge run_with_cache", (lambda: hf.set_attn_implementation("eager"),
+                                                     lambda: bridge.run_with_cache(ids))
 
 
 def bench_forward(args) -> None:

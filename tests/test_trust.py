@@ -505,17 +505,18 @@ def test_saved_models_get_the_usual_file_modes(tmp_path):
     assert interp.load_model(tmp_path).cfg.heads_per_layer[0] == 11
 
 
-@pytest.mark.parametrize("load, expected", [(0.0, 2), (1.2, 1), (7.0, 1)])
-def test_threads_auto_takes_the_idle_cores(monkeypatch, load, expected):
+@pytest.mark.parametrize("busy, expected", [(0.0, 2), (1.2, 1), (7.0, 1)])
+def test_threads_auto_takes_the_idle_cores(monkeypatch, busy, expected):
     """Torch's default threads collapsed on a shared 2-core machine (MiniLM report 15.7 s quiet, 207 s beside
-    one busy process); --threads auto takes the cores that are idle."""
+    one busy process); --threads auto takes the cores that are idle now (busy: CPUs busy over the sample)."""
     import os
 
     from analyses.cli import common as cli  # _set_threads and UserError live there
+    from interp.runtime import threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(threads, "_busy_now", lambda: busy)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .common import (UserError, _Progress, _load, _model_options, _positive_int, _rank_zero_path, load_score_modules,
                      score_help, score_module_option)
-from .expect import add_expect_argument, check_expect_model, run_expectations
+from .expect import add_expect_argument, check_expect_model, check_expectations_csv, run_expectations
 
 
 def add_parser(sub) -> None:
@@ -55,8 +55,14 @@ def cmd_atlas(args) -> int:
     if args.prompts is not None:
         raise UserError("--prompts does not apply: an atlas records prompts it can generate again (--n-prompts, "
                         "--seq-len, --seed)")
-    name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model)).name) or "atlas"
+    name = args.name if args.name is not None else (
+        re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model)).name).strip(".") or "atlas")
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):  # no folder, no "..": the files stay in --out
+        raise UserError(f"--name is a file name without a folder (letters, digits, '_', '-', '.', not starting with "
+                        f"'.'); got {name!r}: choose the folder with --out")
     files = [args.out / f"{name}{end}" for end in (".json", ".html", "_heads.html")]
+    if args.expect is not None:
+        check_expectations_csv(args.out / f"{name}_expectations.csv", args.force)
     for path in files:
         if path.exists() and not args.force:
             raise UserError(f"{str(path)!r} exists; pass --force to replace it (only a file interp atlas wrote is "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (UserError, _at_least, _emit, _format_option, _id_line, _load, _model_options, _parse_heads,
+from .common import (UserError, _at_least, _check_out_file, _emit, _format_option, _id_line, _load, _model_options, _parse_heads,
                      _positive_int, _Progress, _text_or_ids, _token)
 
 
@@ -33,14 +33,15 @@ def add_parser(sub) -> None:
     p.add_argument("--draws", type=_at_least(0), default=20, help="--qk: random head sets for the causal check "
                    "(0: no causal check)")
     p.add_argument("--plot", type=Path, default=None, help="--qk: save the first head's figure here (.png, .pdf, .svg)")
+    p.add_argument("--force", action="store_true", help="--plot: replace a file that exists there")
     p.set_defaults(func=cmd_attribute)
 
 
 def cmd_attribute(args) -> int:
     if args.qk is not None:
         return _cmd_qk(args)
-    if args.pairs is not None or args.plot is not None:
-        raise UserError("--pairs and --plot go with --qk HEADS (the heads whose attention to explain)")
+    if args.pairs is not None or args.plot is not None or args.force:
+        raise UserError("--pairs, --plot and --force go with --qk HEADS (the heads whose attention to explain)")
     from ..causal.attribution import token_ids
     from ..explain.logit_attribution import direct_logit_attribution, logit_lens
     from ..data.seq2seq import is_seq2seq
@@ -124,6 +125,8 @@ def _cmd_qk(args) -> int:
         raise UserError("--qk explains attention scores: it takes no --lens, --answer or --wrong")
     if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UserError(f"--plot is a .png, .pdf or .svg file; got {str(args.plot)!r}")
+    if args.plot is not None:
+        _check_out_file(args.plot, args.force)  # a file there is the user's: replaced only with --force
     with _Progress(["load", "attribution"]) as progress:
         progress("load")
         model = _load(args)
@@ -154,7 +157,7 @@ def _cmd_qk(args) -> int:
         from ..views.plots import save_figure
 
         first = (df["site"].iloc[0], int(df["head"].iloc[0]))
-        save_figure(qk_attribution_plot(df, head=first), args.plot, overwrite=True)
+        save_figure(qk_attribution_plot(df, head=first), args.plot, overwrite=args.force)
     if args.format != "table":
         _emit(df, args.format)
         return 0

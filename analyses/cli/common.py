@@ -100,8 +100,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
 
 def _threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
-                   help="torch CPU threads (default auto: the idle cores, CPUs minus the 1-minute load average, at "
-                        "least 1; on a 2-core machine with one other busy process two threads ran slower than one)")
+                   help="torch CPU threads (default auto: the idle cores, CPUs minus those busy over a 0.2 s sample, "
+                        "at least 1; on a 2-core machine with one other busy process two threads ran slower "
+                        "than one)")
 
 
 def _set_threads(value: str) -> int:
@@ -331,8 +332,11 @@ def load_score_modules(args) -> None:
     import importlib
     import importlib.util
 
+    from ..heads import registry
+
     for name in getattr(args, "score_module", None) or ():
         path = Path(name)
+        saved, modules = registry.snapshot(), set(sys.modules)  # a module that fails registers nothing
         try:
             if path.suffix == ".py" or path.exists():
                 if not path.is_file():
@@ -348,7 +352,10 @@ def load_score_modules(args) -> None:
                     importlib.import_module(name)
                 finally:
                     sys.path.remove(str(Path.cwd()))
-        except UserError:
-            raise
         except Exception as err:  # noqa: BLE001  the user's module: say which one failed and how
+            registry.restore(saved)
+            for half_run in {f"interp_scores_{path.stem}", name} - modules:  # its own entry, not what it imported
+                sys.modules.pop(half_run, None)
+            if isinstance(err, UserError):
+                raise
             raise UserError(f"--score-module {name}: importing it failed: {type(err).__name__}: {err}") from err

@@ -12,9 +12,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import _check_out, _load, _model_options, _positive_int
+from .common import UserError, _check_out, _load, _model_options, _positive_int
 
 CSV_NAME = "expectations.csv"
+_HEADER = "class,layer,head,score,value,lo,hi,rank,of,test,status,why,citation"  # check_expectations's columns
+
+
+def check_expectations_csv(path: Path, force: bool) -> None:
+    """The CSV ``run_expectations`` will write may be new; an existing one needs ``force`` and is replaced only when
+    it is one we wrote (it starts with our header): a user's file of that name is never overwritten."""
+    if not path.exists():
+        return
+    if not force:
+        raise UserError(f"{str(path)!r} exists; pass --force to replace it (only an expectations CSV interp wrote is "
+                        "replaced)")
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            ours = f.readline().strip() == _HEADER
+    except OSError:
+        ours = False
+    if not ours:
+        raise UserError(f"{str(path)!r} exists and is not an expectations CSV interp wrote; it is not replaced, even "
+                        "with --force: move it away or choose another --out (or --name)")
 
 
 def add_parser(sub) -> None:
@@ -40,6 +59,7 @@ def add_expect_argument(parser, required: bool = False) -> None:
 def cmd_expect(args) -> int:
     if args.out is not None:
         _check_out(args.out, args.force)
+        check_expectations_csv(args.out / CSV_NAME, args.force)
     model = _load(args)
     check_expect_model(model, args.expect)
     return run_expectations(model, None, args.expect, args.out, n_prompts=args.n_prompts, seed=args.seed)

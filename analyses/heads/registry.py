@@ -34,14 +34,13 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .record_check import check_record
+
 __all__ = ["DEFAULT_THRESHOLDS", "HeadScore", "LABEL_COLUMNS", "LABEL_ORDER", "columns", "is_fraction", "labelled",
            "of_column", "reserved_columns", "table_columns", "SCORE_DEFINITIONS", "SITE_KINDS", "head_score",
-           "names", "register", "score", "scores", "unregister"]
+           "names", "register", "restore", "score", "scores", "snapshot", "unregister"]
 
 SITE_KINDS = ("causal", "bidirectional", "cross")  # the kinds of attention site a score can apply to
-_HOWS = ("target", "argmax", "weights", "behaviour")
-_PROMPTS = ("repeated", "corpus", "task", "needle", "weights")
-_RULE_ARGS = ("ids", "key_ids", "tokenizer")
 LABEL_COLUMNS = ("label", "labels", "evidence")  # what labelling adds to a head table, after the scores
 INTERVAL_ENDS = ("lo", "hi")  # each value score's bootstrap interval: <name>_lo, <name>_hi
 
@@ -139,7 +138,7 @@ def reserved_columns(but: str | None = None) -> dict[str, str]:
 def register(record: HeadScore, replace: bool = False) -> HeadScore:
     """Add a score. A user's score may replace a user's score of the same name (a notebook cell run again); ours
     cannot be replaced. A score that would fill a column something else fills (``reserved_columns``) is refused."""
-    _check(record)
+    check_record(record, SITE_KINDS)
     old = _REGISTRY.get(record.name)
     if old is not None and old.builtin:
         raise ValueError(f"{record.name!r} is one of interp's own scores; give your score another name.")
@@ -152,6 +151,26 @@ def register(record: HeadScore, replace: bool = False) -> HeadScore:
                          f"{taken[clash]} fills; give your score another name.")
     _REGISTRY[record.name] = record
     return record
+
+
+def snapshot() -> dict[str, HeadScore]:
+    """The records registered now, for ``restore``."""
+    return dict(_REGISTRY)
+
+
+def restore(saved: dict[str, HeadScore]) -> None:
+    """The registry as ``snapshot`` saw it: what a user's module registered before it failed is undone."""
+    _REGISTRY.clear()
+    _REGISTRY.update(saved)
+
+
+def _home(rule) -> set[str]:
+    """Where a user's rule comes from: its module (a notebook's cells are all ``__main__``) and its file (one file
+    imported under two module names is one home)."""
+    if isinstance(rule, str):
+        return {rule.split(":")[0]}
+    code = getattr(rule, "__code__", None)
+    return {str(getattr(rule, "__module__", None)), *([code.co_filename] if code is not None else [])}
 
 
 def unregister(name: str) -> None:
@@ -181,6 +200,12 @@ def head_score(name: str, *, threshold: float | None = 0.4, definition: str = ""
     cross-attention 16-18, the pattern classes 20-26). default: computed when ``detect_heads`` (and ``interp
     heads``, the report) is given no score names, beside ours."""
     def decorate(rule: Callable) -> Callable:
+        old = _REGISTRY.get(name)
+        if old is not None and not old.builtin and not _home(old.rule) & _home(rule):
+            where = getattr(old.rule, "__module__", "?")
+            raise ValueError(f"A score named {name!r} is registered already, from {where}; "
+                             f"{getattr(rule, '__module__', None)} may not replace it: give this score another name, "
+                             "or call analyses.heads.registry.unregister(name) first to replace it on purpose.")
         register(HeadScore(name=name, definition=definition or (rule.__doc__ or name).strip().splitlines()[0],
                            citation=citation, threshold=threshold, label=label, precedence=precedence,
                            sites=tuple(sites), prompts=prompts, needs=tuple(needs), rule=rule, default=default),
@@ -271,30 +296,6 @@ DEFAULT_THRESHOLDS = _LiveMap(lambda: {r.name: r.threshold for r in _REGISTRY.va
 SCORE_DEFINITIONS = _LiveMap(lambda: {r.name: f"{r.definition} ({r.citation})" if r.citation else r.definition
                                       for r in _REGISTRY.values()})
 LABEL_ORDER = _LiveSequence(_label_order)
-
-
-def _check(record: HeadScore) -> None:
-    def bad(what: str) -> ValueError:
-        return ValueError(f"head score {record.name!r}: {what}.")
-
-    if not isinstance(record.name, str) or not record.name.isidentifier():
-        raise bad(f"its name must be an identifier (a column name such as 'punctuation'); got {record.name!r}")
-    if record.how not in _HOWS:
-        raise bad(f"how is one of {_HOWS}; got {record.how!r}")
-    unknown = [s for s in record.sites if s not in SITE_KINDS]
-    if unknown or not record.sites:
-        raise bad(f"sites are some of {SITE_KINDS}; got {record.sites!r}")
-    if record.prompts not in _PROMPTS:
-        raise bad(f"prompts is one of {_PROMPTS}; got {record.prompts!r}")
-    if record.threshold is not None and not (isinstance(record.threshold, (int, float)) and 0 < record.threshold <= 1):
-        raise bad(f"threshold is a fraction in (0, 1] or None (no label); got {record.threshold!r}")
-    if record.how == "target" and not isinstance(record.rule, str):
-        if not callable(record.rule):
-            raise bad("a target-rule score needs a function (rule=)")
-        params = inspect.signature(record.rule).parameters
-        if not set(params) & set(_RULE_ARGS) or any(p not in _RULE_ARGS and v.default is inspect.Parameter.empty
-                                                   for p, v in params.items()):
-            raise bad(f"its function takes some of {_RULE_ARGS} by name; it takes {list(params)}")
 
 
 # -- interp's own scores ------------------------------------------------------------------------------------------

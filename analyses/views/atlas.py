@@ -65,17 +65,33 @@ _SCRIPT = """
 """
 
 
+def _t(v) -> str:
+    """Any value from the atlas file as page text: escaped, whatever its type (a shared file is anyone's)."""
+    return html.escape(str(v))
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _n(v, spec: str = "") -> str:
+    """A number from the file formatted with ``spec``; anything else in its place shown as escaped text."""
+    return format(v, spec) if _is_num(v) else _t(v)
+
+
 def _fmt(v, digits: int = 3) -> str:
-    return "n/a" if v is None else f"{v:.{digits}f}"
+    return "n/a" if v is None else _n(v, f".{digits}f")
 
 
 def _cell(v) -> str:
     """A table's value: an offset (a whole number) as one, a score with 3 decimals."""
-    return "n/a" if v is None else f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.3f}"
+    if not _is_num(v):
+        return "n/a" if v is None else _t(v)
+    return f"{v:.0f}" if float(v).is_integer() and abs(v) > 1 else f"{v:.3f}"
 
 
 def _short(digest, missing: str = "none") -> str:
-    return missing if not digest else f'<code title="{html.escape(digest)}">{html.escape(digest[:16])}</code>'
+    return missing if not digest else f'<code title="{_t(digest)}">{_t(str(digest)[:16])}</code>'
 
 
 _OWN = '<span class="muted">drawn by its runner from the seed (no digest recorded)</span>'
@@ -88,20 +104,21 @@ def _head_name(h: dict) -> str:
 def _stability(s) -> str:
     if not s:
         return '<span class="muted">not reported by its runner</span>'
-    text = (f"Spearman {_fmt(s.get('spearman'), 2)}, top-{s.get('k')} overlap {_fmt(s.get('top_k_overlap'), 2)}")
+    text = (f"Spearman {_fmt(s.get('spearman'), 2)}, top-{_t(s.get('k'))} overlap {_fmt(s.get('top_k_overlap'), 2)}")
     return f'<span class="warn">unstable: {text}</span>' if s.get("unstable") else text
 
 
 def _scores_html(atlas: dict) -> str:
     rows = []
     for name, r in atlas["scores"].items():
-        threshold = "no label" if r.get("threshold") is None else f"{r['threshold']:g} on <code>{r['column']}</code>"
-        cite = f" ({html.escape(r['citation'])})" if r.get("citation") else ""
-        rows.append(f'<tr data-score="{html.escape(name)}"><td class="text"><b>{html.escape(name)}</b></td>'
-                    f'<td class="text definition">{html.escape(r["definition"])}{cite}</td><td>{threshold}</td>'
-                    f'<td class="text definition">{html.escape(str(r.get("inputs") or ""))}<br>'
+        threshold = ("no label" if r.get("threshold") is None
+                     else f"{_n(r['threshold'], 'g')} on <code>{_t(r.get('column'))}</code>")
+        cite = f" ({_t(r['citation'])})" if r.get("citation") else ""
+        rows.append(f'<tr data-score="{_t(name)}"><td class="text"><b>{_t(name)}</b></td>'
+                    f'<td class="text definition">{_t(r.get("definition", ""))}{cite}</td><td>{threshold}</td>'
+                    f'<td class="text definition">{_t(str(r.get("inputs") or ""))}<br>'
                     f'{_short(r.get("prompt_sha256"), _OWN)}</td><td class="text">{_stability(r.get("stability"))}</td></tr>')
-    skipped = "".join(f"<li><b>{html.escape(n)}</b>: {html.escape(why)}</li>" for n, why in atlas["not_run"].items())
+    skipped = "".join(f"<li><b>{_t(n)}</b>: {_t(why)}</li>" for n, why in atlas["not_run"].items())
     return (f'<table data-role="scores"><tr><th class="text">score</th><th class="text">what it measures</th>'
             f'<th class="text">threshold</th><th class="text">prompts (sha256 of their token ids)</th>'
             f'<th class="text">stability (two halves of its items)</th></tr>{"".join(rows)}</table>'
@@ -125,21 +142,21 @@ def _strip(share, draws) -> str:
 
 def _causal_html(causal: dict) -> str:
     if "rows" not in causal:
-        return f'<p class="muted" data-role="causal">Not run: {html.escape(causal.get("not_run", ""))}.</p>'
+        return f'<p class="muted" data-role="causal">Not run: {_t(causal.get("not_run", ""))}.</p>'
     rows = []
     for r in causal["rows"]:
         draws = [v for v in r["random_share"] if v is not None]
         beaten = sum(r["share"] is not None and r["share"] > v for v in draws)
         spread = ", ".join(f"{v * 100:.0f}" for v in sorted(draws))
-        rows.append(f'<tr data-class="{html.escape(r["class"])}"><td class="text"><b>{html.escape(r["class"])}</b>'
-                    f'</td><td class="text">{html.escape(", ".join(r["heads"]))}</td>'
+        rows.append(f'<tr data-class="{_t(r["class"])}"><td class="text"><b>{_t(r["class"])}</b>'
+                    f'</td><td class="text">{_t(", ".join(map(str, r["heads"])))}</td>'
                     f'<td>{_fmt(r["share"] * 100 if r["share"] is not None else None, 1)}%</td>'
                     f'<td class="text definition">{spread}%</td><td>{beaten} of {len(draws)}</td>'
                     f'<td>{_strip(r["share"], draws)}</td>{_own_test_html(r)}</tr>')
-    return (f'<p>Each class\'s strongest heads (at most 8) zero-ablated together, against {causal["draws"]} draws of '
-            f'as many random heads from the same layers, on {html.escape(causal["task"])}: the share of the '
-            f'in-context gain (first-copy loss {causal["first_copy_loss"]:.3f} minus second-copy loss '
-            f'{causal["second_copy_loss"]:.3f}) that the ablation removes.</p>'
+    return (f'<p>Each class\'s strongest heads (at most 8) zero-ablated together, against {_t(causal["draws"])} draws of '
+            f'as many random heads from the same layers, on {_t(causal["task"])}: the share of the '
+            f'in-context gain (first-copy loss {_fmt(causal["first_copy_loss"])} minus second-copy loss '
+            f'{_fmt(causal["second_copy_loss"])}) that the ablation removes.</p>'
             '<table data-role="causal"><tr><th class="text">class</th><th class="text">heads ablated</th>'
             '<th>share removed</th><th class="text">random draws, sorted (%)</th><th>draws it beats</th>'
             f'<th class="text">class (red) and draws (grey)</th><th class="text">on the behaviour it is named for'
@@ -153,10 +170,10 @@ def _own_test_html(r: dict) -> str:
     numbers = ""
     if test and test.get("clean") is not None:
         draws = [v for v in test["random_effect"] if v == v]
-        numbers = (f' (effect on {html.escape(test["measure"])}: {_fmt(test["effect"], 3)}; random '
+        numbers = (f' (effect on {_t(test["measure"])}: {_fmt(test["effect"], 3)}; random '
                    f'{_fmt(min(draws), 3) if draws else "n/a"} to {_fmt(max(draws), 3) if draws else "n/a"})')
     confirmed = {True: "yes", False: "no", None: "none"}[r.get("confirmed")]
-    return (f'<td class="text definition" data-role="verdict" data-confirmed="{confirmed}">{html.escape(verdict)}'
+    return (f'<td class="text definition" data-role="verdict" data-confirmed="{confirmed}">{_t(verdict)}'
             f'{numbers}</td>')
 
 
@@ -166,26 +183,26 @@ def _heads_html(atlas: dict, heads_page: str | None) -> str:
     layers = sorted({int(h["layer"]) for h in atlas["heads"] if h.get("layer") is not None})
     head = ('<th class="text" data-sort="text">head</th><th data-sort="number">layer</th>'
             '<th class="text" data-sort="text">label</th><th class="text" data-sort="text">classes</th>'
-            + "".join(f'<th data-sort="number">{html.escape(c)}</th>' for c in columns))
+            + "".join(f'<th data-sort="number">{_t(c)}</th>' for c in columns))
     body = []
     for h in atlas["heads"]:
         name = _head_name(h)
         layer = "" if h.get("layer") is None else int(h["layer"])
-        link = (f'<a href="{html.escape(heads_page)}#layer={layer}&amp;head={h["head"]}" title="its head view">'
-                f'{html.escape(name)}</a>' if heads_page and layer != "" else html.escape(name))
-        cells = [f'<td class="text" data-value="{html.escape(name)}">{link}</td>',
+        link = (f'<a href="{_t(heads_page)}#layer={layer}&amp;head={_t(h["head"])}" title="its head view">'
+                f'{_t(name)}</a>' if heads_page and layer != "" else _t(name))
+        cells = [f'<td class="text" data-value="{_t(name)}">{link}</td>',
                  f'<td data-value="{layer}">{layer}</td>',
-                 f'<td class="text lab" data-value="{html.escape(h["label"])}">{html.escape(h["label"])}</td>',
-                 f'<td class="text lab" data-value="{html.escape(h["labels"])}">{html.escape(h["labels"])}</td>']
+                 f'<td class="text lab" data-value="{_t(h["label"])}">{_t(h["label"])}</td>',
+                 f'<td class="text lab" data-value="{_t(h["labels"])}">{_t(h["labels"])}</td>']
         for c in columns:
             e = h["values"].get(c) or {}
             v = e.get("value")
             interval = (f' <small>[{_fmt(e["lo"])}, {_fmt(e["hi"])}]</small>'
                         if e.get("lo") is not None and e.get("hi") is not None else "")
-            cells.append(f'<td data-value="{"" if v is None else f"{v:.6g}"}">{_cell(v)}{interval}</td>')
-        body.append(f'<tr data-role="head" data-site="{html.escape(h["site"])}" data-layer="{layer}" '
-                    f'data-head="{h["head"]}" data-labels="{html.escape(h["labels"])}">{"".join(cells)}</tr>')
-    options = "".join(f'<option value="{html.escape(c)}">{html.escape(c)}</option>' for c in classes)
+            cells.append(f'<td data-value="{"" if v is None else _n(v, ".6g")}">{_cell(v)}{interval}</td>')
+        body.append(f'<tr data-role="head" data-site="{_t(h["site"])}" data-layer="{layer}" '
+                    f'data-head="{_t(h["head"])}" data-labels="{_t(h["labels"])}">{"".join(cells)}</tr>')
+    options = "".join(f'<option value="{_t(c)}">{_t(c)}</option>' for c in classes)
     layer_options = "".join(f'<option value="{layer}">{layer}</option>' for layer in layers)
     return (f'<div class="bar"><label>class <select data-role="class-filter"><option value="">any</option>{options}'
             f'</select></label><label>layer <select data-role="layer-filter"><option value="">any</option>'
@@ -200,24 +217,24 @@ def atlas_page(atlas: dict, heads_page: str | None = None) -> str:
     m, v, s = atlas["model"], atlas["versions"], atlas["settings"]
     title = f"Head atlas: {m['name']}"
     unstable = [n for n, r in atlas["scores"].items() if (r.get("stability") or {}).get("unstable")]
-    warning = (f'<p class="warn">Unstable rankings (two halves of the items disagree): {", ".join(unstable)}. '
+    warning = (f'<p class="warn">Unstable rankings (two halves of the items disagree): {_t(", ".join(unstable))}. '
                "Read these scores' top heads as candidates.</p>" if unstable else "")
     cost = atlas.get("cost", {})
-    needle = f" haystacks of up to {s['context']} tokens," if any(
+    needle = f" haystacks of up to {_t(s['context'])} tokens," if any(
         r.get("prompts") == "needle" for r in atlas["scores"].values()) else ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="generator" content="{WRITTEN_BY}">
 <meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">
-<title>{html.escape(title)}</title><style>{_CSS}{_MORE_CSS}</style></head><body>
-<h1>{html.escape(title)}</h1>
-<p class="muted">{m['parameters']:,} parameters, {m['heads']} heads in {m['sites']} attention sites
-({html.escape(m['class'])}); atlas schema {atlas['schema']}, written {html.escape(str(atlas.get('created', '')))}
-by interp {html.escape(v['interp'])}, transformers {html.escape(v['transformers'])}, torch {html.escape(v['torch'])},
-{html.escape(v['attn'])} attention, {html.escape(s['dtype'])} on {html.escape(s['device'])};
-{cost.get('cpu_s', 'n/a')} s of CPU time on {cost.get('threads', 'n/a')} thread(s).</p>
+<title>{_t(title)}</title><style>{_CSS}{_MORE_CSS}</style></head><body>
+<h1>{_t(title)}</h1>
+<p class="muted">{_n(m['parameters'], ',')} parameters, {_t(m['heads'])} heads in {_t(m['sites'])} attention sites
+({_t(m['class'])}); atlas schema {_t(atlas['schema'])}, written {_t(str(atlas.get('created', '')))}
+by interp {_t(v['interp'])}, transformers {_t(v['transformers'])}, torch {_t(v['torch'])},
+{_t(v['attn'])} attention, {_t(s['dtype'])} on {_t(s['device'])};
+{_t(cost.get('cpu_s', 'n/a'))} s of CPU time on {_t(cost.get('threads', 'n/a'))} thread(s).</p>
 <p class="muted">weights sha256 {_short(m['weights_sha256'])}, tokenizer sha256 {_short(m['tokenizer_sha256'])};
-seed {s['seed']}, {s['n_prompts']} prompts of {s['seq_len']} tokens,{needle}
-{s['n_bootstrap']} bootstrap resamples (95% intervals in brackets), {s['draws']} random draws per class.
+seed {_t(s['seed'])}, {_t(s['n_prompts'])} prompts of {_t(s['seq_len'])} tokens,{needle}
+{_t(s['n_bootstrap'])} bootstrap resamples (95% intervals in brackets), {_t(s['draws'])} random draws per class.
 Compare with another run: <code>interp atlas diff THIS.json OTHER.json</code>.</p>
 {warning}
 <h2 id="scores">Scores</h2>

@@ -118,7 +118,7 @@ def findings(summary: dict, heads) -> list[str]:
     circuits = summary.get("circuits")
     if circuits and circuits["top_heads"]:
         best = max(circuits["top_heads"], key=lambda r: abs(r["effect"]))
-        lines.append(f"On {circuits['name']}, patching head {esc(head_name(best))}'s clean output alone moves "
+        lines.append(f"On {esc(circuits['name'])}, patching head {esc(head_name(best))}'s clean output alone moves "
                      f"the model {best['effect'] * 100:.0f}% of the way from corrupted to clean "
                      '<a href="#circuits">evidence</a>')
     pruning = {r["order"]: r for r in summary.get("pruning", [])}
