@@ -331,9 +331,15 @@ def load_score_modules(args) -> None:
     import importlib
     import importlib.util
 
+    from ..heads import registry
+
     for name in getattr(args, "score_module", None) or ():
         path = Path(name)
+        before, imported = {id(r) for r in registry.scores()}, name in sys.modules  # imported: runs no more code
         try:
+            if path.is_dir():
+                raise UserError(f"--score-module {name}: is a folder; give the .py file inside it that registers "
+                                "scores with analyses.head_score, or an importable module name.")
             if path.suffix == ".py" or path.exists():
                 if not path.is_file():
                     raise UserError(f"--score-module {name}: no such file; give a .py file that registers scores "
@@ -352,3 +358,6 @@ def load_score_modules(args) -> None:
             raise
         except Exception as err:  # noqa: BLE001  the user's module: say which one failed and how
             raise UserError(f"--score-module {name}: importing it failed: {type(err).__name__}: {err}") from err
+        if not imported and not {id(r) for r in registry.scores()} - before:
+            raise UserError(f"--score-module {name}: it registers no score; call analyses.head_score(name, "
+                            "description, rule) in it (at import time).")
