@@ -113,7 +113,9 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
         frames, nonfinite = [], set()
         with model.studying():
             for set_records, rows, what in sets:
-                frame = _tally(model, rows, set_records, batch_size).frame(n_bootstrap, seed)
+                tally = _tally(model, rows, set_records, batch_size)
+                with stage(f"heads: {n_bootstrap} bootstrap resamples of {len(rows)} prompts"):
+                    frame = tally.frame(n_bootstrap, seed)
                 nonfinite |= set(frame.attrs.pop("nonfinite"))
                 stable.update(frame.attrs.pop("stability", {}))
                 frames.append(frame.set_index(FRONT))
