@@ -199,3 +199,14 @@ def test_a_label_test_on_a_score_without_threshold_is_refused(tmp_path):
         {"class": "cs", "heads": ["4.3"], "score": "copy_suppression_behaviour", "test": "label"}]}))
     with pytest.raises(ValueError, match="needs a score with a threshold"):  # before: TypeError when checked
         load_expectations(path)
+
+
+def test_each_taxonomy_score_not_run_on_an_encoder_gives_its_own_reason():
+    """A default atlas of MiniLM gave copy_suppression the reason of the whole group ("The score(s) ['successor',
+    'copy_suppression', ...]"); each now names itself alone."""
+    from analyses import build_atlas
+
+    atlas = build_atlas(interp.load_model("minilm"), n_prompts=4, seq_len=16, context=64, draws=1, n_bootstrap=10)
+    for name in ("successor", "copy_suppression", "copy_suppression_behaviour"):
+        why = atlas["not_run"][name]
+        assert why.startswith(f"The score '{name}' reads next-token logits") and "encoder" in why, why
