@@ -117,3 +117,5 @@ def test_qk_attribution_and_detect_heads_show_progress(capsys):
     err = capsys.readouterr().err
     assert "qk attribution: the residual parts" in err and "qk attribution: causal check (2 draws)" in err
     assert "heads: 10 bootstrap resamples of 4 prompts" in err
+    n_sites = len(model.cfg.sites)  # a long single batch counts its sites, not 0/1 batch for the whole forward
+    assert f"heads: 4 prompts in 1 batch (previous_token): {n_sites}/{n_sites} site" in err, err
