@@ -46,6 +46,7 @@ _LAZY = {
                     "taxonomy.function_vectors"),
     # atlas/: a model's versioned head atlas, and published head tables as checks
     **dict.fromkeys(["build_atlas", "diff_atlas", "load_atlas", "save_atlas"], "atlas.atlas"),
+    "class_ablation": "atlas.class_ablation",  # each class against random heads, and on its own behaviour
     **dict.fromkeys(["ExpectationSet", "Expectation", "check_expectations", "needs_scores", "register_expectations"],
                     "atlas.expectations"),
     # explain/sinks: what a head really moves (attention sinks, dormant heads, massive activations), checked causally

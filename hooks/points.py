@@ -52,6 +52,17 @@ class HookPoint:
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, hooks={len(self.fns)})"
 
+    def add_hook(self, hook: HookFn, dir: str = "fwd", **_options) -> None:  # noqa: A002
+        """TransformerLens adds a hook on the point itself; here the model must know (it attaches the torch hooks a
+        point needs), so this says where to add it instead of failing with an AttributeError."""
+        raise TypeError(f"Add hooks through the model, not the HookPoint: model.add_hook({self.name!r}, hook), or "
+                        f"`with model.hooks([({self.name!r}, hook)]):` or model.run_with_hooks(..., fwd_hooks=...).")
+
+    def remove_hooks(self, *_args, **_options) -> None:
+        """As ``add_hook``: hooks are removed through the model."""
+        raise TypeError(f"Remove hooks through the model: model.reset_hooks() (or the handles that "
+                        f"model.add_hook({self.name!r}, hook) returned).")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         for fn in tuple(self.fns):
             out = fn(x, self)

@@ -282,19 +282,48 @@ def save_atlas(atlas: dict, path: str | Path, overwrite: bool = False) -> Path:
 
 
 def load_atlas(path: str | Path) -> dict:
-    """An atlas written by ``save_atlas``; a file of another schema (or no atlas at all) is refused."""
+    """An atlas written by ``save_atlas``; a file of another schema, not UTF-8 JSON, or whose heads are not the rows
+    ``save_atlas`` writes (each a dict with site, head, label, labels and values of ``{"value", ...}``) is refused."""
     path = Path(path)
     try:
         atlas = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not JSON ({err.msg} at line {err.lineno}); pass an atlas written by "
                          "`interp atlas`.") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{str(path)!r} is not a text (UTF-8) file; pass an atlas JSON written by `interp atlas`.") \
+            from None
     if not isinstance(atlas, dict) or "schema" not in atlas or "heads" not in atlas:
         raise ValueError(f"{str(path)!r} is not an atlas (no schema and heads); pass a file written by `interp atlas`.")
-    if atlas["schema"] != SCHEMA:
+    if type(atlas["schema"]) is not int or atlas["schema"] != SCHEMA:  # noqa: E721  (true == 1 is no schema)
         raise ValueError(f"{str(path)!r} is an atlas of schema {atlas['schema']!r}; this interp reads schema "
                          f"{SCHEMA}. Write it again with this version (`interp atlas --model ... --force`).")
+    bad = _bad_part(atlas)
+    if bad:
+        raise ValueError(f"{str(path)!r} is not an atlas as `interp atlas` writes it: {bad}. Write it again.")
     return atlas
+
+
+def _bad_part(atlas: dict) -> str | None:
+    """What in an atlas's sections does not have ``save_atlas``'s layout (a file edited or cut by hand), or None."""
+    for key in ("scores", "not_run", "model", "versions", "settings", "causal", "cost"):
+        if not isinstance(atlas.get(key, {}), dict):
+            return f"{key} is {type(atlas[key]).__name__}, not an object"
+    if not isinstance(atlas["heads"], list):
+        return f"heads is {type(atlas['heads']).__name__}, not a list"
+    for i, h in enumerate(atlas["heads"]):
+        if not isinstance(h, dict) or not {"site", "head", "label", "labels", "values"} <= set(h):
+            return f"head row {i} lacks site, head, label, labels or values"
+        if not _whole(h["head"]) or not (h.get("layer") is None or _whole(h["layer"])):
+            return f"head row {i} has layer {h.get('layer')!r} and head {h['head']!r}, not integers"
+        if not isinstance(h["values"], dict) or not all(isinstance(v, dict) and all(
+                x is None or type(x) in (int, float, bool) for x in v.values()) for v in h["values"].values()):
+            return f"head row {i}'s values are not {{column: {{value, lo, hi}}}} numbers"
+    return None
+
+
+def _whole(x) -> bool:
+    return type(x) in (int, float) and float(x).is_integer()  # noqa: E721  (a JSON number; never true or "0")
 
 
 # -- comparing -------------------------------------------------------------------------------------------------

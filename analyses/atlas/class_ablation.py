@@ -1,6 +1,6 @@
 """A class of heads checked causally: its heads zero-ablated together against random heads of the same layers, as a
-distribution over draws (REFERENCE.md: validate every label causally). The report's "does each class do what its name
-says" and the atlas's per-class check read it from here.
+distribution over draws (a label is checked causally, as Wang et al. 2022 and Olsson et al. 2022 check theirs). The
+report's "does each class do what its name says" and the atlas's per-class check read it from here.
 
 On a causal LM every class is shown on the in-context gain on repeated random tokens ``[BOS, x, x]``: the first
 copy's loss minus the second's, which induction heads make (Olsson et al. 2022). A class named for another behaviour

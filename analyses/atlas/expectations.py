@@ -123,11 +123,13 @@ def load_expectations(path) -> ExpectationSet:
         raise ValueError(f"No expectation file at {path}; give a JSON file or one of {', '.join(EXPECTATION_SETS)}.")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        entries = tuple(Expectation(e["class"], tuple(_head(h) for h in e["heads"]), e["score"],
+        entries = tuple(Expectation(e["class"], _heads(e["heads"]), e["score"],
                                     e.get("test", "top"), e.get("k"), e.get("citation", ""))
                         for e in data["entries"])
         return ExpectationSet(data["name"], data.get("model", data["name"]), data["layers"], data["heads"], entries)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text (UTF-8) file; an expectation set is a JSON file.") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path} is not an expectation set ({type(e).__name__}: {e}); it needs name, layers, heads "
                          "and entries of class, heads ('layer.head'), score, test, k, citation.") from None
 
@@ -213,6 +215,8 @@ def _judge(table: pd.DataFrame, entry: Expectation, layer: int, head: int, thres
     scored = scored[scored.map(math.isfinite)]
     if entry.test == "label":
         limit = thresholds.get(entry.score)
+        if limit is None:
+            return {**out, "status": "not measured", "why": f"{entry.score} has no threshold here, so no label"}
         ok = value >= limit
         return {**out, "status": "pass" if ok else "fail",
                 "why": f"{value:.3g} {'>=' if ok else '<'} the {entry.score} threshold {limit:g}"}
@@ -262,11 +266,20 @@ def _atlas_table(atlas: dict) -> pd.DataFrame:
 
 
 def _head(text) -> tuple[int, int]:
-    if isinstance(text, str):
-        layer, _, head = text.partition(".")
-        return int(layer), int(head)
-    layer, head = text
-    return int(layer), int(head)
+    """``"layer.head"`` or ``[layer, head]`` as two integers; anything else (``"4"``, ``"0.1.2"``, ``4.3``) is
+    refused in one line."""
+    parts = text.split(".") if isinstance(text, str) else text if isinstance(text, (list, tuple)) else None
+    if parts is None or len(parts) != 2 or not all(
+            type(p) is int or isinstance(p, str) and p.strip().isdigit() for p in parts):  # noqa: E721
+        raise ValueError(f"a head is written 'layer.head' (e.g. '4.3') or [layer, head]; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _heads(heads) -> tuple[tuple[int, int], ...]:
+    """An entry's heads: a list of heads (``_head``), never one string (``"4.3"`` would be read as '4', '.', '3')."""
+    if not isinstance(heads, (list, tuple)):
+        raise ValueError(f"heads is a list of heads, e.g. [\"4.3\", \"5.1\"]; got {heads!r}")
+    return tuple(_head(h) for h in heads)
 
 
 def _check_set(expected: ExpectationSet) -> None:
@@ -288,7 +301,10 @@ def _check_set(expected: ExpectationSet) -> None:
         if outside or not e.heads:
             raise bad(f"the heads of {e.cls!r} are (layer, head) in {expected.n_layers} x {expected.n_heads}; "
                       f"got {', '.join(outside) or 'none'}")
-        registry.score(e.score)  # an unknown score is refused with the closest names
+        record = registry.score(e.score)  # an unknown score is refused with the closest names
+        if e.test == "label" and record.threshold is None:
+            raise bad(f"the 'label' test of {e.cls!r} needs a score with a threshold; {e.score!r} has none (it "
+                      "gives no label): test it with 'top' and k instead")
 
 
 # -- the published tables ------------------------------------------------------------------------------------------

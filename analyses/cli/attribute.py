@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (UserError, _at_least, _check_out_file, _emit, _format_option, _id_line, _load, _model_options, _parse_heads,
-                     _positive_int, _Progress, _text_or_ids, _token)
+from .common import (UserError, _at_least, _check_out_file, _emit, _format_option, _id_line, _load, _model_options,
+                     _parse_heads, _positive_int, _Progress, _text_or_ids, _token, load_score_modules,
+                     score_module_option)
 
 
 def add_parser(sub) -> None:
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pairs", default=None, help="--qk: the (query, key) pairs to explain: top1 (each query's top key) "
                    "or a registered target-rule score, e.g. previous_token or induction (yours with --score-module; "
                    "default: induction on the default prompts, top1 with --text)")
+    score_module_option(p)
     p.add_argument("--draws", type=_at_least(0), default=20, help="--qk: random head sets for the causal check "
                    "(0: no causal check)")
     p.add_argument("--plot", type=Path, default=None, help="--qk: save the first head's figure here (.png, .pdf, .svg)")
@@ -40,8 +42,9 @@ def add_parser(sub) -> None:
 def cmd_attribute(args) -> int:
     if args.qk is not None:
         return _cmd_qk(args)
-    if args.pairs is not None or args.plot is not None or args.force:
-        raise UserError("--pairs, --plot and --force go with --qk HEADS (the heads whose attention to explain)")
+    if args.pairs is not None or args.plot is not None or args.force or args.score_module:
+        raise UserError("--pairs, --plot, --force and --score-module go with --qk HEADS (the heads whose attention to "
+                        "explain)")
     from ..causal.attribution import token_ids
     from ..explain.logit_attribution import direct_logit_attribution, logit_lens
     from ..data.seq2seq import is_seq2seq
@@ -123,6 +126,8 @@ def _cmd_qk(args) -> int:
 
     if args.lens or args.answer is not None or args.wrong is not None:
         raise UserError("--qk explains attention scores: it takes no --lens, --answer or --wrong")
+    load_score_modules(args)
+    _check_pairs(args.pairs)
     if args.plot is not None and args.plot.suffix.lower() not in (".png", ".pdf", ".svg"):
         raise UserError(f"--plot is a .png, .pdf or .svg file; got {str(args.plot)!r}")
     if args.plot is not None:
@@ -175,3 +180,14 @@ def _cmd_qk(args) -> int:
     if args.plot is not None:
         print(f"\nfigure: {args.plot}")
     return 0
+
+
+def _check_pairs(pairs: str | None) -> None:
+    """``--pairs`` is what its help says: top1 or a registered target-rule score (a user's from --score-module)."""
+    from ..heads import registry
+
+    targets = registry.names(("target",))
+    if pairs is not None and pairs != "top1" and pairs not in targets:
+        registry.score(pairs)  # an unknown name: the registry's message, with the closest names
+        raise UserError(f"--pairs is top1 or a target-rule score ({', '.join(targets)}; yours with --score-module); "
+                        f"got {pairs!r}")

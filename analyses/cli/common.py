@@ -337,7 +337,11 @@ def load_score_modules(args) -> None:
     for name in getattr(args, "score_module", None) or ():
         path = Path(name)
         saved, modules = registry.snapshot(), set(sys.modules)  # a module that fails registers nothing
+        before, imported = {id(r) for r in registry.scores()}, name in sys.modules  # imported: runs no more code
         try:
+            if path.is_dir():
+                raise UserError(f"--score-module {name}: is a folder; give the .py file inside it that registers "
+                                "scores with analyses.head_score, or an importable module name.")
             if path.suffix == ".py" or path.exists():
                 if not path.is_file():
                     raise UserError(f"--score-module {name}: no such file; give a .py file that registers scores "
@@ -359,3 +363,6 @@ def load_score_modules(args) -> None:
             if isinstance(err, UserError):
                 raise
             raise UserError(f"--score-module {name}: importing it failed: {type(err).__name__}: {err}") from err
+        if not imported and not {id(r) for r in registry.scores()} - before:
+            raise UserError(f"--score-module {name}: it registers no score; call analyses.head_score(name, "
+                            "description, rule) in it (at import time).")

@@ -13,8 +13,8 @@ seeds and up to 15,500 steps). Rotary positions are relative only, so that short
 the textbook circuit forms within 1,000 steps: previous-token heads in layer 0, induction heads in
 layer 1 (Olsson et al. 2022).
 
-The recipe follows REFERENCE.md ("A toy model with known heads"), except that an HF Llama cannot be
-attention-only: each block keeps a small MLP (``intermediate_size`` 256). The checkpoint is an
+The recipe follows Olsson et al. 2022's attention-only toy models (2 layers, repeated random tokens), except
+that an HF Llama cannot be attention-only: each block keeps a small MLP (``intermediate_size`` 256). The checkpoint is an
 ordinary HF folder:
 
     python -m analyses.data.toy --out interp/models/toy-induction --seed 0 --steps 3000 --threads 1

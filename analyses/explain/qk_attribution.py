@@ -23,6 +23,7 @@ import pandas as pd
 from hooks.names import hook_name
 from interp.attention.sites import FRONT, check_heads, head_columns, site_of
 from interp.attention.stats import attention_stats
+from interp.runtime.progress import progress, stage
 
 from ..heads import registry
 from ..data.batches import batch_of, check_position
@@ -223,12 +224,13 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
     targets = list({site_of(model, h).name: site_of(model, h) for h in heads}.values())
     rec = Record(model, rows, targets)
     try:
-        run_until(model, batch, rec.hooks, targets)
+        with stage(f"qk attribution: the residual parts of {len(heads)} head(s)"):
+            run_until(model, batch, rec.hooks, targets)
     finally:
         rec.close()
     cache: dict = {}
     frames, pair_records, matrices = [], [], {}
-    for head in heads:
+    for head in progress(heads, total=len(heads), desc="qk attribution: split", unit="head"):
         frame, records, matrix = _explain(model, rec, head, by_head[head], cache)
         frames.append(frame)
         pair_records += records
@@ -239,7 +241,8 @@ def qk_attribution(model, inputs, heads, pairs="top1", *, queries=None, causal: 
     if causal:
         from .qk_causal import causal_check
 
-        for head in heads:
+        for head in progress(heads, total=len(heads), desc=f"qk attribution: causal check ({draws} draws)",
+                             unit="head"):
             df.attrs["causal"] += causal_check(model, batch, head, by_head[head], df, rec, top=top, draws=draws,
                                                seed=seed)
     return df

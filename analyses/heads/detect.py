@@ -121,7 +121,9 @@ def detect_heads(model, scores=None, prompts=None, n_prompts: int = 100, seq_len
         frames, nonfinite = [], set()
         with model.studying():
             for set_records, rows, what in sets:
-                frame = _tally(model, rows, set_records, batch_size, weighting).frame(n_bootstrap, seed)
+                tally = _tally(model, rows, set_records, batch_size, weighting)
+                with stage(f"heads: {n_bootstrap} bootstrap resamples of {len(rows)} prompts"):
+                    frame = tally.frame(n_bootstrap, seed)
                 nonfinite |= set(frame.attrs.pop("nonfinite"))
                 stable.update(frame.attrs.pop("stability", {}))
                 frames.append(frame.set_index(FRONT))
@@ -262,15 +264,24 @@ def _tally(model, rows: list[dict], records, batch_size: int, weighting: str = "
     names = ", ".join(r.name for r in records)
     with distributed.failing_together(), torch.no_grad():
         batches = starts if mine is None else [starts[i] for i in mine]
-        for start in progress(batches, total=len(batches), desc=f"heads: {len(rows)} prompts ({names})", unit="batch"):
+        # counted per attention site of each batch: one batch of a large model is one long forward (tens of seconds)
+        n_sites = len(_wanted_sites(model, records))
+        bar = progress(total=len(batches) * n_sites, desc=f"heads: {len(rows)} prompts in {len(batches)} "
+                       f"batch{'es' if len(batches) > 1 else ''} ({names})", unit="site")
+        for start in batches:
             index = order[start:start + batch_size]
-            _score_batch(model, [rows[i] for i in index], index, records, tally)
+            _score_batch(model, [rows[i] for i in index], index, records, tally, bar)
+        bar.close()
         if mine is not None:  # every other rank's prompts are zeros here: the sums are exact
             tally.set_tensors(distributed.all_sum(*tally.tensors()))
     return tally
 
 
-def _score_batch(model, rows: list[dict], index: torch.Tensor, records, tally: Tally) -> None:
+def _wanted_sites(model, records) -> list[int]:
+    return [i for i, s in enumerate(model.cfg.sites) if any(r.applies_to(site_kind(s)) for r in records)]
+
+
+def _score_batch(model, rows: list[dict], index: torch.Tensor, records, tally: Tally, bar=None) -> None:
     """One forward over one batch; each site's scores are added as the site runs."""
     batch = {}
     for entry, mask_name in MASK_OF.items():
@@ -295,8 +306,10 @@ def _score_batch(model, rows: list[dict], index: torch.Tensor, records, tally: T
         if bad is not None:
             tally.mark_nonfinite(read.index, bad)
         tally.add_site(read, index, for_site(read.site))
+        if bar is not None:  # detect_heads's bar counts sites (sinks.py passes none)
+            bar.update(1)
 
-    wanted = [i for i, s in enumerate(model.cfg.sites) if any(r.applies_to(site_kind(s)) for r in records)]
+    wanted = _wanted_sites(model, records)
     each_site(model, batch, visit, wanted,
               value_norms=output_grams(model, wanted) if tally.weighting == "norm" else None)
 

@@ -15,6 +15,7 @@ score: it can only attend to itself.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -78,10 +79,26 @@ def _as_triple(record: HeadScore, out, n_batch: int, n_q: int, n_k: int):
 
 def _integer(t: torch.Tensor, form: str) -> torch.Tensor:
     """``t`` where it holds integer positions; a float, bool or complex tensor is refused."""
+    if t.device.type == "meta":
+        raise ValueError(f"{form}; it returned a tensor on the meta device, which holds no values (build it from "
+                         "ids, e.g. torch.arange(..., device=ids.device)).")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise ValueError(f"{form}; it returned a {t.dtype} tensor (positions are integers: cast with .long() where "
                          "they are whole, and mark 'no target' with -1, not NaN).")
     return t
+
+
+def _call_rule(record: HeadScore, **available):
+    """``record.call_rule``; what a rule raises comes back as one line that names the score and the file of its rule
+    (the rule's own message first)."""
+    try:
+        return record.call_rule(**available)
+    except Exception as err:  # noqa: BLE001  a user's rule may raise anything
+        rule = record.function
+        code = getattr(rule, "__code__", None)
+        where = f"{code.co_filename}:{code.co_firstlineno}" if code else repr(rule)
+        raise ValueError(f"{str(err).strip() or type(err).__name__} ({type(err).__name__} raised by the target rule "
+                         f"of score {record.name!r}, {getattr(rule, '__name__', 'rule')} in {where})") from err
 
 
 def rule_pairs(record: HeadScore, ids, valid, key_ids, key_valid, causal: bool, tokenizer=None) -> Pairs:
@@ -92,14 +109,14 @@ def rule_pairs(record: HeadScore, ids, valid, key_ids, key_valid, causal: bool, 
     same = key_ids is ids
     if bool(valid.all()) and bool(key_valid.all()):  # no padding: one call for the whole batch
         parts = [(torch.arange(n_batch), torch.arange(ids.shape[1]), torch.arange(key_ids.shape[1]),
-                  _as_triple(record, record.call_rule(ids=ids, key_ids=key_ids, tokenizer=tokenizer), n_batch,
+                  _as_triple(record, _call_rule(record, ids=ids, key_ids=key_ids, tokenizer=tokenizer), n_batch,
                              ids.shape[1], key_ids.shape[1]))]
     else:
         parts = []
         for row in range(n_batch):
             q_at, k_at = valid[row].nonzero().squeeze(1), key_valid[row].nonzero().squeeze(1)
             mine, theirs = ids[row, q_at][None], key_ids[row, k_at][None]
-            out = record.call_rule(ids=mine, key_ids=mine if same else theirs, tokenizer=tokenizer)
+            out = _call_rule(record, ids=mine, key_ids=mine if same else theirs, tokenizer=tokenizer)
             parts.append((torch.tensor([row]), q_at, k_at, _as_triple(record, out, 1, len(q_at), len(k_at))))
     bs, qs, ks = [], [], []
     for rows_at, q_at, k_at, (b, q, k) in parts:
@@ -215,6 +232,10 @@ class Tally:
                 columns[f"{r.name}_fraction"] = torch.where(ok & (hist.sum(-1) > 0), share, torch.nan).numpy()
                 continue
             sums, rows = self.sums[r.name][:, site_at, head_at], self.rows[r.name][:, site_at].double()
+            if not bool((rows[:, ok] > 0).any()) and bool(ok.any()):
+                warnings.warn(f"The target rule of {r.name!r} gave no target on any of the {sums.shape[0]} prompts "
+                              "(every position -1 or masked), so its values are NaN: check the rule, or give prompts "
+                              "on which it has targets.", stacklevel=2)
             if counts is None:
                 counts = resample_counts(sums.shape[0], n_bootstrap, seed)
             value, lo, hi = ratio_interval(sums, rows, counts=counts)

@@ -355,7 +355,7 @@ def taxonomy_frame(model, names: list[str], seed: int = 0, n_bootstrap: int = 10
     """The taxonomy scores ``names`` of every head, merged on (layer, head); ``io_attention`` comes with
     ``name_mover`` (its label needs it), and ``s_inhibition`` brings ``name_mover`` along (its receivers). The
     registry's runner of these scores (``detect_heads`` passes ``context`` too, which they do not read)."""
-    refuse_non_lm(model, f"The score(s) {names}")
+    refuse_non_lm(model, f"The score {names[0]!r}" if len(names) == 1 else f"The scores {', '.join(names)} each")
     check_n_bootstrap(n_bootstrap)
     frames = []
     if "successor" in names:

@@ -239,7 +239,8 @@ tokens for induction and duplicate-token heads, the example text for the others)
 <h2 id="ablation">Ablation scan</h2>
 <p>Zero-ablating each head alone on {esc(summary['study_inputs'])}; metric <code>{esc(summary['metric'])}</code>,
 baseline {summary['baseline']:.4f}. Cells show the change in the metric
-(<a href="ablation.csv"><code>ablation.csv</code></a>).</p>
+(<a href="ablation.csv"><code>ablation.csv</code></a>). One run on these prompts, without an interval: a scan that
+points at heads to test, not a finding (the findings above come with their random-head or bootstrap comparisons).</p>
 {figures.img('ablation', 'ablation scan heatmap')}
 <p>Heads whose ablation hurts most:</p>
 {_table(top, '{:.4f}')}

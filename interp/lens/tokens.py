@@ -109,15 +109,38 @@ class TokensMixin:
         rows = self._rows(input, prepend_bos, truncate)
         return pad_ids(rows, left=padding_side == "left", pad_id=self.pad_token_id)
 
+    def _token_ids(self, tokens, what: str) -> torch.Tensor:
+        """``tokens`` (ids, a mapping with ``input_ids``) as an integer tensor of ids in the vocabulary; one clear
+        line for strings, floats, bools and ids outside ``[0, d_vocab)`` (a tokenizer decodes those to '')."""
+        if isinstance(tokens, Mapping):
+            tokens = tokens["input_ids"]
+        try:
+            ids = torch.as_tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{what} takes token ids (an int, a list of ints or a LongTensor); got {tokens!r}. Text "
+                            "goes through model.to_tokens first.") from None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{what} takes integer token ids; got {ids.dtype} {tuple(ids.shape)}. Cast with .long().")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.d_vocab):
+            raise ValueError(f"{what}: token ids lie in [0, {self.cfg.d_vocab}); got ids from {int(ids.min())} to "
+                             f"{int(ids.max())}.")
+        return ids
+
     def to_string(self, tokens) -> str | list[str]:
         """Decode ids: ``(p,)`` or one id -> a string; ``(b, p)`` -> a list of strings."""
-        ids = torch.as_tensor(tokens["input_ids"] if isinstance(tokens, Mapping) else tokens)
+        ids, tokenizer = self._token_ids(tokens, "to_string"), self._tokenizer()
+        if ids.numel() and int(ids.max()) >= len(tokenizer):
+            raise ValueError(f"to_string: id {int(ids.max())} is in the model's vocabulary ({self.cfg.d_vocab}) but "
+                             f"past the tokenizer's ({len(tokenizer)} tokens), so it has no text.")
         if ids.ndim == 2:
             return [self.to_string(row) for row in ids]
-        return self._tokenizer().decode(ids.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
+        return tokenizer.decode(ids.reshape(-1).tolist(), clean_up_tokenization_spaces=False)
 
     def to_single_token(self, string: str) -> int:
         """The id of a string that is one token (with its leading space: ``" Mary"``)."""
+        if not isinstance(string, str):
+            raise TypeError(f"to_single_token takes a string of one token (e.g. ' Mary'); got {string!r} "
+                            f"({type(string).__name__}). An id is already a token: use it as it is.")
         ids = encode(self._tokenizer(), string, add_special_tokens=False)
         if len(ids) != 1:
             raise ValueError(f"{string!r} is {len(ids)} tokens ({self.to_str_tokens(torch.tensor(ids))}); "
@@ -132,9 +155,12 @@ class TokensMixin:
             input = input["input_ids"]  # noqa: A001
         if isinstance(input, (list, tuple)) and input and all(isinstance(t, str) for t in input):
             return [self.to_str_tokens(t, prepend_bos) for t in input]
+        if isinstance(input, (list, tuple)) and any(isinstance(t, str) for t in input):
+            raise TypeError(f"to_str_tokens takes a string, a list of strings or token ids; got a list mixing "
+                            f"strings and other values: {input!r}.")
         if isinstance(input, str):
             input = self.to_tokens(input, prepend_bos=prepend_bos)[0]  # noqa: A001
-        ids = torch.as_tensor(input)
+        ids = self._token_ids(input, "to_str_tokens")
         if ids.ndim == 2 and ids.shape[0] == 1:
             ids = ids[0]
         if ids.ndim == 2:
@@ -150,12 +176,19 @@ class TokensMixin:
         ``mode="first"`` or ``"last"`` occurrence."""
         if mode not in ("first", "last"):
             raise ValueError(f"mode is 'first' or 'last'; got {mode!r}.")
-        ids = self.to_tokens(input, prepend_bos, padding_side) if isinstance(input, str) else torch.as_tensor(input)
+        if isinstance(input, (list, tuple)) and any(isinstance(t, str) for t in input):
+            if len(input) != 1 or not isinstance(input[0], str):
+                raise ValueError(f"get_token_position takes one text or one sequence of ids; got a list of "
+                                 f"{len(input)}: {input!r}. Call it once per text.")
+            input = input[0]  # noqa: A001
+        text = isinstance(input, str)
+        ids = self.to_tokens(input, prepend_bos, padding_side) if text else self._token_ids(input, "get_token_position")
         if ids.ndim == 2:
             if ids.shape[0] != 1:
                 raise ValueError(f"get_token_position takes one sequence; got a batch of {ids.shape[0]}.")
             ids = ids[0]
-        token = self.to_single_token(single_token) if isinstance(single_token, str) else int(single_token)
+        token = (self.to_single_token(single_token) if isinstance(single_token, str)
+                 else int(self._token_ids(single_token, "get_token_position's token").reshape(-1)[0]))
         hits = (ids == token).nonzero().flatten()
         if not len(hits):
             raise ValueError(f"Token {single_token!r} ({token}) is not in the input {self.to_str_tokens(ids)}.")
@@ -166,7 +199,7 @@ class TokensMixin:
         ``(*tokens.shape, m)`` for a tensor of ids."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
-        ids = torch.as_tensor(tokens, device=self.device)
+        ids = self._token_ids(tokens, "tokens_to_residual_directions").to(self.device)
         return self.W_U[:, ids].movedim(0, -1)
 
     # -- what the forward pass returns ----------------------------------------------------------------------------
@@ -223,6 +256,8 @@ class TokensMixin:
                                       "is not one (an encoder-decoder model: use model.hf.generate).")
         if return_type not in ("input", "str", "tokens"):
             raise ValueError(f"return_type is 'input', 'str' or 'tokens'; got {return_type!r}.")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens is a whole number of tokens, 0 or more; got {max_new_tokens!r}.")
         texts = isinstance(input, str) or isinstance(input, (list, tuple)) and bool(input) and isinstance(input[0], str)
         if texts:
             rows = self._rows(input, prepend_bos)
