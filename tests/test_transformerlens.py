@@ -439,3 +439,47 @@ def test_cache_shorthand_takes_a_layer_from_topk():
     assert torch.equal(cache["attn", layer], cache.pattern(1)) and torch.equal(cache["z", layer], cache["z", 1])
     with pytest.raises(KeyError, match="shorthand"):
         cache["z", torch.tensor(1.0)]
+
+
+# -- model.cfg with TransformerLens's field names (issue 53) ----------------------------------------------------
+@pytest.mark.parametrize("name, d_mlp, act_fn, norm, positions", [
+    ("llama", 37, "silu", "RMS", "rotary"),  # TransformerLens: act_fn=hidden_act, "RMSPre" when folded, "rotary"
+    ("gpt2", 128, "gelu_new", "LN", "standard"),  # 4 * d_model when n_inner is None, "LNPre" when folded
+])
+def test_cfg_has_transformerlens_fields(name, d_mlp, act_fn, norm, positions, request):
+    model = request.getfixturevalue(name)
+    cfg = model.cfg
+    assert (cfg.d_mlp, cfg.act_fn, cfg.positional_embedding_type) == (d_mlp, act_fn, positions)
+    assert cfg.d_mlp == model.hf.config.to_dict().get("intermediate_size", 4 * cfg.d_model)
+    assert cfg.normalization_type == norm + "Pre"  # from_pretrained's fold_ln=True, as TransformerLens's default
+    copied = copy.deepcopy(model)
+    copied.fold_ln = False
+    assert copied.cfg.normalization_type == norm and model.cfg.normalization_type == norm + "Pre"
+    assert cfg.device == model.device and cfg.dtype == model.dtype
+    assert cfg.n_key_value_heads == model.hf.config.num_key_value_heads if name == "llama" else cfg.n_heads
+    assert (cfg.d_vocab, cfg.n_ctx, cfg.d_head) == (99, 64, 8)
+    assert cfg.attn_only is False and cfg.default_prepend_bos is False  # tiny models have no tokenizer
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the model it reads settings from is not pickled with it
+    with pytest.raises(AttributeError, match="setting of a loaded model"):
+        pickle.loads(pickle.dumps(cfg)).device
+
+
+def test_cfg_default_prepend_bos_is_what_to_tokens_does(smollm2):
+    cfg = smollm2.cfg
+    bos = smollm2.tokenizer.bos_token_id
+    assert cfg.default_prepend_bos == (smollm2.to_tokens("Hi")[0, 0].item() == bos)
+    assert cfg.tokenizer_name == smollm2.tokenizer.name_or_path and cfg.n_layers == 30 and cfg.d_mlp == 1536
+
+
+def test_cfg_refuses_a_field_a_model_has_not(minilm):
+    cfg = minilm.cfg
+    assert cfg.positional_embedding_type == "standard" and cfg.normalization_type in ("LN", "LNPre")  # BERT: post-norm
+    import dataclasses
+
+    bare = dataclasses.replace(cfg, mlp_width=None, norm_kind=None)
+    with pytest.raises(AttributeError, match="d_mlp means nothing"):
+        bare.d_mlp
+    with pytest.raises(AttributeError, match="normalization_type means nothing"):
+        bare.normalization_type

@@ -25,6 +25,7 @@ from ..attention.masks import window_aware
 from ..structure.families import check_supported
 from ..tokens.inputs import check_inputs, fix_permissions
 from .layered import LAYERED
+from .config import ModelConfig, ModelRef
 from ..structure.head_slicing import save_pruned
 from ..lens.resid import ModelCache
 from ..lens.tokens import _UNSET, TokensMixin, pad_mask
@@ -69,6 +70,8 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure.layered); None for an encoder-decoder
         self.cfg = layout.cfg
+        if isinstance(self.cfg, ModelConfig):  # cfg.device, cfg.normalization_type ... read this model's settings
+            object.__setattr__(self.cfg, "owner", ModelRef(self))
         self._blocks = layout.blocks  # the block list, or {stack: block list}
         self._site_modules = layout.modules  # site name -> attention module
         self._attn_modules = list(layout.modules.values())  # in site order: per layer where there is one site each
@@ -292,7 +295,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     def summary(self) -> dict:
         return {
             "class": type(self.hf).__name__,
-            **{k: v for k, v in asdict(self.cfg).items() if k != "sites"},
+            **{k: v for k, v in asdict(self.cfg).items() if k not in ("sites", "owner")},
             "sites": [site.name for site in self.cfg.sites],
             "attn": self.attn,
             "dtype": str(self.dtype).removeprefix("torch."),
