@@ -483,3 +483,41 @@ def test_cfg_refuses_a_field_a_model_has_not(minilm):
         bare.d_mlp
     with pytest.raises(AttributeError, match="normalization_type means nothing"):
         bare.normalization_type
+
+
+# -- modules by TransformerLens's names and its switches (issue 53) ----------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_embed_unembed_ln_final_blocks_by_transformerlens_names(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    assert torch.equal(model.embed.W_E, model.W_E) and torch.equal(model.unembed.W_U, model.W_U)
+    assert torch.equal(model.embed(ids), model.hf.get_input_embeddings()(ids))
+    assert torch.equal(model.blocks[1].attn.W_Q, model.W_Q[1])
+    logits, cache = model.run_with_cache(ids, return_type="logits")
+    final = cache["resid_post", model.cfg.n_layers - 1]
+    for fold in (True, False):  # folded: ln_final only rescales and W_U holds the weight, as TransformerLens's LNPre
+        model.fold_ln = fold
+        torch.testing.assert_close(model.unembed(model.ln_final(final)), logits, atol=ATOL, rtol=ATOL)
+    model.fold_ln = True
+    assert model.ln_final.weight is model.final_norm().weight
+    named = dict(model.tl_named_parameters())
+    assert torch.equal(named["blocks.1.attn.W_O"], model.W_O[1]) and torch.equal(named["unembed.W_U"], model.W_U)
+    assert ("pos_embed.W_pos" in named) == (name == "gpt2")
+    assert len([k for k in named if k.startswith("blocks.")]) == 8 * model.cfg.n_layers
+
+
+def test_set_use_attn_result_puts_hook_result_in_the_default_cache(gpt2):
+    ids = _ids()
+    _, cache = gpt2.run_with_cache(ids)
+    assert "blocks.0.attn.hook_result" not in cache.keys()
+    copied = copy.deepcopy(gpt2)
+    copied.set_use_attn_result(True)
+    _, cache = copied.run_with_cache(ids)
+    result = cache["blocks.0.attn.hook_result"]
+    b_o = copied.b_O[0]
+    torch.testing.assert_close(result.sum(2) + b_o, cache["attn_out", 0], atol=ATOL, rtol=ATOL)
+    assert copy.deepcopy(copied).use_attn_result is True and "use_attn_result" not in vars(gpt2)
+    copied.set_use_hook_mlp_in(True)  # a no-op: hook_resid_mid is the MLP's input
+    with pytest.raises(NotImplementedError, match="hook_q_input"):
+        copied.set_use_split_qkv_input(True)
+    copied.set_use_split_qkv_input(False)

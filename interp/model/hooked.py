@@ -37,7 +37,7 @@ from .wrapper import _hand_back_when_dropped, _take_over, _Wrapper
 __all__ = ["HookedModel"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
-_SETTINGS = ("return_type", "fold_ln")  # TransformerLens-style settings a copy keeps (interp.lens.tokens, tl_weights)
+_SETTINGS = ("return_type", "fold_ln", "use_attn_result")  # TransformerLens-style settings a copy keeps (interp.lens.tokens, tl_weights)
 _ON_BUILD: list = []  # run on every new HookedModel: interp.streaming.model attaches the streaming heads a config records
 
 
@@ -231,8 +231,32 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
 
     def default_cache_names(self) -> list[str]:
         """What ``run_with_cache`` captures by default: all but opt-in points and, on flash, eager-only ones."""
-        return [n for n in self.hook_names()
-                if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
+        wanted = ("hook_result",) if getattr(self, "use_attn_result", False) else ()
+        return [n for n in self.hook_names() if (not spec_for(n).opt_in or n.endswith(wanted))
+                and not (self.attn == "flash" and spec_for(n).eager_only)]
+
+    # -- TransformerLens's switches ---------------------------------------------------------------------------
+    def set_use_attn_result(self, use: bool) -> None:
+        """TransformerLens's switch: with True, ``run_with_cache`` captures ``hook_result`` by default (it always
+        exists here, opt-in to the cache because it is ``(b, p, h, m)``)."""
+        if use and not any(n.endswith("hook_result") for n in self.hook_names()):
+            raise NotImplementedError(f"{type(self.hf).__name__}: interp found no output projection per head, so "
+                                      "there is no hook_result to capture.")
+        self.use_attn_result = bool(use)
+
+    def set_use_hook_mlp_in(self, use: bool) -> None:
+        """A no-op: TransformerLens's ``hook_mlp_in`` is the stream the MLP reads, ``blocks.{l}.hook_resid_mid``
+        here, always present; refused for parallel blocks, where the MLP reads ``hook_resid_pre``."""
+        if use and self.cfg.block == "parallel":
+            raise NotImplementedError("Parallel blocks: the MLP reads blocks.{l}.hook_resid_pre, which has no "
+                                      "separate copy to hook; use that.")
+
+    def set_use_split_qkv_input(self, use: bool) -> None:
+        """Refused with True: interp has no per-head copies of the q/k/v inputs (TransformerLens's
+        ``hook_q_input``...); edit ``hook_q``/``hook_k``/``hook_v`` or ``blocks.{l}.hook_resid_pre`` instead."""
+        if use:
+            raise NotImplementedError("interp has no hook_q_input/hook_k_input/hook_v_input: patch hook_q, hook_k "
+                                      "or hook_v per head, or blocks.{l}.hook_resid_pre for all three.")
 
     def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
                        fwd_hooks: Iterable = (), device=None, return_type=_UNSET, remove_batch_dim: bool = False,
