@@ -521,3 +521,33 @@ def test_set_use_attn_result_puts_hook_result_in_the_default_cache(gpt2):
     with pytest.raises(NotImplementedError, match="hook_q_input"):
         copied.set_use_split_qkv_input(True)
     copied.set_use_split_qkv_input(False)
+
+
+# -- norm scale hooks in the cache, get_act_name's norm names (issue 53) ----------------------------------------
+def test_get_act_name_knows_transformerlens_norm_names():
+    # TransformerLens 4.3's docstring examples
+    assert utils.get_act_name("normalized", 27, "ln2") == "blocks.27.ln2.hook_normalized"
+    assert utils.get_act_name("scale4ln1") == "blocks.4.ln1.hook_scale"
+    assert utils.get_act_name("scale") == "ln_final.hook_scale"
+    with pytest.raises(ValueError, match="ln1' or 'ln2"):
+        utils.get_act_name("scale", 3)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cache_norm_scale_and_normalized_rebuild_the_norms_output(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    _, cache = model.run_with_cache(ids)
+    last = model.cfg.n_layers - 1
+    for key, norm, x in [("ln_final", model.final_norm(), cache["resid_post", last]),
+                         ("blocks.1.ln1", model.block_norm(1), cache["resid_pre", 1]),
+                         ("blocks.0.ln2", model.block_norm(0, mlp_input=True), cache["resid_mid", 0])]:
+        scale, normalized = cache[f"{key}.hook_scale"], cache[f"{key}.hook_normalized"]
+        assert scale.shape == (*x.shape[:-1], 1) and f"{key}.hook_scale" in cache
+        w = norm.weight  # HF's norm output is normalized * w (+ b): neither llama nor gpt2 shifts its weight
+        b = norm.bias if getattr(norm, "bias", None) is not None else 0
+        with torch.no_grad():
+            torch.testing.assert_close(normalized * w + b, norm(x), atol=ATOL, rtol=ATOL)
+    assert torch.equal(cache[utils.get_act_name("scale")], cache["ln_final.hook_scale"])
+    assert torch.equal(cache["scale", 1, "ln1"], cache["blocks.1.ln1.hook_scale"])
+    assert "blocks.0.ln3.hook_scale" not in cache
