@@ -551,3 +551,20 @@ def test_cache_norm_scale_and_normalized_rebuild_the_norms_output(name, request)
     assert torch.equal(cache[utils.get_act_name("scale")], cache["ln_final.hook_scale"])
     assert torch.equal(cache["scale", 1, "ln1"], cache["blocks.1.ln1.hook_scale"])
     assert "blocks.0.ln3.hook_scale" not in cache
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_stop_at_layer_returns_the_stream_entering_that_block(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    logits, cache = model.run_with_cache(ids, return_type="logits")
+    fired = []
+    with model.hooks([(lambda n: n.endswith("hook_z"), lambda z, hook: fired.append(hook.name))]):
+        out = model(ids, stop_at_layer=1)
+    assert torch.equal(out, cache["resid_pre", 1]) and fired == ["blocks.0.attn.hook_z"]  # block 1 never ran
+    assert torch.equal(model(ids, stop_at_layer=-1), cache["resid_pre", 1])  # as TransformerLens: from the end
+    assert torch.equal(model(ids, stop_at_layer=0), cache["resid_pre", 0])
+    assert torch.equal(model(ids, stop_at_layer=2), cache["resid_post", 1])  # n_layers: all blocks, no final norm
+    with pytest.raises(ValueError, match="stop_at_layer takes a layer in"):
+        model(ids, stop_at_layer=3)
+    torch.testing.assert_close(model(ids, return_type="logits"), logits)  # the model runs whole again

@@ -41,6 +41,10 @@ _SETTINGS = ("return_type", "fold_ln", "use_attn_result")  # TransformerLens-sty
 _ON_BUILD: list = []  # run on every new HookedModel: interp.streaming.model attaches the streaming heads a config records
 
 
+class _Stop(Exception):
+    """Raised by stop_at_layer's hook to end the forward early."""
+
+
 def _encoder_decoder(hf) -> bool:
     return bool(getattr(getattr(hf, "config", None), "is_encoder_decoder", False)) and callable(
         getattr(hf, "get_encoder", None))
@@ -218,9 +222,34 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         default unless ``model.return_type`` says otherwise), "logits", "loss", "both" or None, as TransformerLens
         (``interp.lens.tokens``)."""
         self._check_attached()
+        stop = kwargs.pop("stop_at_layer", None)
         inputs = self._text_kwargs(inputs, kwargs)
         batch, _ = self._kind.feed(self, inputs, attention_mask, kwargs)
+        if stop is not None:
+            return self._stopped(batch, stop)
         return self._returned(self.hf(**batch), batch, return_type, loss_per_token)
+
+    def _stopped(self, batch, stop: int) -> torch.Tensor:
+        """TransformerLens's ``stop_at_layer``: the residual stream entering block ``stop`` (negative: counted from
+        the end; ``n_layers``: after the last block, before the final norm), the blocks after it not run."""
+        n = getattr(self.cfg, "n_layers", None)
+        if n is None or isinstance(stop, bool) or not isinstance(stop, int) or not -n <= stop <= n:
+            raise ValueError(f"stop_at_layer takes a layer in [-{n}, {n}] of a model with one stack of blocks; "
+                             f"got {stop!r}.")
+        stop = stop + n if stop < 0 else stop
+        name = f"blocks.{stop}.hook_resid_pre" if stop < n else f"blocks.{n - 1}.hook_resid_post"
+        seen = {}
+
+        def catch(x, hook):
+            seen["x"] = x
+            raise _Stop
+
+        try:
+            with self.hooks([(name, catch)]):
+                self.hf(**batch)
+        except _Stop:
+            pass
+        return seen["x"]
 
     forward = __call__
 
