@@ -568,3 +568,18 @@ def test_stop_at_layer_returns_the_stream_entering_that_block(name, request):
     with pytest.raises(ValueError, match="stop_at_layer takes a layer in"):
         model(ids, stop_at_layer=3)
     torch.testing.assert_close(model(ids, return_type="logits"), logits)  # the model runs whole again
+
+
+# -- BOS as TransformerLens handles it where a user cannot tell (issue 53) --------------------------------------
+def test_a_bos_written_in_the_text_stays_and_generate_drops_the_one_it_added(smollm2):
+    tok = smollm2.tokenizer
+    bos, hi = tok.bos_token_id, tok("Hi")["input_ids"]
+    assert smollm2.cfg.default_prepend_bos is False  # SmolLM2's tokenizer adds none
+    text = tok.bos_token + "Hi"
+    # TransformerLens: prepend_bos=False tokenizes the text as it is, so its BOS stays (interp dropped it before)
+    assert smollm2.to_tokens(text, prepend_bos=False)[0].tolist() == [bos, *hi]
+    assert smollm2.to_tokens(text, prepend_bos=True)[0].tolist() == [bos, bos, *hi]  # prepended, as TL does
+    out = smollm2.generate("Hi", max_new_tokens=2, do_sample=False, prepend_bos=True)
+    assert out.startswith("Hi") and not out.startswith(tok.bos_token)  # TL's generate drops the BOS it added
+    kept = smollm2.generate(text, max_new_tokens=2, do_sample=False, prepend_bos=False)
+    assert kept.startswith(text)  # one the user wrote stays

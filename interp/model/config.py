@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from ..tokens.inputs import position_limit
+from ..tokens.inputs import adds_bos, position_limit
 from ..structure.head_slicing import CONFIG_KEY
 from ..attention.sites import Site
 from ..structure.layered import Structure
@@ -106,9 +106,7 @@ class ModelConfig:
     def default_prepend_bos(self) -> bool:
         """Whether ``to_tokens(text)`` prepends a BOS token by default: here the tokenizer's own convention
         (TransformerLens prepends one for most models; ``notebooks/transformerlens.md``)."""
-        tok = self._model("default_prepend_bos").tokenizer
-        bos = getattr(tok, "bos_token_id", None)
-        return bos is not None and tok("a")["input_ids"][:1] == [bos]
+        return adds_bos(self._model("default_prepend_bos").tokenizer)
 
     @property
     def tokenizer_name(self) -> str | None:
