@@ -583,3 +583,9 @@ def test_a_bos_written_in_the_text_stays_and_generate_drops_the_one_it_added(smo
     assert out.startswith("Hi") and not out.startswith(tok.bos_token)  # TL's generate drops the BOS it added
     kept = smollm2.generate(text, max_new_tokens=2, do_sample=False, prepend_bos=False)
     assert kept.startswith(text)  # one the user wrote stays
+
+
+def test_from_pretrained_warns_when_no_bos_is_prepended():
+    with pytest.warns(UserWarning, match="prepend_bos=True"):
+        model = HookedTransformer.from_pretrained("smollm2", device="cpu")
+    assert model.cfg.default_prepend_bos is False
