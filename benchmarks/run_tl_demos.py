@@ -18,13 +18,16 @@ import time
 import types
 from pathlib import Path
 
-LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(")
+LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|TransformerBridge\.boot_transformers\(")
+COMPAT = re.compile(r"^\s*\w+\.enable_compatibility_mode\(.*\)\s*(#.*)?$")  # TransformerLens 4's half of loading
 
 
 def cell_source(cell: dict) -> str:
-    """A code cell's text with IPython magics and shell lines left out (they are not Python)."""
+    """A code cell's text with IPython magics and shell lines (not Python) and TransformerLens 4's
+    ``enable_compatibility_mode`` (part of its loading) each replaced by ``pass`` at their indentation."""
     lines = "".join(cell.get("source", [])).splitlines()
-    return "\n".join(line for line in lines if not line.lstrip().startswith(("%", "!")))
+    return "\n".join(line[:len(line) - len(line.lstrip())] + "pass"
+                     if line.lstrip().startswith(("%", "!")) or COMPAT.match(line) else line for line in lines)
 
 
 def install_transformer_lens() -> None:
@@ -33,8 +36,17 @@ def install_transformer_lens() -> None:
 
     module = types.ModuleType("transformer_lens")
     module.HookedTransformer, module.utils, module.ActivationCache = interp.HookedTransformer, interp.utils, interp.ModelCache
+    import hooks
+
     module.FactoredMatrix = interp.LowRank
-    sys.modules["transformer_lens"], sys.modules["transformer_lens.utils"] = module, interp.utils
+    bridge = types.ModuleType("transformer_lens.model_bridge")
+    bridge.TransformerBridge = module.TransformerBridge = interp.HookedTransformer  # boot_transformers: the loading
+    points = types.ModuleType("transformer_lens.hook_points")
+    points.HookPoint = hooks.HookPoint
+    module.__path__ = []  # a package, so that its submodules import
+    sys.modules.update({"transformer_lens": module, "transformer_lens.utils": interp.utils,
+                        "transformer_lens.utilities": interp.utils, "transformer_lens.model_bridge": bridge,
+                        "transformer_lens.hook_points": points})
 
 
 def run_notebook(path: Path, model, device: str, out=print) -> list[tuple[int, str, str]]:

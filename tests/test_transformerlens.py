@@ -589,3 +589,8 @@ def test_from_pretrained_warns_when_no_bos_is_prepended():
     with pytest.warns(UserWarning, match="prepend_bos=True"):
         model = HookedTransformer.from_pretrained("smollm2", device="cpu")
     assert model.cfg.default_prepend_bos is False
+
+
+def test_utils_get_device_is_where_torch_can_run():
+    device = utils.get_device()
+    assert device.type == ("cuda" if torch.cuda.is_available() else device.type) and torch.zeros(1, device=device).device.type == device.type
