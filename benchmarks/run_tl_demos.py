@@ -19,15 +19,16 @@ import types
 from pathlib import Path
 
 LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|TransformerBridge\.boot_transformers\(")
-COMPAT = re.compile(r"^\s*\w+\.enable_compatibility_mode\(.*\)\s*(#.*)?$")  # TransformerLens 4's half of loading
+COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op
 
 
 def cell_source(cell: dict) -> str:
-    """A code cell's text with IPython magics and shell lines (not Python) and TransformerLens 4's
-    ``enable_compatibility_mode`` (part of its loading) each replaced by ``pass`` at their indentation."""
+    """A code cell's text with IPython magics and shell lines (not Python) each replaced by ``pass`` at their
+    indentation, and the loading calls changed (``_tl_load``; ``enable_compatibility_mode``: ``_tl_noop``)."""
     lines = "".join(cell.get("source", [])).splitlines()
-    return "\n".join(line[:len(line) - len(line.lstrip())] + "pass"
-                     if line.lstrip().startswith(("%", "!")) or COMPAT.match(line) else line for line in lines)
+    text = "\n".join(line[:len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("%", "!")) else line
+                     for line in lines)
+    return COMPAT.sub("_tl_noop(", LOADING.sub("_tl_load(", text))
 
 
 def install_transformer_lens() -> None:
@@ -61,11 +62,11 @@ def run_notebook(path: Path, model, device: str, out=print) -> list[tuple[int, s
             loaded["model"] = interp.HookedTransformer.from_pretrained(model, device=device)
         return loaded["model"]
 
-    namespace = {"__name__": "__main__", "_tl_load": from_pretrained}
+    namespace = {"__name__": "__main__", "_tl_load": from_pretrained, "_tl_noop": lambda *args, **kwargs: None}
     cells = [c for c in json.loads(path.read_text())["cells"] if c.get("cell_type") == "code"]
     results = []
     for number, cell in enumerate(cells, 1):
-        source = LOADING.sub("_tl_load(", cell_source(cell))
+        source = cell_source(cell)
         start = time.process_time()
         try:
             exec(compile(source, f"{path.name}:cell{number}", "exec"), namespace)  # noqa: S102 (the demo's own code)

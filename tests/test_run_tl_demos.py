@@ -23,7 +23,7 @@ def test_cells_run_in_one_namespace_with_the_loading_line_changed(tmp_path):
     run_tl_demos.install_transformer_lens()
     path = _notebook(tmp_path / "Demo.ipynb", [
         "%pip install transformer_lens\nimport torch\nfrom transformer_lens import HookedTransformer, utils",
-        'model = HookedTransformer.from_pretrained("gpt2-small")',
+        'model = HookedTransformer.from_pretrained("gpt2-small")\nif True:\n    %matplotlib inline\nmodel.enable_compatibility_mode(\n    fold_ln=True,\n)',
         "n = model.cfg.n_layers\nname = utils.get_act_name('scale4ln1')",
         "tokens = torch.randint(1, 99, (1, 6))\nlogits, cache = model.run_with_cache(tokens)\nassert cache['pattern', 0].shape[-1] == 6",
         "model.no_such_method()",
