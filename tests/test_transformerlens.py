@@ -568,6 +568,9 @@ def test_stop_at_layer_returns_the_stream_entering_that_block(name, request):
     with pytest.raises(ValueError, match="stop_at_layer takes a layer in"):
         model(ids, stop_at_layer=3)
     torch.testing.assert_close(model(ids, return_type="logits"), logits)  # the model runs whole again
+    early, part = model.run_with_cache(ids, stop_at_layer=1)  # the cache holds what ran
+    assert torch.equal(early, cache["resid_pre", 1]) and torch.equal(part["resid_pre", 1], early)
+    assert "blocks.0.attn.hook_z" in part and "blocks.1.attn.hook_z" not in part
 
 
 # -- BOS as TransformerLens handles it where a user cannot tell (issue 53) --------------------------------------

@@ -300,6 +300,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self._check_attached()
         names = names_filter if names is None else names
         loss_per_token = kwargs.pop("loss_per_token", False)
+        stop = kwargs.pop("stop_at_layer", None)
         inputs = self._text_kwargs(inputs, kwargs)
         batch, masks = self._kind.feed(self, inputs, attention_mask, kwargs)
         selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
@@ -316,13 +317,15 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
 
         capture = [(lambda n: n.endswith(".hook_q"), bias)] if self._kind.position_bias else []
         with self.hooks([*fwd_hooks, (selected, save), *capture]):
-            output = self.hf(**batch)
+            output = self.hf(**batch) if stop is None else self._stopped(batch, stop)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
         cache = ModelCache(store, self._kind.meta(self, masks, biases), self)
         cache = cache if device is None else cache.to(device)
         if remove_batch_dim:
             cache.remove_batch_dim()
+        if stop is not None:  # TransformerLens: the stream entering that block, and what ran before it
+            return output, cache
         return self._returned(output, batch, return_type, loss_per_token), cache
 
     def attention_meta(self, attention_mask: torch.Tensor | None = None) -> AttentionMeta:
