@@ -157,7 +157,8 @@ def unknown_name_error(name: str, valid: list[str]) -> ValueError:
 
 _ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v"}
 _SUBLAYERS = {None, "", "a", "attn", "attention", "b", "block", "blocks"}
-_SHORTHAND = re.compile(r"^([a-z_]+?)(\d+)([a-z]*)$")
+_SHORTHAND = re.compile(r"^([a-z_]+?)(\d+)([a-z]*\d?)$")
+_NORM_KINDS = ("scale", "normalized")  # TransformerLens's norm hooks: built on access by interp's cache
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
@@ -165,7 +166,8 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
     ``get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``, ``get_act_name("resid_pre", 0)``,
     ``get_act_name("embed") == "hook_embed"``, ``get_act_name("k6") == "blocks.6.attn.hook_k"``; its aliases
     (``attn`` for ``pattern``, ``attn_logits`` for ``attn_scores``, ``key``/``query``/``value``) too. A full name
-    comes back as it is. Kinds interp has no hook for (MLP neurons ``pre``/``post``, norm ``scale``) are refused.
+    comes back as it is. Kinds interp has no hook for (MLP neurons ``pre``/``post``) are refused;
+    the norms' ``scale``/``normalized`` (``ln_final.hook_scale``, ``blocks.4.ln1.hook_scale``) are built by the cache on access.
 
     >>> get_act_name("attn", 2, "attn"), get_act_name("v1")
     ('blocks.2.attn.hook_pattern', 'blocks.1.attn.hook_v')
@@ -175,14 +177,20 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
     if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
         return name
     match = _SHORTHAND.match(name) if layer is None else None
-    if match is not None and match.group(1).rstrip("_") in {*_ALIASES, *(s.short for s in HOOK_TABLE)}:
+    if match is not None and match.group(1).rstrip("_") in {*_ALIASES, *_NORM_KINDS, *(s.short for s in HOOK_TABLE)}:
         name, layer, layer_type = match.group(1).rstrip("_"), int(match.group(2)), match.group(3) or None
     kind = _ALIASES.get(name, name)
+    if kind in _NORM_KINDS:
+        if layer is None:
+            return f"ln_final.hook_{kind}"
+        if layer_type not in ("ln1", "ln2"):
+            raise ValueError(f"get_act_name({kind!r}, {layer}) needs layer_type 'ln1' or 'ln2'; got {layer_type!r}.")
+        return f"blocks.{layer}.{layer_type}.hook_{kind}"
     spec = next((s for s in HOOK_TABLE if s.short == kind), None)
     if spec is None:
         kinds = sorted({s.short for s in HOOK_TABLE} | set(_ALIASES))
-        raise ValueError(f"interp has no hook of kind {name!r} (TransformerLens's MLP neurons 'pre'/'post' and norm "
-                         f"'scale'/'normalized' have none here); kinds are {kinds}.")
+        raise ValueError(f"interp has no hook of kind {name!r} (TransformerLens's MLP neurons 'pre'/'post' have none "
+                         f"here); kinds are {kinds}.")
     if layer_type not in _SUBLAYERS and not (layer_type in ("m", "mlp") and kind == "mlp_out"):
         raise ValueError(f"get_act_name: layer_type {layer_type!r} does not fit {kind!r} in interp's names.")
     if spec.per_layer != (layer is not None):

@@ -8,7 +8,7 @@ import torch
 from hooks import get_act_name
 from .lens.tokens import lm_loss
 
-__all__ = ["get_act_name", "get_corner", "lm_cross_entropy_loss", "to_numpy"]
+__all__ = ["get_act_name", "get_corner", "get_device", "lm_cross_entropy_loss", "to_numpy"]
 
 
 def lm_cross_entropy_loss(logits: torch.Tensor, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -29,3 +29,11 @@ def to_numpy(tensor):
     import numpy as np
 
     return tensor.detach().cpu().numpy() if isinstance(tensor, torch.Tensor) else np.asarray(tensor)
+
+
+def get_device() -> torch.device:
+    """TransformerLens's ``utils.get_device``: CUDA if there is one, else Apple's MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    return torch.device("mps" if mps is not None and mps.is_available() else "cpu")

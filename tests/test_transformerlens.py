@@ -439,3 +439,161 @@ def test_cache_shorthand_takes_a_layer_from_topk():
     assert torch.equal(cache["attn", layer], cache.pattern(1)) and torch.equal(cache["z", layer], cache["z", 1])
     with pytest.raises(KeyError, match="shorthand"):
         cache["z", torch.tensor(1.0)]
+
+
+# -- model.cfg with TransformerLens's field names (issue 53) ----------------------------------------------------
+@pytest.mark.parametrize("name, d_mlp, act_fn, norm, positions", [
+    ("llama", 37, "silu", "RMS", "rotary"),  # TransformerLens: act_fn=hidden_act, "RMSPre" when folded, "rotary"
+    ("gpt2", 128, "gelu_new", "LN", "standard"),  # 4 * d_model when n_inner is None, "LNPre" when folded
+])
+def test_cfg_has_transformerlens_fields(name, d_mlp, act_fn, norm, positions, request):
+    model = request.getfixturevalue(name)
+    cfg = model.cfg
+    assert (cfg.d_mlp, cfg.act_fn, cfg.positional_embedding_type) == (d_mlp, act_fn, positions)
+    assert cfg.d_mlp == model.hf.config.to_dict().get("intermediate_size", 4 * cfg.d_model)
+    assert cfg.normalization_type == norm + "Pre"  # from_pretrained's fold_ln=True, as TransformerLens's default
+    copied = copy.deepcopy(model)
+    copied.fold_ln = False
+    assert copied.cfg.normalization_type == norm and model.cfg.normalization_type == norm + "Pre"
+    assert cfg.device == model.device and cfg.dtype == model.dtype
+    assert cfg.n_key_value_heads == model.hf.config.num_key_value_heads if name == "llama" else cfg.n_heads
+    assert (cfg.d_vocab, cfg.n_ctx, cfg.d_head) == (99, 64, 8)
+    assert cfg.attn_only is False and cfg.default_prepend_bos is False  # tiny models have no tokenizer
+    import pickle
+
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the model it reads settings from is not pickled with it
+    with pytest.raises(AttributeError, match="setting of a loaded model"):
+        pickle.loads(pickle.dumps(cfg)).device
+
+
+def test_cfg_default_prepend_bos_is_what_to_tokens_does(smollm2):
+    cfg = smollm2.cfg
+    bos = smollm2.tokenizer.bos_token_id
+    assert cfg.default_prepend_bos == (smollm2.to_tokens("Hi")[0, 0].item() == bos)
+    assert cfg.tokenizer_name == smollm2.tokenizer.name_or_path and cfg.n_layers == 30 and cfg.d_mlp == 1536
+
+
+def test_cfg_refuses_a_field_a_model_has_not(minilm):
+    cfg = minilm.cfg
+    assert cfg.positional_embedding_type == "standard" and cfg.normalization_type in ("LN", "LNPre")  # BERT: post-norm
+    import dataclasses
+
+    bare = dataclasses.replace(cfg, mlp_width=None, norm_kind=None)
+    with pytest.raises(AttributeError, match="d_mlp means nothing"):
+        bare.d_mlp
+    with pytest.raises(AttributeError, match="normalization_type means nothing"):
+        bare.normalization_type
+
+
+# -- modules by TransformerLens's names and its switches (issue 53) ----------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_embed_unembed_ln_final_blocks_by_transformerlens_names(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    assert torch.equal(model.embed.W_E, model.W_E) and torch.equal(model.unembed.W_U, model.W_U)
+    assert torch.equal(model.embed(ids), model.hf.get_input_embeddings()(ids))
+    assert torch.equal(model.blocks[1].attn.W_Q, model.W_Q[1])
+    logits, cache = model.run_with_cache(ids, return_type="logits")
+    final = cache["resid_post", model.cfg.n_layers - 1]
+    for fold in (True, False):  # folded: ln_final only rescales and W_U holds the weight, as TransformerLens's LNPre
+        model.fold_ln = fold
+        torch.testing.assert_close(model.unembed(model.ln_final(final)), logits, atol=ATOL, rtol=ATOL)
+    model.fold_ln = True
+    assert model.ln_final.weight is model.final_norm().weight
+    named = dict(model.tl_named_parameters())
+    assert torch.equal(named["blocks.1.attn.W_O"], model.W_O[1]) and torch.equal(named["unembed.W_U"], model.W_U)
+    assert ("pos_embed.W_pos" in named) == (name == "gpt2")
+    assert len([k for k in named if k.startswith("blocks.")]) == 8 * model.cfg.n_layers
+
+
+def test_set_use_attn_result_puts_hook_result_in_the_default_cache(gpt2):
+    ids = _ids()
+    _, cache = gpt2.run_with_cache(ids)
+    assert "blocks.0.attn.hook_result" not in cache.keys()
+    copied = copy.deepcopy(gpt2)
+    copied.set_use_attn_result(True)
+    _, cache = copied.run_with_cache(ids)
+    result = cache["blocks.0.attn.hook_result"]
+    b_o = copied.b_O[0]
+    torch.testing.assert_close(result.sum(2) + b_o, cache["attn_out", 0], atol=ATOL, rtol=ATOL)
+    assert copy.deepcopy(copied).use_attn_result is True and "use_attn_result" not in vars(gpt2)
+    copied.set_use_hook_mlp_in(True)  # a no-op: hook_resid_mid is the MLP's input
+    with pytest.raises(NotImplementedError, match="hook_q_input"):
+        copied.set_use_split_qkv_input(True)
+    copied.set_use_split_qkv_input(False)
+
+
+# -- norm scale hooks in the cache, get_act_name's norm names (issue 53) ----------------------------------------
+def test_get_act_name_knows_transformerlens_norm_names():
+    # TransformerLens 4.3's docstring examples
+    assert utils.get_act_name("normalized", 27, "ln2") == "blocks.27.ln2.hook_normalized"
+    assert utils.get_act_name("scale4ln1") == "blocks.4.ln1.hook_scale"
+    assert utils.get_act_name("scale") == "ln_final.hook_scale"
+    with pytest.raises(ValueError, match="ln1' or 'ln2"):
+        utils.get_act_name("scale", 3)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cache_norm_scale_and_normalized_rebuild_the_norms_output(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    _, cache = model.run_with_cache(ids)
+    last = model.cfg.n_layers - 1
+    for key, norm, x in [("ln_final", model.final_norm(), cache["resid_post", last]),
+                         ("blocks.1.ln1", model.block_norm(1), cache["resid_pre", 1]),
+                         ("blocks.0.ln2", model.block_norm(0, mlp_input=True), cache["resid_mid", 0])]:
+        scale, normalized = cache[f"{key}.hook_scale"], cache[f"{key}.hook_normalized"]
+        assert scale.shape == (*x.shape[:-1], 1) and f"{key}.hook_scale" in cache
+        w = norm.weight  # HF's norm output is normalized * w (+ b): neither llama nor gpt2 shifts its weight
+        b = norm.bias if getattr(norm, "bias", None) is not None else 0
+        with torch.no_grad():
+            torch.testing.assert_close(normalized * w + b, norm(x), atol=ATOL, rtol=ATOL)
+    assert torch.equal(cache[utils.get_act_name("scale")], cache["ln_final.hook_scale"])
+    assert torch.equal(cache["scale", 1, "ln1"], cache["blocks.1.ln1.hook_scale"])
+    assert "blocks.0.ln3.hook_scale" not in cache
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_stop_at_layer_returns_the_stream_entering_that_block(name, request):
+    model = request.getfixturevalue(name)
+    ids = _ids()
+    logits, cache = model.run_with_cache(ids, return_type="logits")
+    fired = []
+    with model.hooks([(lambda n: n.endswith("hook_z"), lambda z, hook: fired.append(hook.name))]):
+        out = model(ids, stop_at_layer=1)
+    assert torch.equal(out, cache["resid_pre", 1]) and fired == ["blocks.0.attn.hook_z"]  # block 1 never ran
+    assert torch.equal(model(ids, stop_at_layer=-1), cache["resid_pre", 1])  # as TransformerLens: from the end
+    assert torch.equal(model(ids, stop_at_layer=0), cache["resid_pre", 0])
+    assert torch.equal(model(ids, stop_at_layer=2), cache["resid_post", 1])  # n_layers: all blocks, no final norm
+    with pytest.raises(ValueError, match="stop_at_layer takes a layer in"):
+        model(ids, stop_at_layer=3)
+    torch.testing.assert_close(model(ids, return_type="logits"), logits)  # the model runs whole again
+    early, part = model.run_with_cache(ids, stop_at_layer=1)  # the cache holds what ran
+    assert torch.equal(early, cache["resid_pre", 1]) and torch.equal(part["resid_pre", 1], early)
+    assert "blocks.0.attn.hook_z" in part and "blocks.1.attn.hook_z" not in part
+
+
+# -- BOS as TransformerLens handles it where a user cannot tell (issue 53) --------------------------------------
+def test_a_bos_written_in_the_text_stays_and_generate_drops_the_one_it_added(smollm2):
+    tok = smollm2.tokenizer
+    bos, hi = tok.bos_token_id, tok("Hi")["input_ids"]
+    assert smollm2.cfg.default_prepend_bos is False  # SmolLM2's tokenizer adds none
+    text = tok.bos_token + "Hi"
+    # TransformerLens: prepend_bos=False tokenizes the text as it is, so its BOS stays (interp dropped it before)
+    assert smollm2.to_tokens(text, prepend_bos=False)[0].tolist() == [bos, *hi]
+    assert smollm2.to_tokens(text, prepend_bos=True)[0].tolist() == [bos, bos, *hi]  # prepended, as TL does
+    out = smollm2.generate("Hi", max_new_tokens=2, do_sample=False, prepend_bos=True)
+    assert out.startswith("Hi") and not out.startswith(tok.bos_token)  # TL's generate drops the BOS it added
+    kept = smollm2.generate(text, max_new_tokens=2, do_sample=False, prepend_bos=False)
+    assert kept.startswith(text)  # one the user wrote stays
+
+
+def test_from_pretrained_warns_when_no_bos_is_prepended():
+    with pytest.warns(UserWarning, match="prepend_bos=True"):
+        model = HookedTransformer.from_pretrained("smollm2", device="cpu")
+    assert model.cfg.default_prepend_bos is False
+
+
+def test_utils_get_device_is_where_torch_can_run():
+    device = utils.get_device()
+    assert device.type == ("cuda" if torch.cuda.is_available() else device.type) and torch.zeros(1, device=device).device.type == device.type

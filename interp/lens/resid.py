@@ -15,9 +15,11 @@ neurons (interp has no hook inside an MLP), the norm of a block that has none (p
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from hooks import ActivationCache
+from hooks import ActivationCache, get_act_name
 
 from .circuits import head_weights
 from ..structure.norms import norm_centres, norm_scale
@@ -46,6 +48,9 @@ def _pos(tensor: torch.Tensor, pos_slice, dim: int = -2) -> torch.Tensor:
     return tensor[tuple(index)]
 
 
+_NORM_NAME = re.compile(r"^(?:blocks\.(\d+)\.(ln1|ln2)|ln_final)\.hook_(scale|normalized)$")
+
+
 class ModelCache(ActivationCache):
     """An ``ActivationCache`` that knows its model (``cache.model``), as TransformerLens's does."""
 
@@ -53,6 +58,39 @@ class ModelCache(ActivationCache):
         super().__init__(store, meta)
         self.model = model
         self.has_batch_dim = has_batch_dim
+
+    def __getitem__(self, key) -> torch.Tensor:
+        if isinstance(key, tuple) and key and key[0] in ("scale", "normalized"):
+            key = get_act_name(*key)
+        norm = _NORM_NAME.match(key) if isinstance(key, str) and key not in self._store else None
+        return super().__getitem__(key) if norm is None else self._norm_hook(*norm.groups())
+
+    def __contains__(self, key) -> bool:
+        try:
+            self[key] if isinstance(key, str) and _NORM_NAME.match(key) else self._name(key)
+        except (KeyError, NotImplementedError):
+            return False
+        return True
+
+    def _norm_hook(self, layer, which, kind) -> torch.Tensor:
+        """TransformerLens's ``blocks.{l}.ln1/ln2.hook_scale``/``hook_normalized`` and ``ln_final``'s, built on
+        access from the stream the norm reads (``interp.structure.norms.norm_scale``): the scale ``(..., 1)`` and
+        the stream centred (LayerNorm) and divided by it, before the norm's weight, as TransformerLens's."""
+        model = self.model
+        if layer is None:
+            x = self["resid_post", -1]
+            norm = model.final_norm()
+        else:
+            x = self["resid_pre" if which == "ln1" else "resid_mid", int(layer)]
+            norm = model.block_norm(int(layer), mlp_input=which == "ln2")
+        if norm is None:
+            raise KeyError(f"{model.__class__.__name__} has no final norm, so no ln_final hooks.")
+        scale = norm_scale(norm, x)
+        if kind == "scale":
+            return scale.to(x.dtype)
+        y = x.float()
+        centred = y - y.mean(-1, keepdim=True) if norm_centres(norm, y.shape[-1]) else y
+        return (centred / scale).to(x.dtype)
 
     def to(self, device, dtype=None) -> ModelCache:
         moved = super().to(device, dtype)

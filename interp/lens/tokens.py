@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..tokens.inputs import encode, pad_ids, texts_of, tokenize
+from ..tokens.inputs import adds_bos, encode, pad_ids, texts_of, tokenize
 from ..tokens.display import readable_tokens
 
 __all__ = ["TokensMixin", "lm_loss", "pad_mask"]
@@ -80,14 +80,15 @@ class TokensMixin:
         limit = self.cfg.max_positions if truncate else None
         rows = tokenize(tokenizer, texts_of(text), max_length=limit)
         bos = getattr(tokenizer, "bos_token_id", None)
+        added = adds_bos(tokenizer)  # only a BOS the tokenizer added is ours to drop or keep; one in the text stays
         if prepend_bos is True:
             if bos is None:
                 raise ValueError("prepend_bos=True, but this model's tokenizer has no BOS token; leave prepend_bos as "
                                  "None to use the tokenizer's own special tokens.")
-            rows = [r if r[:1] == [bos] else [bos, *r] for r in rows]
+            rows = [r if added else [bos, *r] for r in rows]
             rows = [r[:limit] if limit else r for r in rows]
-        elif prepend_bos is False and bos is not None:
-            rows = [r[1:] if r[:1] == [bos] and len(r) > 1 else r for r in rows]
+        elif prepend_bos is False:
+            rows = [r[1:] if added and r[:1] == [bos] and len(r) > 1 else r for r in rows]
         elif prepend_bos is not None:
             raise TypeError(f"prepend_bos is None (the tokenizer's convention), True or False; got {prepend_bos!r}.")
         return rows
@@ -241,6 +242,13 @@ class TokensMixin:
         return lm_loss(logits, torch.as_tensor(tokens, device=logits.device), attention_mask, per_token)
 
     # -- generation ---------------------------------------------------------------------------------------------
+    def _added_bos(self, row: torch.Tensor, text: str) -> int:
+        """1 where ``row`` starts with a BOS that tokenizing ``text`` added (TransformerLens's generate drops it from
+        the string it returns), else 0: a BOS written in the text stays."""
+        tokenizer = self._tokenizer()
+        bos, bos_text = getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "bos_token", None)
+        return int(bos is not None and row[0].item() == bos and not (bos_text and text.startswith(bos_text)))
+
     def generate(self, input="", max_new_tokens: int = 10, stop_at_eos: bool = True,  # noqa: A002
                  eos_token_id: int | None = None, do_sample: bool = True, top_k: int | None = None,
                  top_p: float | None = None, temperature: float = 1.0, freq_penalty: float = 0.0,
@@ -282,7 +290,8 @@ class TokensMixin:
                     break
         if return_type == "tokens" or (return_type == "input" and not texts):
             return ids
-        strings = [self.to_string(row[m.bool()]) for row, m in zip(ids, mask)]
+        strings = [self.to_string(row[m.bool()][self._added_bos(row[m.bool()], text):])
+                   for row, m, text in zip(ids, mask, texts_of(input))]
         return strings[0] if isinstance(input, str) else strings
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .circuits import LowRank, head_biases, head_weights
 from ..tokens.inputs import position_limit
-from ..structure.norms import norm_bias, norm_centres, norm_weight
+from ..structure.norms import norm_bias, norm_centres, norm_scale, norm_weight
 from ..attention.sites import is_layered
 
 __all__ = ["WeightsMixin"]
@@ -194,6 +194,47 @@ class WeightsMixin:
         return [_Block(self, l) for l in range(self.cfg.n_layers)]
 
     @property
+    def embed(self) -> _Named:
+        """TransformerLens's ``model.embed``: ``.W_E``; called on tokens, the HF embedding's output."""
+        return _Named(self.hf.get_input_embeddings(), W_E=lambda: self.W_E)
+
+    @property
+    def unembed(self) -> _Named:
+        """TransformerLens's ``model.unembed``: ``.W_U``, ``.b_U``; called on a normalised stream, ``x @ W_U + b_U``."""
+        return _Named(self.hf.get_output_embeddings(), W_U=lambda: self.W_U, b_U=lambda: self.b_U,
+                      call=lambda x: x.to(self.dtype) @ self.W_U + self.b_U)
+
+    @property
+    def ln_final(self) -> _Named:
+        """TransformerLens's ``model.ln_final``: the final norm; with ``fold_ln`` (its weight is in ``W_U``) it only
+        centres and rescales, as TransformerLens's ``LNPre``/``RMSPre``, so ``unembed(ln_final(x))`` is the logits."""
+        norm = self.final_norm()
+        if norm is None:
+            raise NotImplementedError(f"{type(self.hf).__name__} has no final norm interp found, so no ln_final.")
+
+        def call(x):
+            if not self.fold_ln:
+                return norm(x)
+            centred = x.float() - x.float().mean(-1, keepdim=True) if norm_centres(norm, x.shape[-1]) else x.float()
+            return (centred / norm_scale(norm, x)).to(x.dtype)
+        return _Named(norm, call=call)
+
+    def tl_named_parameters(self):
+        """``(TransformerLens name, tensor)`` pairs: ``embed.W_E``, ``pos_embed.W_pos`` (learned positions),
+        ``blocks.{l}.attn.W_Q`` ... ``b_O`` and ``unembed.W_U``/``b_U``, as this model's ``W_*`` give them (with
+        ``fold_ln``: folded, so computed tensors, not the HF parameters)."""
+        yield "embed.W_E", self.W_E
+        if self.position_table() is not None:
+            yield "pos_embed.W_pos", self.W_pos
+        stacked = {key: getattr(self, key) for key in _HEAD_KEYS}
+        for layer in range(self.cfg.n_layers):
+            for key, value in stacked.items():
+                yield f"blocks.{layer}.attn.{key}", value[layer]
+        if self.hf.get_output_embeddings() is not None and self.cfg.causal:
+            yield "unembed.W_U", self.W_U
+            yield "unembed.b_U", self.b_U
+
+    @property
     def mod_dict(self) -> dict[str, object]:
         """Name -> module: every hook point (``hook_dict``), every block and attention module by its hook prefix
         (``blocks.3``, ``blocks.3.attn``, ``decoder.blocks.0.cross_attn``), ``embed`` and ``unembed``."""
@@ -212,6 +253,22 @@ class WeightsMixin:
 for _name, _doc in _STACKED.items():
     setattr(WeightsMixin, _name, property(lambda self, _key=_name: self._stacked(_key), doc=_doc))
 del _name, _doc
+
+
+class _Named:
+    """A HF module under a TransformerLens name: the named tensors it lists, its own call if given, else the
+    module's; any other attribute is the module's."""
+
+    def __init__(self, module, call=None, **tensors):
+        self._module, self._call, self._tensors = module, call, tensors
+
+    def __call__(self, *args, **kwargs):
+        return (self._call or self._module)(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name in self._tensors:
+            return self._tensors[name]()
+        return getattr(self._module, name)
 
 
 class _Block:

@@ -4,6 +4,9 @@ output); everything else is the same model (``notebooks/transformerlens.md``).""
 
 from __future__ import annotations
 
+import warnings
+
+from ..tokens.inputs import adds_bos
 from .loading import load_model
 from .hooked import HookedModel
 
@@ -34,4 +37,9 @@ class HookedTransformer:
         model = load_model(model_name, attn=attn, device=device, dtype=dtype, **kwargs)
         model.return_type = "logits"
         model.fold_ln = fold_ln
+        tok = model.tokenizer
+        if getattr(tok, "bos_token_id", None) is not None and not adds_bos(tok):
+            warnings.warn(f"{model_name}: text is tokenized without a BOS token, as its tokenizer does; "
+                          "TransformerLens would prepend one. Pass prepend_bos=True to to_tokens / the forward for "
+                          "TransformerLens's tokens (model.cfg.default_prepend_bos is False).", stacklevel=2)
         return model

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
-from ..tokens.inputs import position_limit
+from ..tokens.inputs import adds_bos, position_limit
 from ..structure.head_slicing import CONFIG_KEY
 from ..attention.sites import Site
 from ..structure.layered import Structure
@@ -41,6 +42,13 @@ class ModelConfig:
     block: str = "pre-norm"
     # one per layer, ``blocks.{l}.attn`` (``interp.attention.sites``); left out of the repr, which printed every site's record
     sites: tuple[Site, ...] = field(default=(), repr=False)
+    # TransformerLens's facts read from the HF config (``tl_facts``); None where the model has no such thing
+    mlp_width: int | None = None  # TransformerLens's d_mlp
+    mlp_act: str | None = None  # its act_fn, as the HF config names it
+    norm_kind: str | None = None  # "LN" (centres) or "RMS", from the final norm
+    positions: str | None = None  # its positional_embedding_type
+    # the live model, for the fields that are its settings (device, fold_ln, tokenizer): set by HookedModel
+    owner: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.heads_per_layer:
@@ -62,6 +70,74 @@ class ModelConfig:
     def n_ctx(self) -> int | None:
         """TransformerLens's name of ``max_positions``."""
         return self.max_positions
+
+    # -- TransformerLens's names (``model.cfg.X`` as its notebooks read it) -----------------------------------
+    @property
+    def n_key_value_heads(self) -> int:
+        """TransformerLens's name of ``n_kv_heads``."""
+        return self.n_kv_heads
+
+    def _model(self, name: str):
+        model = self.owner() if callable(self.owner) else None
+        if model is None:
+            raise AttributeError(f"cfg.{name} is a setting of a loaded model; this config has none attached "
+                                 "(read it from model.cfg).")
+        return model
+
+    @property
+    def device(self):
+        """Where the model's inputs go (``model.device``), as TransformerLens's ``cfg.device``."""
+        return self._model("device").device
+
+    @property
+    def dtype(self):
+        return self._model("dtype").dtype
+
+    @property
+    def normalization_type(self) -> str:
+        """TransformerLens's: ``"LN"`` or ``"RMS"``, with ``"Pre"`` appended when ``model.W_*`` have the norm
+        folded in (``fold_ln``, as TransformerLens's ``"LNPre"``/``"RMSPre"``)."""
+        if self.norm_kind is None:
+            raise AttributeError(f"cfg.normalization_type means nothing for this {self.family} model: interp found "
+                                 "no final norm in it.")
+        return self.norm_kind + ("Pre" if getattr(self._model("normalization_type"), "fold_ln", False) else "")
+
+    @property
+    def default_prepend_bos(self) -> bool:
+        """Whether ``to_tokens(text)`` prepends a BOS token by default: here the tokenizer's own convention
+        (TransformerLens prepends one for most models; ``notebooks/transformerlens.md``)."""
+        return adds_bos(self._model("default_prepend_bos").tokenizer)
+
+    @property
+    def tokenizer_name(self) -> str | None:
+        tok = self._model("tokenizer_name").tokenizer
+        return getattr(tok, "name_or_path", None) or None
+
+    @property
+    def model_name(self) -> str:
+        return getattr(self._model("model_name").hf.config, "_name_or_path", "") or self.family
+
+    @property
+    def attn_only(self) -> bool:
+        return self.mlp_width is None
+
+    @property
+    def d_mlp(self) -> int:
+        return self._fact("d_mlp", self.mlp_width)
+
+    @property
+    def act_fn(self) -> str:
+        return self._fact("act_fn", self.mlp_act)
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return self._fact("positional_embedding_type", self.positions)
+
+    def _fact(self, name: str, value):
+        if value is None:
+            raise AttributeError(f"cfg.{name} means nothing for this {self.family} model: interp found none in its "
+                                 "HF config.")
+        return value
 
     @property
     def pruned(self) -> bool:
@@ -118,5 +194,56 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
         d_head_v=layers[0].d_head_v,
         block=structure.kind,
         sites=structure.layer_attn,
+        **tl_facts(hf, structure),
     )
+
+
+def tl_facts(hf, structure: Structure | None = None) -> dict:
+    """The HF config's facts TransformerLens's config names: MLP width and activation, the norm's kind (from
+    the final norm, ``interp.structure.norms``) and how positions enter."""
+    from ..structure.norms import norm_centres
+    from ..structure.probe import _is_norm
+
+    c = getattr(hf.config, "text_config", None) or hf.config
+    d_mlp = next((getattr(c, k) for k in ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim")
+                  if getattr(c, k, None)), None)
+    if d_mlp is None and c.model_type in ("gpt2", "gpt_neo", "gptj"):
+        d_mlp = 4 * structure.d_model  # GPT-2's n_inner=None
+    act = next((getattr(c, k) for k in ("hidden_activation", "hidden_act", "activation_function", "feed_forward_proj")
+                if isinstance(getattr(c, k, None), str)), None)
+    norm = None
+    if structure is not None:  # the final norm, else (post-norm: BERT) the first block's first norm
+        block = hf.get_submodule(structure.layers)[0]
+        norm = hf.get_submodule(structure.final_norm) if structure.final_norm else next(
+            (m for m in block.modules() if _is_norm(m) and getattr(m, "weight", None) is not None), None)
+    norm_kind = None if norm is None else "LN" if norm_centres(norm, structure.d_model) else "RMS"
+    if getattr(c, "rope_theta", None) or getattr(c, "rope_scaling", None) or getattr(c, "rotary_dim", None) \
+            or getattr(c, "position_embedding_type", None) in ("rope", "rotary"):
+        positions = "rotary"
+    elif getattr(c, "relative_attention_num_buckets", None):
+        positions = "relative_positional_bias"
+    elif getattr(c, "alibi", False) or c.model_type in ("bloom", "mpt"):
+        positions = "alibi"
+    elif getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None):
+        positions = "standard"
+    else:
+        positions = None
+    return {"mlp_width": int(d_mlp) if d_mlp else None, "mlp_act": act, "norm_kind": norm_kind,
+            "positions": positions}
+
+
+class ModelRef:
+    """A weak reference to the model a config belongs to: copies and pickles of the config drop it."""
+
+    def __init__(self, model=None):
+        self._ref = None if model is None else weakref.ref(model)
+
+    def __call__(self):
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self):
+        return (ModelRef, ())
+
+    def __deepcopy__(self, memo):
+        return ModelRef()
 

@@ -25,6 +25,7 @@ from ..attention.masks import window_aware
 from ..structure.families import check_supported
 from ..tokens.inputs import check_inputs, fix_permissions
 from .layered import LAYERED
+from .config import ModelConfig, ModelRef
 from ..structure.head_slicing import save_pruned
 from ..lens.resid import ModelCache
 from ..lens.tokens import _UNSET, TokensMixin, pad_mask
@@ -36,8 +37,12 @@ from .wrapper import _hand_back_when_dropped, _take_over, _Wrapper
 __all__ = ["HookedModel"]
 
 _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
-_SETTINGS = ("return_type", "fold_ln")  # TransformerLens-style settings a copy keeps (interp.lens.tokens, tl_weights)
+_SETTINGS = ("return_type", "fold_ln", "use_attn_result")  # TransformerLens-style settings a copy keeps (interp.lens.tokens, tl_weights)
 _ON_BUILD: list = []  # run on every new HookedModel: interp.streaming.model attaches the streaming heads a config records
+
+
+class _Stop(Exception):
+    """Raised by stop_at_layer's hook to end the forward early."""
 
 
 def _encoder_decoder(hf) -> bool:
@@ -69,6 +74,8 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure.layered); None for an encoder-decoder
         self.cfg = layout.cfg
+        if isinstance(self.cfg, ModelConfig):  # cfg.device, cfg.normalization_type ... read this model's settings
+            object.__setattr__(self.cfg, "owner", ModelRef(self))
         self._blocks = layout.blocks  # the block list, or {stack: block list}
         self._site_modules = layout.modules  # site name -> attention module
         self._attn_modules = list(layout.modules.values())  # in site order: per layer where there is one site each
@@ -215,9 +222,34 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         default unless ``model.return_type`` says otherwise), "logits", "loss", "both" or None, as TransformerLens
         (``interp.lens.tokens``)."""
         self._check_attached()
+        stop = kwargs.pop("stop_at_layer", None)
         inputs = self._text_kwargs(inputs, kwargs)
         batch, _ = self._kind.feed(self, inputs, attention_mask, kwargs)
+        if stop is not None:
+            return self._stopped(batch, stop)
         return self._returned(self.hf(**batch), batch, return_type, loss_per_token)
+
+    def _stopped(self, batch, stop: int) -> torch.Tensor:
+        """TransformerLens's ``stop_at_layer``: the residual stream entering block ``stop`` (negative: counted from
+        the end; ``n_layers``: after the last block, before the final norm), the blocks after it not run."""
+        n = getattr(self.cfg, "n_layers", None)
+        if n is None or isinstance(stop, bool) or not isinstance(stop, int) or not -n <= stop <= n:
+            raise ValueError(f"stop_at_layer takes a layer in [-{n}, {n}] of a model with one stack of blocks; "
+                             f"got {stop!r}.")
+        stop = stop + n if stop < 0 else stop
+        name = f"blocks.{stop}.hook_resid_pre" if stop < n else f"blocks.{n - 1}.hook_resid_post"
+        seen = {}
+
+        def catch(x, hook):
+            seen["x"] = x
+            raise _Stop
+
+        try:
+            with self.hooks([(name, catch)]):
+                self.hf(**batch)
+        except _Stop:
+            pass
+        return seen["x"]
 
     forward = __call__
 
@@ -228,8 +260,32 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
 
     def default_cache_names(self) -> list[str]:
         """What ``run_with_cache`` captures by default: all but opt-in points and, on flash, eager-only ones."""
-        return [n for n in self.hook_names()
-                if not spec_for(n).opt_in and not (self.attn == "flash" and spec_for(n).eager_only)]
+        wanted = ("hook_result",) if getattr(self, "use_attn_result", False) else ()
+        return [n for n in self.hook_names() if (not spec_for(n).opt_in or n.endswith(wanted))
+                and not (self.attn == "flash" and spec_for(n).eager_only)]
+
+    # -- TransformerLens's switches ---------------------------------------------------------------------------
+    def set_use_attn_result(self, use: bool) -> None:
+        """TransformerLens's switch: with True, ``run_with_cache`` captures ``hook_result`` by default (it always
+        exists here, opt-in to the cache because it is ``(b, p, h, m)``)."""
+        if use and not any(n.endswith("hook_result") for n in self.hook_names()):
+            raise NotImplementedError(f"{type(self.hf).__name__}: interp found no output projection per head, so "
+                                      "there is no hook_result to capture.")
+        self.use_attn_result = bool(use)
+
+    def set_use_hook_mlp_in(self, use: bool) -> None:
+        """A no-op: TransformerLens's ``hook_mlp_in`` is the stream the MLP reads, ``blocks.{l}.hook_resid_mid``
+        here, always present; refused for parallel blocks, where the MLP reads ``hook_resid_pre``."""
+        if use and self.cfg.block == "parallel":
+            raise NotImplementedError("Parallel blocks: the MLP reads blocks.{l}.hook_resid_pre, which has no "
+                                      "separate copy to hook; use that.")
+
+    def set_use_split_qkv_input(self, use: bool) -> None:
+        """Refused with True: interp has no per-head copies of the q/k/v inputs (TransformerLens's
+        ``hook_q_input``...); edit ``hook_q``/``hook_k``/``hook_v`` or ``blocks.{l}.hook_resid_pre`` instead."""
+        if use:
+            raise NotImplementedError("interp has no hook_q_input/hook_k_input/hook_v_input: patch hook_q, hook_k "
+                                      "or hook_v per head, or blocks.{l}.hook_resid_pre for all three.")
 
     def run_with_cache(self, inputs, attention_mask=None, names: NameFilter | None = None, detach: bool = True,
                        fwd_hooks: Iterable = (), device=None, return_type=_UNSET, remove_batch_dim: bool = False,
@@ -244,6 +300,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self._check_attached()
         names = names_filter if names is None else names
         loss_per_token = kwargs.pop("loss_per_token", False)
+        stop = kwargs.pop("stop_at_layer", None)
         inputs = self._text_kwargs(inputs, kwargs)
         batch, masks = self._kind.feed(self, inputs, attention_mask, kwargs)
         selected = self.default_cache_names() if names is None else [p.name for p in self._registry.resolve(names)]
@@ -260,13 +317,15 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
 
         capture = [(lambda n: n.endswith(".hook_q"), bias)] if self._kind.position_bias else []
         with self.hooks([*fwd_hooks, (selected, save), *capture]):
-            output = self.hf(**batch)
+            output = self.hf(**batch) if stop is None else self._stopped(batch, stop)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
         cache = ModelCache(store, self._kind.meta(self, masks, biases), self)
         cache = cache if device is None else cache.to(device)
         if remove_batch_dim:
             cache.remove_batch_dim()
+        if stop is not None:  # TransformerLens: the stream entering that block, and what ran before it
+            return output, cache
         return self._returned(output, batch, return_type, loss_per_token), cache
 
     def attention_meta(self, attention_mask: torch.Tensor | None = None) -> AttentionMeta:
@@ -292,7 +351,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     def summary(self) -> dict:
         return {
             "class": type(self.hf).__name__,
-            **{k: v for k, v in asdict(self.cfg).items() if k != "sites"},
+            **{k: v for k, v in asdict(self.cfg).items() if k not in ("sites", "owner")},
             "sites": [site.name for site in self.cfg.sites],
             "attn": self.attn,
             "dtype": str(self.dtype).removeprefix("torch."),

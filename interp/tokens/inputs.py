@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_inputs", "pad_ids", "padded_positions", "tokenize", "encode", "tokenizer_left_alone",
+__all__ = ["adds_bos", "check_inputs", "pad_ids", "padded_positions", "tokenize", "encode", "tokenizer_left_alone",
            "position_limit", "texts_of", "fix_permissions"]
 
 
@@ -113,6 +113,12 @@ def pad_ids(rows: Sequence[Sequence[int] | torch.Tensor], left: bool, pad_id: in
         span = slice(n - len(r), n) if left else slice(0, len(r))
         ids[i, span], mask[i, span] = r, 1
     return ids, mask
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer(text)`` puts a BOS token in front of the text by itself (Llama's does, SmolLM2's not)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos is not None and encode(tokenizer, "a")[:1] == [bos]
 
 
 def tokenize(tokenizer, texts: list[str], max_length: int | None = None) -> list[list[int]]:
