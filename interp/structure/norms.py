@@ -16,8 +16,7 @@ def norm_eps(norm, d_model: int) -> float:
         value = getattr(norm, attr, None)
         if isinstance(value, (int, float)):
             return float(value)
-    param = next(norm.parameters(), None)
-    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    dtype, device = _probe_place(norm)
     sign = torch.ones(1, d_model, dtype=dtype, device=device)
     sign[0, 1::2] = -1.0  # mean 0, mean square 1: LayerNorm and RMSNorm see the same scale
     small = 1e-3
@@ -28,13 +27,23 @@ def norm_eps(norm, d_model: int) -> float:
     return max(0.0, (1.0 - ratio**2 * small**2) / (ratio**2 - 1.0))
 
 
+def _probe_place(norm) -> tuple[torch.dtype, torch.device | str]:
+    """The dtype and device to call ``norm`` on: its parameters', or, where a device map offloaded them (``meta``),
+    the device accelerate runs the module on."""
+    param = next(norm.parameters(), None)
+    if param is None:
+        return torch.float32, "cpu"
+    if param.device.type == "meta":
+        return param.dtype, getattr(getattr(norm, "_hf_hook", None), "execution_device", None) or "cpu"
+    return param.dtype, param.device
+
+
 def norm_centres(norm, d_model: int) -> bool:
     """Whether the norm subtracts the mean (a LayerNorm) rather than only dividing by the root mean square (T5's
     ``T5LayerNorm`` is an RMSNorm by another name): a LayerNorm's output ignores a constant added to the input."""
     if isinstance(norm, torch.nn.LayerNorm):
         return True
-    param = next(norm.parameters(), None)
-    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    dtype, device = _probe_place(norm)
     x = torch.ones(1, d_model, dtype=dtype, device=device)
     x[0, 1::2] = -1.0
     with torch.no_grad():
@@ -44,8 +53,7 @@ def norm_centres(norm, d_model: int) -> bool:
 def norm_weight(norm, d_model: int) -> torch.Tensor:
     """The effective weight ``(m,)`` in float64 that multiplies the normalised stream (Gemma's ``1 + w`` included):
     the module's output on a zero-mean, unit-scale input, less its bias."""
-    param = next(norm.parameters(), None)
-    dtype, device = (param.dtype, param.device) if param is not None else (torch.float32, "cpu")
+    dtype, device = _probe_place(norm)
     eps = norm_eps(norm, d_model)
     with torch.no_grad():
         if norm_centres(norm, d_model):
