@@ -180,8 +180,8 @@ def test_each_stage_writes_a_line_when_stderr_is_not_a_terminal(restore, monkeyp
     code, out, err = run("heads", "--model", "toy-induction", "--scores", "induction,retrieval", "--context", "48",
                          "--n-prompts", "4")
     lines = err.strip().splitlines()
-    assert code == 0 and "heads: 4 prompts (induction): 0/1 batch" in lines
-    assert any(line.startswith("heads: 4 prompts (induction): 1/1 batch, done in") for line in lines)
+    assert code == 0 and "heads: 4 prompts in 1 batch (induction): 0/2 site" in lines  # counted per site of a batch
+    assert any(line.startswith("heads: 4 prompts in 1 batch (induction): 2/2 site, done in") for line in lines)
     assert "retrieval: needle trials: 0/6 trial" in lines
     assert any(line.startswith("retrieval: needle trials: 6/6 trial, done in") for line in lines)
     assert progress_module._state["on"] is None  # the command's choice does not outlive it
