@@ -58,6 +58,7 @@ _LAZY = {
     "edge_attribution": "circuits.attribution",
     **dict.fromkeys(["circuit_areas", "faithfulness", "select_circuit"], "circuits.evaluation"),
     "greater_than_task": "circuits.tasks",
+    "needle_task": "circuits.tasks",
     # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

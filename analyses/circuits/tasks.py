@@ -1,5 +1,10 @@
 """Circuit tasks: greater-than (Hanna, Liu and Variengien 2023), built from the model's tokenizer as ``ioi_task`` is,
-and the check of a user's task ``(clean, corrupted, metric)``. The IOI and induction tasks are ``analyses.data.tasks``'s.
+needle retrieval at any length (the model copies a needle from far back), and the check of a user's task ``(clean,
+corrupted, metric)``. The IOI and induction tasks are ``analyses.data.tasks``'s.
+
+Needle: a ``needle_prompts`` prompt followed by the needle's tokens (the answer, teacher-forced); the
+metric the answer's mean next-token loss (lower is better). The corrupted prompt has another needle of as many
+tokens in the haystack, everything else the same, so the answer can no longer be copied from it.
 
 Greater-than: "The war lasted from the year 17YY to the year 17", the metric the probability on the years after YY
 minus that on the years up to YY at the last position; the corrupted prompts put "01" in place of YY (no year is
@@ -15,9 +20,10 @@ import torch
 
 from interp.tokens.inputs import encode
 
-from ..data.metrics import Metric, _main_output
+from ..data.metrics import Metric, _main_output, next_token_loss
+from ..data.needles import needle_prompts
 
-__all__ = ["GREATER_THAN_NOUNS", "YearMass", "check_task", "greater_than_task"]
+__all__ = ["GREATER_THAN_NOUNS", "YearMass", "check_task", "greater_than_task", "needle_task"]
 
 GREATER_THAN_NOUNS = ("war", "deal", "trip", "strike", "project", "famine", "drought", "dynasty", "siege", "voyage")
 _TEMPLATE = "The {noun} lasted from the year 17{yy} to the year 17"
@@ -80,6 +86,30 @@ def greater_than_task(model, n: int = 32, seed: int = 0) -> tuple[dict, dict, Me
     clean = model.to_batch([_TEMPLATE.format(noun=w, yy=f"{y:02d}") for w, y in zip(nouns, years)])
     corrupted = model.to_batch([_TEMPLATE.format(noun=w, yy="01") for w in nouns])
     return clean, corrupted, YearMass(year_ids, years)
+
+
+def needle_task(model, length: int, depth: float = 0.5, needle_len: int = 8, seed: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, Metric]:
+    """``(clean, corrupted, metric)`` for retrieving a needle from ``length`` tokens back: token ids ``(1, length +
+    a)`` (``a`` the answer's tokens: the ``needle_prompts`` prompt of that length and depth, then the answer); the
+    corrupted prompt's needle is another of the same token count (the next prompt
+    ``needle_prompts`` draws with ``seed + 1``, its code put in place), and the metric is the clean answer's mean
+    next-token loss read at the answer's positions."""
+    (prompt,) = needle_prompts(model, [length], [depth], needle_len=needle_len, seed=seed)
+    start, end = prompt.needle
+    answer = prompt.answer
+    for other_seed in range(seed + 1, seed + 65):
+        (other,) = needle_prompts(model, [length], [depth], needle_len=needle_len, seed=other_seed)
+        if other.needle[1] - other.needle[0] == end - start and not torch.equal(other.answer, answer):
+            break
+    else:
+        raise ValueError(f"needle_task found no second needle of {end - start} tokens in 64 draws; give another "
+                         "needle_len or seed.")
+    clean = torch.cat([prompt.ids, answer])[None]
+    corrupted = clean.clone()
+    corrupted[0, start:end] = other.answer
+    first = len(prompt.ids) - 1  # the position whose logits predict the answer's first token
+    return clean, corrupted, next_token_loss(clean, first, first + len(answer))
 
 
 def check_task(task) -> tuple:
