@@ -166,3 +166,68 @@ def test_a_parallel_blocks_heads_do_not_feed_its_own_mlp(family):
         edge_patching(model, *_pair(), [("blocks.1.attn:2", "mlp.1")])
     pre = {(u.name, r.name) for u, r in graph_edges(interp.load_model(tiny_model("gemma3_text")))}
     assert ("blocks.0.attn:0", "mlp.0") in pre  # a sequential block's heads do
+
+
+def test_models_the_graph_does_not_cover_are_refused_in_one_line_naming_why():
+    from test_seq2seq import _tiny as tiny_seq2seq
+
+    for model, why in ((interp.load_model(tiny_model("bert")), "post-norm .*rescales everything upstream"),
+                       (interp.load_model(tiny_model("deepseek_v3")), "q, k and v input at its projection.*q_a_layernorm"),
+                       (interp.load_model(tiny_seq2seq("t5")), "encoder-decoder models .*not supported yet")):
+        with pytest.raises(ValueError, match=why) as err:
+            graph_edges(model)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi"])
+def test_bad_input_on_new_kinds_gets_one_line(family):
+    model = interp.load_model(tiny_model(family))
+    clean, corrupted = _pair(3)
+    n_kv = model.cfg.sites[1].n_kv_heads
+    for edge, why in (((f"blocks.1.attn:0", "blocks.1.attn:0.q"), "no edge blocks.1.attn:0 -> blocks.1.attn:0.q"),
+                      (("input", f"blocks.1.attn:{n_kv}.k"), f"No downstream input 'blocks.1.attn:{n_kv}.k'"),
+                      (("blocks.0.attn:9", "logits"), "No upstream node 'blocks.0.attn:9'")):
+        with pytest.raises(ValueError, match=why):
+            edge_patching(model, clean, corrupted, [edge])
+    flat = lambda out, inputs: out.logits[:, -1, 0].mean() * 0.0  # noqa: E731  (computed from the output, constant)
+    with pytest.raises(ValueError, match="gradient is 0 at every one"):
+        edge_attribution(model, clean, corrupted, flat, method="eap")
+    scores = edge_attribution(model, clean, corrupted, logit_difference(5, 7), method="eap")
+    with pytest.raises(ValueError, match="the same on both runs"):
+        faithfulness(model, clean, corrupted, flat, scores, sizes=(3,), n_random=1)
+
+
+@pytest.mark.parametrize("study", ["attribution", "patching", "faithfulness"])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi", "olmo2"])
+def test_new_kinds_are_left_as_they_were_also_when_the_metric_raises(family, study):
+    from test_ablation import _weights, assert_clean
+
+    model = interp.load_model(tiny_model(family))
+    model.hf.train()
+    weights = _weights(model)
+    grads = {n: p.requires_grad for n, p in model.hf.named_parameters()}
+    clean, corrupted = _pair(7)
+    good = logit_difference(5, 7)
+    scores = edge_attribution(model, clean, corrupted, good, method="eap")
+    calls = {"n": 0}
+
+    def broken(output, inputs):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("the metric broke")
+        return good(output, inputs)
+
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="the metric broke"):
+        if study == "attribution":  # the third call: in the gradient step
+            edge_attribution(model, clean, corrupted, broken, method="eap-ig", steps=2)
+        elif study == "patching":
+            calls["n"] = 2
+            edge_patching(model, clean, corrupted, [("blocks.0.attn:1", "mlp.1")], broken)
+        else:
+            faithfulness(model, clean, corrupted, broken, scores, sizes=(3,), n_random=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.hf.training
+    assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
+    assert_clean(model, weights)

@@ -86,6 +86,10 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             for r, g in zip(receivers, found):
                 if g is not None:
                     grads[r] = grads[r] + g.detach().float() / steps
+        if not any(torch.is_tensor(g) and bool(g.any()) for g in grads.values()):
+            raise ValueError(f"edge_attribution scores edges by the metric's gradient at each input of the graph; "
+                             f"{metric.name}'s gradient is 0 at every one (it does not depend on the model's heads, "
+                             "MLPs or input). Use a metric computed from the logits the graph feeds.")
         with torch.no_grad():
             diff = {u: (node_output(clean_nodes, u) - node_output(corrupted_nodes, u)).float() for u in nodes}
             scores = [float((diff[u] * grads[r]).sum()) if torch.is_tensor(grads[r]) else 0.0 for u, r in edges]
