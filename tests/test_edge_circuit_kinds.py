@@ -2,7 +2,8 @@
 sublayer's output before the residual add), parallel blocks (GPT-NeoX, Phi: attention and MLP read the same input),
 OLMo2's norm over every head's q and k together. One edge patched either way equals a recomputation by hand from the
 HF modules themselves; every edge gives the other run and none the run itself, on both attention paths. Kinds the
-graph does not cover are refused in one line, and bad input leaves the model as it was."""
+graph does not cover are refused in one line, and bad input gets one line (the model left as it was after a
+metric raises: tests/test_edge_circuits.py, on these kinds too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import interp
 from analyses import edge_attribution, edge_patching, faithfulness, graph_edges, logit_difference
+from test_edge_circuits import _head_input_by_hand, _pair
 from tests.tiny import tiny_model
 
 TOL = 1e-5
@@ -29,11 +31,6 @@ def _load(family, **kw):
         from transformers import ModernBertForSequenceClassification
         return interp.load_model(tiny_model(family, cls=ModernBertForSequenceClassification), **kw)
     return interp.load_model(tiny_model(family), **kw)
-
-
-def _pair(seed=0, shape=(2, 10)):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, 99, shape, generator=g), torch.randint(4, 99, shape, generator=g)
 
 
 def _layer(model, l):
@@ -108,19 +105,7 @@ def _by_hand(model, family, base, other, up, down):
                 return model(base).logits
             finally:
                 h.remove()
-        site, rest = down.split(":")
-        head, which = int(rest.split(".")[0]), rest.split(".")[1]
-        layer = int(site.split(".")[1])
-        name = f"{site}.hook_{which}"
-        _, c = model.run_with_cache(base, names=[name], fwd_hooks=[(f"blocks.{layer}.hook_resid_pre",
-                                                                    lambda act, hook: act + delta)])
-
-        def put(act, hook):
-            act = act.clone()
-            act[:, :, head] = c[name][:, :, head]
-            return act
-
-        return model.run_with_hooks(base, fwd_hooks=[(name, put)]).logits
+        return _head_input_by_hand(model, base, down, lambda act, hook: act + delta)
 
 
 EDGES = [("input", "blocks.1.attn:3.q"), ("blocks.0.attn:1", "blocks.1.attn:1.k"), ("mlp.0", "blocks.1.attn:0.v"),
@@ -195,39 +180,3 @@ def test_bad_input_on_new_kinds_gets_one_line(family):
     scores = edge_attribution(model, clean, corrupted, logit_difference(5, 7), method="eap")
     with pytest.raises(ValueError, match="the same on both runs"):
         faithfulness(model, clean, corrupted, flat, scores, sizes=(3,), n_random=1)
-
-
-@pytest.mark.parametrize("study", ["attribution", "patching", "faithfulness"])
-@pytest.mark.parametrize("family", ["gemma3_text", "phi", "olmo2"])
-def test_new_kinds_are_left_as_they_were_also_when_the_metric_raises(family, study):
-    from test_ablation import _weights, assert_clean
-
-    model = interp.load_model(tiny_model(family))
-    model.hf.train()
-    weights = _weights(model)
-    grads = {n: p.requires_grad for n, p in model.hf.named_parameters()}
-    clean, corrupted = _pair(7)
-    good = logit_difference(5, 7)
-    scores = edge_attribution(model, clean, corrupted, good, method="eap")
-    calls = {"n": 0}
-
-    def broken(output, inputs):
-        calls["n"] += 1
-        if calls["n"] > 2:
-            raise RuntimeError("the metric broke")
-        return good(output, inputs)
-
-    torch.manual_seed(11)
-    state = torch.get_rng_state()
-    with pytest.raises(RuntimeError, match="the metric broke"):
-        if study == "attribution":  # the third call: in the gradient step
-            edge_attribution(model, clean, corrupted, broken, method="eap-ig", steps=2)
-        elif study == "patching":
-            calls["n"] = 2
-            edge_patching(model, clean, corrupted, [("blocks.0.attn:1", "mlp.1")], broken)
-        else:
-            faithfulness(model, clean, corrupted, broken, scores, sizes=(3,), n_random=1)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert model.hf.training
-    assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
-    assert_clean(model, weights)
