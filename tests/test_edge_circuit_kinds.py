@@ -180,3 +180,14 @@ def test_bad_input_on_new_kinds_gets_one_line(family):
     scores = edge_attribution(model, clean, corrupted, logit_difference(5, 7), method="eap")
     with pytest.raises(ValueError, match="the same on both runs"):
         faithfulness(model, clean, corrupted, flat, scores, sizes=(3,), n_random=1)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "olmo2", "phi", "gpt_neox"])
+def test_eap_on_the_flash_path_equals_the_eager_path_on_every_kind_of_block(family):
+    clean, corrupted = _pair(5)
+    metric = logit_difference(5, 7)
+    got = {attn: edge_attribution(_load(family, attn=attn), clean, corrupted, metric, method="eap")
+           for attn in ("eager", "flash")}
+    assert got["eager"]["score"].abs().max() > 0.01
+    assert set(got["eager"]["input"]) == {"q", "k", "v", "mlp", "logits"}
+    assert (got["eager"]["score"] - got["flash"]["score"]).abs().max() <= 1e-4
