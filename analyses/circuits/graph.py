@@ -95,20 +95,19 @@ def check_graph(model) -> None:
                              f"cannot be read per head: {s.projections[l]}.")
         if s.kind == "parallel" and s.mlp[l] is not None:
             mlp_norm(model, l)
+        elif s.mlp[l] is not None and s.resid_mid[l] is None:
+            raise ValueError(f"Edge circuits patch an MLP's input on the stream after attention; interp found no "
+                             f"module reading that stream in block {l}, not supported.")
     if model.final_norm() is None:
         raise ValueError("Edge circuits read the logits' input at the final norm; this model has no final norm, not "
                          "supported.")
 
 
 def mlp_norm(model, layer: int):
-    """The norm block ``layer``'s MLP reads the stream through (parallel blocks: the block's one norm, shared with
-    attention, or the one that is not attention's; pre-norm: the norm on the stream after attention; None: the MLP
-    reads the stream as it is), or a clear error."""
+    """The norm through which parallel block ``layer``'s MLP reads the block's input (the block's one norm, shared
+    with attention, or the one that is not attention's), or a clear error. (A pre-norm block's MLP reads the stream
+    after attention at ``structure.resid_mid``: its norm, or the MLP itself where there is none.)"""
     s = model.structure
-    if s.kind != "parallel":
-        mid = s.resid_mid[layer]
-        module = model._blocks[layer].get_submodule(mid[0])
-        return module if _is_norm(module) else None
     inside = set(model._blocks[layer].get_submodule(s.attn[layer]).modules())
     norms = [m for m in model._blocks[layer].modules() if _is_norm(m) and m not in inside]
     attn_norm = model.in_norm_of(model.cfg.sites[layer])
