@@ -120,7 +120,7 @@ def _attention_only(model):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "gpt_neox"])  # phi, gpt_neox: parallel blocks
 def test_one_edge_clean_equals_path_patching_on_an_attention_only_model(family):
     model = _attention_only(interp.load_model(tiny_model(family, num_hidden_layers=3, n_layer=3)))
     clean, corrupted = _pair(2)
