@@ -55,10 +55,17 @@ def _by_hand(model, base, other, up, down):
                                         fwd_hooks=[(f"blocks.{layer}.hook_attn_out", add)])
             put = c[f"blocks.{layer}.hook_mlp_out"]
             return model.run_with_hooks(base, fwd_hooks=[(f"blocks.{layer}.hook_mlp_out", lambda a, h: put)]).logits
-        site, rest = down.split(":")
-        head, which = int(rest.split(".")[0]), rest.split(".")[1]
-        layer = int(site.split(".")[1])
-        name = f"{site}.hook_{which}"
+        return _head_input_by_hand(model, base, down, add)
+
+
+def _head_input_by_hand(model, base, down, add):
+    """The base run in which only head ``down``'s q, k or v (``"blocks.1.attn:0.k"``) is taken from a run whose
+    block input was edited by ``add``."""
+    site, rest = down.split(":")
+    head, which = int(rest.split(".")[0]), rest.split(".")[1]
+    layer = int(site.split(".")[1])
+    name = f"{site}.hook_{which}"
+    with torch.no_grad():
         _, c = model.run_with_cache(base, names=[name], fwd_hooks=[(f"blocks.{layer}.hook_resid_pre", add)])
 
         def put(act, hook):
@@ -113,7 +120,7 @@ def _attention_only(model):
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi", "gpt_neox"])  # phi, gpt_neox: parallel blocks
 def test_one_edge_clean_equals_path_patching_on_an_attention_only_model(family):
     model = _attention_only(interp.load_model(tiny_model(family, num_hidden_layers=3, n_layer=3)))
     clean, corrupted = _pair(2)
@@ -142,9 +149,8 @@ def test_bad_edges_and_unsupported_models_get_one_line():
         edge_patching(model, clean, corrupted, [("input", "blocks.1.attn:3.k")])
     with pytest.raises(ValueError, match="No upstream node 'mlp.7'"):
         edge_patching(model, clean, corrupted, [("mlp.7", "logits")])
-    for family, why in (("bert", "post-norm"), ("gemma3_text", "normalises them first")):
-        with pytest.raises(ValueError, match=why):
-            graph_edges(interp.load_model(tiny_model(family)))
+    with pytest.raises(ValueError, match="post-norm"):  # sandwich norms (Gemma 3): test_edge_circuit_kinds.py
+        graph_edges(interp.load_model(tiny_model("bert")))
     with pytest.raises(ValueError, match="encoder-decoder models .* are not supported yet"):
         graph_edges(interp.load_model(tiny_seq2seq("t5")))
 
@@ -285,10 +291,11 @@ def test_greater_than_task_is_built_from_the_tokenizer_and_refused_where_it_spli
 
 
 @pytest.mark.parametrize("study", ["attribution", "patching", "faithfulness"])
-def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study):
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi", "olmo2"])  # pre-norm, sandwich, parallel, no in-norm
+def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study, family):
     from test_ablation import _weights, assert_clean
 
-    model = interp.load_model(tiny_model("llama"))
+    model = interp.load_model(tiny_model(family))
     model.hf.train()
     model.hf.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
     weights, grads = _weights(model), {n: p.requires_grad for n, p in model.hf.named_parameters()}

@@ -101,6 +101,10 @@ def faithfulness(model, clean, corrupted, metric, scores: pd.DataFrame, sizes=(5
         full = metric.per_example(out, clean).double()
         out, corrupted_nodes = source_outputs(model, corrupted, **keep)
         empty = metric.per_example(out, corrupted).double()
+        if not bool((full - empty).any()):
+            raise ValueError(f"faithfulness divides by m(clean) - m(corrupted); {metric.name} is the same on both runs "
+                             f"({float(full.mean()):.6g}), so it does not depend on the edges. Use a metric that the "
+                             "corruption changes.")
         counts = resample_counts(len(full), n_bootstrap, seed)
 
         def score(inside: set) -> tuple[float, float, float]:

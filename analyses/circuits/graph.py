@@ -2,13 +2,26 @@
 downstream inputs (a head's ``q``, ``k`` or ``v`` input, an MLP's input, the logits).
 
 The residual stream a block reads is the sum of its upstream nodes' outputs (plus biases, the same in every run), so
-an edge ``u -> v`` is ``u``'s share of what ``v`` reads; ``v`` passes that stream through the model's own norm.
-Under grouped-query attention a k or v input belongs to the key/value head its group shares: its ``head`` is the
-key/value head. Node names: ``"input"``, ``"{site}:{head}"`` (``"blocks.3.attn:2"``), ``"mlp.{layer}"``;
-downstream names add the input: ``"blocks.3.attn:2.k"``, ``"mlp.3"``, ``"logits"``.
+an edge ``u -> v`` is ``u``'s share of what ``v`` reads; ``v`` passes that stream through the model's own norm (none
+where the model has none: OLMo2's blocks read the stream as it is). Under grouped-query attention a k or v input
+belongs to the key/value head its group shares: its ``head`` is the key/value head. Node names: ``"input"``,
+``"{site}:{head}"`` (``"blocks.3.attn:2"``), ``"mlp.{layer}"``; downstream names add the input:
+``"blocks.3.attn:2.k"``, ``"mlp.3"``, ``"logits"``.
 
-Models whose residual stream is such a sum: pre-norm blocks with no norm on a sublayer's output (Llama, GPT-2, Qwen,
-Mistral, SmolLM2, the toy model). Others are refused in one line (see ``check_graph``).
+Where a node's output is read (``node_readers``):
+
+- **pre-norm blocks** (Llama, GPT-2, Qwen, Mistral, SmolLM2, the toy model): a head's output is its slice of the
+  output projection (``hook_result``), an MLP's its output (``hook_mlp_out``).
+- **sandwich norms** (Gemma 2/3, OLMo2: a norm on the attention or MLP output before it is added): a head's output
+  is its result times the post-norm's scale in that run (the run's own root mean square of the summed attention
+  output, times the norm's weight; a LayerNorm's centring applied to each head alike), so that a block's heads
+  sum exactly to what the block adds; an MLP's output is its normed output. The scale is each run's own: a node's
+  patched value is its contribution in the source run, not its output rescaled by the receiving run.
+- **parallel blocks** (GPT-NeoX, Phi, Cohere): attention and MLP read the same block input, so a block's MLP
+  reads its input (through the MLP's own norm) and the heads of that block are not upstream of it.
+
+Refused in one line (``check_graph``): post-norm blocks (BERT, MiniLM: the norm after each residual add rescales
+every upstream node by the run's own scale, so the stream is not a sum of node outputs) and encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -17,10 +30,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from hooks.names import hook_name
 from interp.attention.sites import is_layered
+from interp.structure.norms import norm_centres, norm_scale, norm_weight
+from interp.structure.probe import _is_norm
 
-__all__ = ["Node", "Receiver", "as_edges", "check_graph", "edge_frame", "graph_edges", "node_of", "receiver_of",
-           "upstream"]
+__all__ = ["Node", "Receiver", "as_edges", "check_graph", "edge_frame", "graph_edges", "mlp_norm", "node_of",
+           "node_readers", "receiver_of", "upstream"]
 
 INPUTS = ("q", "k", "v", "mlp", "logits")
 
@@ -60,18 +76,73 @@ def check_graph(model) -> None:
     """Refuse, in one line, a model whose residual stream is not the sum of the graph's nodes."""
     s = model.structure
     if not is_layered(model):
-        raise ValueError("Edge circuits need a model with one attention site per layer (a decoder such as Llama or "
-                         "GPT-2); encoder-decoder models (T5, BART) are not supported yet.")
-    if s.kind != "pre-norm":
-        raise ValueError(f"Edge circuits need pre-norm blocks, whose residual stream is a sum of the blocks' outputs; "
-                         f"this model's blocks are {s.kind} (post-norm: BERT; parallel: GPT-NeoX, Phi), not supported "
-                         "yet.")
-    if any(n is not None for n in (*s.post_attn_norm, *s.post_mlp_norm)):
-        raise ValueError("Edge circuits need blocks that add their sublayers' outputs to the residual stream as they "
-                         "are; this model normalises them first (Gemma 2/3, OLMo2), not supported yet.")
-    if model.final_norm() is None or any(model.in_norm_of(site) is None for site in model.cfg.sites):
-        raise ValueError("Edge circuits recompute each input through the model's own norm; this model has a block "
-                         "or an output with no norm, not supported yet.")
+        raise ValueError("Edge circuits need a model with one residual stream (a decoder, or an encoder such as "
+                         "BERT); encoder-decoder models (T5, BART), whose cross-attention reads a second stream, are "
+                         "not supported yet.")
+    if s.kind == "post-norm":
+        raise ValueError("Edge circuits need the residual stream to be a sum of the blocks' outputs; this model's blocks "
+                         "are post-norm (BERT, MiniLM: a norm after each residual add rescales everything upstream by "
+                         "the run's own scale). Supported: pre-norm, sandwich-norm and parallel blocks.")
+    if s.kind not in ("pre-norm", "parallel"):
+        raise ValueError(f"Edge circuits need pre-norm or parallel blocks; this model's blocks are {s.kind}.")
+    for l, site in enumerate(model.cfg.sites):
+        if s.post_attn_norm[l] is not None and getattr(model.o_proj_of(site), "bias", None) is not None:
+            raise ValueError(f"Edge circuits split a normed attention output among its heads; {site.name}'s output "
+                             "projection adds a bias before the norm, whose share would change with each run's "
+                             "scale, not supported.")
+        if isinstance(s.projections[l], str):
+            raise ValueError(f"Edge circuits patch each head's q, k and v input at its projection; {site.name}'s "
+                             f"cannot be read per head: {s.projections[l]}.")
+        if s.kind == "parallel" and s.mlp[l] is not None:
+            mlp_norm(model, l)
+        elif s.mlp[l] is not None and s.resid_mid[l] is None:
+            raise ValueError(f"Edge circuits patch an MLP's input on the stream after attention; interp found no "
+                             f"module reading that stream in block {l}, not supported.")
+    if model.final_norm() is None:
+        raise ValueError("Edge circuits read the logits' input at the final norm; this model has no final norm, not "
+                         "supported.")
+
+
+def mlp_norm(model, layer: int):
+    """The norm through which parallel block ``layer``'s MLP reads the block's input (the block's one norm, shared
+    with attention, or the one that is not attention's), or a clear error. (A pre-norm block's MLP reads the stream
+    after attention at ``structure.resid_mid``: its norm, or the MLP itself where there is none.)"""
+    s = model.structure
+    inside = set(model._blocks[layer].get_submodule(s.attn[layer]).modules())
+    norms = [m for m in model._blocks[layer].modules() if _is_norm(m) and m not in inside]
+    attn_norm = model.in_norm_of(model.cfg.sites[layer])
+    own = [m for m in norms if m is not attn_norm]
+    if len(own) == 1 or (not own and attn_norm is not None):
+        return own[0] if own else attn_norm
+    raise ValueError(f"Edge circuits patch an MLP's input through its norm; block {layer} of this parallel model has "
+                     f"{len(own)} norms besides attention's, and which one the MLP reads is not known.")
+
+
+def node_readers(model) -> dict:
+    """``{hook name: fn(act) -> node outputs}`` for the hooks whose activation is not yet the nodes' outputs: with a
+    norm on a sublayer's output (sandwich norms), each head's result times that run's post-norm scale
+    (``(b, p, h, m)``) and the MLP's normed output."""
+    s, read = model.structure, {}
+    for l, site in enumerate(model.cfg.sites):
+        block = model._blocks[l]
+        if s.post_attn_norm[l] is not None:
+            read[hook_name("result", site.name)] = _scaled_heads(block.get_submodule(s.post_attn_norm[l]), s.d_model)
+        if s.post_mlp_norm[l] is not None and s.mlp[l] is not None:
+            read[hook_name("mlp_out", l)] = block.get_submodule(s.post_mlp_norm[l]).forward
+    return read
+
+
+def _scaled_heads(norm, d_model: int):
+    """Each head's share of ``norm(sum of the heads' results)``: its result (centred alike, for a LayerNorm) times
+    the norm's weight over the run's own scale of the sum."""
+    weight, centres = norm_weight(norm, d_model).float(), norm_centres(norm, d_model)
+
+    def read(result):  # (b, p, h, m)
+        r = result.float()
+        scale = norm_scale(norm, r.sum(2))  # (b, p, 1)
+        r = r - r.mean(-1, keepdim=True) if centres else r
+        return (r * (weight.to(r.device) / scale)[:, :, None]).to(result.dtype)
+    return read
 
 
 def _nodes(model) -> list[Node]:
@@ -94,20 +165,21 @@ def _receivers(model) -> list[Receiver]:
     return [*out, Receiver("logits", len(model.cfg.sites))]
 
 
-def upstream(node: Node, receiver: Receiver) -> bool:
-    """Whether ``node``'s output reaches ``receiver``'s input directly (pre-norm: a head feeds its own block's MLP)."""
+def upstream(node: Node, receiver: Receiver, parallel: bool = False) -> bool:
+    """Whether ``node``'s output reaches ``receiver``'s input directly (a head feeds its own block's MLP, unless the
+    block is ``parallel``: its MLP reads the block's input)."""
     if receiver.input == "logits" or node.kind == "input":
         return True
     if receiver.input == "mlp":
-        return node.layer < receiver.layer or node.kind == "head" and node.layer == receiver.layer
+        return node.layer < receiver.layer or node.kind == "head" and node.layer == receiver.layer and not parallel
     return node.layer < receiver.layer
 
 
 def graph_edges(model) -> list[tuple[Node, Receiver]]:
     """Every edge of the model's graph, in the order of the receivers (site order, q then k then v, MLPs, logits)."""
     check_graph(model)
-    nodes = _nodes(model)
-    return [(u, r) for r in _receivers(model) for u in nodes if upstream(u, r)]
+    nodes, parallel = _nodes(model), model.structure.kind == "parallel"
+    return [(u, r) for r in _receivers(model) for u in nodes if upstream(u, r, parallel)]
 
 
 def edge_frame(edges) -> pd.DataFrame:
@@ -148,8 +220,9 @@ def as_edges(model, edges) -> list[tuple[Node, Receiver]]:
     for u, r in edges:
         u = u if isinstance(u, Node) else node_of(model, u)
         r = r if isinstance(r, Receiver) else receiver_of(model, r)
-        if not upstream(u, r):
+        if not upstream(u, r, model.structure.kind == "parallel"):
             raise ValueError(f"There is no edge {u.name} -> {r.name}: {u.name} does not feed {r.name}'s input "
-                             "(an edge goes from an earlier node to a later input).")
+                             "(an edge goes from an earlier node to a later input; in a parallel block the heads do "
+                             "not feed that block's MLP).")
         out.append((u, r))
     return out

@@ -15,10 +15,11 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from hooks.names import hook_name
+from interp.structure.probe import _is_norm
 
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, as_edges
+from .graph import Node, Receiver, as_edges, mlp_norm, node_readers
 
 __all__ = ["edge_patching", "node_names", "node_output", "patched_run"]
 
@@ -38,18 +39,31 @@ def node_output(store, node: Node) -> torch.Tensor:
     return store[hook_name("result", node.site)][:, :, node.head]
 
 
-def _columns(model, site, which: str, head: int) -> tuple[str, slice]:
-    """The projection module (path under the site's module) and the columns of its output that hold ``head``'s
-    ``which`` (q, k or v)."""
-    _, proj = model.projections_of(site)
-    if isinstance(proj, str) or proj.layout == "interleaved":
-        raise ValueError(f"Edge patching needs {site.name}'s q, k and v projections as separate or concatenated "
-                         f"linear maps; {proj if isinstance(proj, str) else 'they are interleaved per head'}.")
+def _columns(model, site, which: str, head: int):
+    """Where ``head``'s ``which`` (q, k or v) input is written: ``(path, cols, compute)``, the module (path under the
+    site's block) whose output holds it, its columns there, and ``compute(y)``, those columns from the normed
+    stream ``y``. That module is the projection, or a norm over every head's q (or k) together (OLMo2's
+    ``q_norm``), after which one head's columns depend on its own projection alone."""
+    block, proj = model.projections_of(site)
+    if isinstance(proj, str):
+        raise ValueError(f"Edge patching needs {site.name}'s q, k and v projections as linear maps; {proj}.")
     d = site.d_head_v if which == "v" else site.d_head
     start = 0
-    if proj.layout == "concat":
-        start = {"q": 0, "k": site.n_heads * site.d_head, "v": (site.n_heads + site.n_kv_heads) * site.d_head}[which]
-    return getattr(proj, which), slice(start + head * d, start + (head + 1) * d)
+    if proj.layout == "interleaved":  # [q_h | k_h | v_h] per head (GPT-NeoX)
+        start = head * 3 * d + {"q": 0, "k": d, "v": 2 * d}[which]
+        cols = slice(start, start + d)
+    else:
+        if proj.layout == "concat":
+            start = {"q": 0, "k": site.n_heads * site.d_head, "v": (site.n_heads + site.n_kv_heads) * site.d_head}[which]
+        cols = slice(start + head * d, start + (head + 1) * d)
+    linear = block.get_submodule(getattr(proj, which))
+    side = "q" if which == "q" else "kv"
+    across = [path.rsplit(".", 1)[0] for path, on, width in proj.per_head if on == side and width == d and which != "v"
+              and _is_norm(block.get_submodule(path.rsplit(".", 1)[0]))]
+    if not across:
+        return getattr(proj, which), cols, lambda y: _head_columns(linear, y, cols)
+    norm = block.get_submodule(across[0])
+    return across[0], cols, lambda y: norm.forward(linear(y))[..., cols]
 
 
 def _head_columns(module, y: torch.Tensor, cols: slice) -> torch.Tensor:
@@ -69,6 +83,7 @@ class _Patcher:
 
     def __init__(self, model, source: dict | None, edges: list[tuple[Node, Receiver]], opened=()):
         self.model, self.source, self.run, self.x, self.zeros = model, source, {}, {}, {}
+        self.read = node_readers(model)
         self.into: dict[Receiver, list[Node]] = {r: [] for r in opened}
         self.opened = set(opened)
         for u, r in edges:
@@ -84,26 +99,41 @@ class _Patcher:
         return total
 
     def _keep(self, act, point):
-        self.run[point.name] = act
+        read = self.read.get(point.name)
+        self.run[point.name] = act if read is None else read(act)
 
     def _stream(self, receiver: Receiver):
         def pre(module, args):
-            return (args[0] + self.delta(receiver, args[0]), *args[1:])
+            x = args[0]
+            if x.ndim == 2:  # an MLP run on (b * p, m) (OPT): the nodes' outputs are (b, p, m)
+                y = x.reshape(*self.run[hook_name("resid_pre", 0)].shape[:-1], x.shape[-1])
+                return ((y + self.delta(receiver, y)).reshape(x.shape), *args[1:])
+            return (x + self.delta(receiver, x), *args[1:])
         return pre
 
-    def _grab(self, site):
+    def _grab(self, key):
         def pre(module, args):
-            self.x[site.name] = args[0]
+            self.x[key] = args[0]
         return pre
 
     def _project(self, site, norm, entries):
+        """q/k/v columns recomputed from the receiver's stream (read at its norm, or at q's projection where the
+        attention reads the stream with no norm)."""
         def post(module, args, out):
             out = out.clone()
             x = self.x[site.name]
-            for receiver, cols in entries:
-                out[..., cols] = _head_columns(module, norm.forward(x + self.delta(receiver, x)), cols)
+            for receiver, cols, compute in entries:
+                y = x + self.delta(receiver, x)
+                out[..., cols] = compute(y if norm is None else norm.forward(y))
             return out
         return post
+
+    def _mlp_input(self, receiver: Receiver, norm):
+        """A parallel block's MLP input rebuilt from the block's input (grabbed at the MLP's norm)."""
+        def pre(module, args):
+            x = self.x[("mlp", receiver.layer)]
+            return (norm.forward(x + self.delta(receiver, x)), *args[1:])
+        return pre
 
     @contextmanager
     def active(self):
@@ -115,15 +145,23 @@ class _Patcher:
             for r in self.into:
                 if r.input == "logits":
                     handles.append(model.final_norm().register_forward_pre_hook(self._stream(r)))
-                elif r.input == "mlp":
-                    handles.append(model.block_norm(r.layer, mlp_input=True).register_forward_pre_hook(self._stream(r)))
+                elif r.input == "mlp" and model.structure.kind == "parallel":
+                    norm, block = mlp_norm(model, r.layer), model._blocks[r.layer]
+                    handles.append(norm.register_forward_pre_hook(self._grab(("mlp", r.layer))))
+                    mlp = block.get_submodule(model.structure.mlp[r.layer])
+                    handles.append(mlp.register_forward_pre_hook(self._mlp_input(r, norm)))
+                elif r.input == "mlp":  # the norm on the stream after attention, or the MLP itself (no norm)
+                    module = model._blocks[r.layer].get_submodule(model.structure.resid_mid[r.layer][0])
+                    handles.append(module.register_forward_pre_hook(self._stream(r)))
                 else:
                     site = model.sites[r.site]
-                    path, cols = _columns(model, site, r.input, r.head)
-                    by_module.setdefault((site.name, path), []).append((r, cols))
+                    path, cols, compute = _columns(model, site, r.input, r.head)
+                    by_module.setdefault((site.name, path), []).append((r, cols, compute))
             for site_name in dict.fromkeys(s for s, _ in by_module):
                 site = model.sites[site_name]
-                handles.append(model.in_norm_of(site).register_forward_pre_hook(self._grab(site)))
+                block, proj = model.projections_of(site)
+                reads = model.in_norm_of(site) or block.get_submodule(proj.q)  # no norm: q's projection reads it
+                handles.append(reads.register_forward_pre_hook(self._grab(site.name)))
             for (site_name, path), entries in by_module.items():
                 site = model.sites[site_name]
                 block = model.projections_of(site)[0]
@@ -140,7 +178,8 @@ def source_outputs(model, batch, **keep) -> tuple[object, dict]:
     """A run's output and every node's output (the hooks of ``node_names``)."""
     args, kwargs = _arguments(batch)
     output, cache = model.run_with_cache(*args, names=node_names(model), **kwargs, **keep)
-    return output, {name: cache[name] for name in node_names(model)}
+    read = node_readers(model)
+    return output, {name: read[name](cache[name]) if name in read else cache[name] for name in node_names(model)}
 
 
 def patched_run(model, batch, source: dict, edges, **keep):
