@@ -350,3 +350,32 @@ def test_the_circuit_command_writes_its_folder_and_refuses_mistakes_in_one_line(
     bert = tmp_path / "bert"
     interp.load_model(tiny_model("bert")).save_pretrained(bert)
     one_line(["circuit", "--model", str(bert), "--task", "induction", "--out", str(tmp_path / "d")], "pre-norm")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_batched_edge_sets_and_single_edge_effects_equal_one_run_each(family):
+    from analyses.circuits.patching import EdgeIndex, edge_effects, patched_runs, source_outputs
+
+    model = interp.load_model(tiny_model(family, num_hidden_layers=3, n_layer=3))
+    clean, corrupted = _pair(8)
+    metric = logit_difference(5, 7)
+    index = EdgeIndex(model)
+    g = torch.Generator().manual_seed(0)
+    chosen = torch.rand(4, len(index), generator=g) < torch.tensor([[0.0], [0.05], [0.5], [0.97]])
+    with torch.no_grad():
+        _, source = source_outputs(model, {"input_ids": corrupted, "attention_mask": None})
+        together = patched_runs(model, {"input_ids": clean, "attention_mask": None}, source, chosen, index).logits
+    for i in range(4):  # copy i of the batched forward = a run of its edge set alone
+        edges = [(index.edges[e][0].name, index.edges[e][1].name) for e in chosen[i].nonzero()[:, 0].tolist()]
+        alone = edge_patching(model, clean, corrupted, edges, run="clean").logits
+        assert (together[i * 2:(i + 1) * 2] - alone).abs().max() <= TOL, i
+    picks = [3, 40, 77, len(index) - 1, len(index) - 30]  # receivers in layers 0, 1, 2 and the logits
+    edges = [(index.edges[e][0].name, index.edges[e][1].name) for e in picks]
+    base = edge_patching(model, clean, corrupted, [], metric, run="corrupted")
+    want = [edge_patching(model, clean, corrupted, [e], metric, run="corrupted") - base for e in edges]
+    assert max(abs(w) for w in want) > 1e-3
+    for budget, forwards in ((1, 5), (2**30, 1)):  # one edge per forward (blocks before it replayed), or all in one
+        df = edge_effects(model, clean, corrupted, edges, metric, memory_budget=budget)
+        assert list(zip(df["upstream"], df["downstream"])) == edges and df.attrs["forwards"] == forwards
+        assert max(abs(a - b) for a, b in zip(df["effect"], want)) <= TOL
+        assert (df.attrs["block_fraction"] < 1) == (forwards > 1)

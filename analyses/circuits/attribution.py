@@ -70,7 +70,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             corrupted_value = metric(out, corrupted)
         grads = {r: 0.0 for r in receivers}
         for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
-            patcher = _Patcher(model, None, [], opened=receivers)
+            patcher = _Patcher(model, None, opened=receivers)
             hooks = [(hook_name("resid_pre", 0), _interpolate(clean_nodes[hook_name("resid_pre", 0)], k / steps))]
             with torch.enable_grad():
                 for p in model.hf.parameters():

@@ -21,10 +21,9 @@ import torch
 from interp.runtime.progress import progress
 
 from ..data.bootstrap import ratio_interval, resample_counts
-from ..causal.engine import kept_logits
+from ..causal.engine import kept_logits, slice_output
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import graph_edges
-from .patching import patched_run, source_outputs
+from .patching import EdgeIndex, circuits_per_forward, patched_runs, source_outputs
 
 __all__ = ["circuit_areas", "faithfulness", "select_circuit"]
 
@@ -64,10 +63,6 @@ def select_circuit(model, scores: pd.DataFrame, edges: int | None = None, thresh
     return chosen[[any(o in reaching for o in owners[i]) for i in chosen.index]]
 
 
-def _pairs(frame: pd.DataFrame) -> set:
-    return set(zip(frame["upstream"], frame["downstream"]))
-
-
 def circuit_areas(fractions, values) -> tuple[float, float]:
     """MIB's CPR and CMD: the areas (trapezoids over the fraction of edges) under ``values`` and under ``|1 -
     values|``, with the empty circuit (0, 0) and the full model (1, 1) added at the ends."""
@@ -80,52 +75,65 @@ def circuit_areas(fractions, values) -> tuple[float, float]:
 
 
 def faithfulness(model, clean, corrupted, metric, scores: pd.DataFrame, sizes=(5, 10, 20, 50, 100),
-                 n_random: int = 5, seed: int = 0, n_bootstrap: int = 1000) -> pd.DataFrame:
+                 n_random: int = 5, seed: int = 0, n_bootstrap: int = 1000,
+                 memory_budget: float | None = None) -> pd.DataFrame:
     """The faithfulness curve of the circuits ``select_circuit(model, scores, edges=n)`` for ``n`` in ``sizes``.
 
     Returns one row per size: ``size`` (asked), ``edges`` (kept), ``fraction`` (of the model's edges),
     ``faithfulness`` with ``lo``/``hi`` (95% bootstrap over prompts), ``complement`` (every edge clean but the
     circuit's) with its interval, ``random`` (the mean over ``n_random`` random circuits of the same number of
     edges), ``random_max`` and the first draw's interval ``random_lo``/``random_hi``. ``df.attrs``: ``cpr``,
-    ``cmd``, ``cpr_random``, ``cmd_random``, ``clean``, ``corrupted``, ``forwards_per_point`` (1: one patched
-    forward per circuit evaluated).
+    ``cmd``, ``cpr_random``, ``cmd_random``, ``clean``, ``corrupted``, ``forwards_per_point`` (``2 + n_random``
+    patched runs of the batch per size, each one forward plus one mask product per receiver),
+    ``circuits_per_forward`` (the runs batched into one forward, as copies of the batch, within ``memory_budget``).
+    The two unpatched runs (clean, corrupted) are made once per curve.
     """
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
-    every = graph_edges(model)
-    names = [(u.name, r.name) for u, r in every]
+    index = EdgeIndex(model)
     keep = kept_logits(model, metric, clean)
     rng = np.random.default_rng(seed)
+    sizes = [int(n) for n in sizes]
+    insides = []  # per size: the circuit, then n_random random circuits of as many edges (bool over the edges)
+    for n in sizes:
+        inside = torch.zeros(len(index), dtype=torch.bool)
+        inside[index.positions(select_circuit(model, scores, edges=n))] = True
+        draws = [torch.zeros(len(index), dtype=torch.bool) for _ in range(n_random)]
+        for draw in draws:
+            draw[torch.as_tensor(rng.choice(len(index), size=int(inside.sum()), replace=False))] = True
+        insides.append([inside, *draws])
+    # the runs: per size the circuit (its complement patched), the complement (the circuit patched), the draws
+    runs = [patched for inside, *draws in insides for patched in (~inside, inside, *(~d for d in draws))]
+    per = circuits_per_forward(model, clean, index, memory_budget, keep.get("logits_to_keep"))
+    b = clean["input_ids"].shape[0]
     with model.studying(), torch.no_grad():
         out, _ = source_outputs(model, clean, **keep)
         full = metric.per_example(out, clean).double()
         out, corrupted_nodes = source_outputs(model, corrupted, **keep)
         empty = metric.per_example(out, corrupted).double()
         counts = resample_counts(len(full), n_bootstrap, seed)
-
-        def score(inside: set) -> tuple[float, float, float]:
-            """Faithfulness of the circuit ``inside``: the clean run with every other edge corrupted."""
-            out = patched_run(model, clean, corrupted_nodes, [e for e in names if e not in inside], **keep)
-            value = metric.per_example(out, clean).double()
-            v, lo, hi = ratio_interval(value - empty, full - empty, counts=counts)
-            return float(v), float(lo), float(hi)
-
-        rows = []
-        for n in progress(list(sizes), desc="faithfulness", unit="circuit"):
-            inside = _pairs(select_circuit(model, scores, edges=int(n)))
-            f, c = score(inside), score(set(names) - inside)
-            draws = [score({names[i] for i in rng.choice(len(names), size=len(inside), replace=False)})
-                     for _ in range(n_random)]
-            rows.append({"size": int(n), "edges": len(inside), "fraction": len(inside) / len(names),
-                         "faithfulness": f[0], "lo": f[1], "hi": f[2],
-                         "complement": c[0], "complement_lo": c[1], "complement_hi": c[2],
-                         "random": float(np.mean([d[0] for d in draws])) if draws else float("nan"),
-                         "random_max": max((d[0] for d in draws), default=float("nan")),
-                         "random_lo": draws[0][1] if draws else float("nan"),
-                         "random_hi": draws[0][2] if draws else float("nan")})
+        values = []
+        for start in progress(range(0, len(runs), per), desc="faithfulness", unit="forward"):
+            chosen = torch.stack(runs[start:start + per])
+            out = patched_runs(model, clean, corrupted_nodes, chosen, index, **keep)
+            for i in range(len(chosen)):
+                value = metric.per_example(slice_output(out, i * b, (i + 1) * b, len(chosen) * b), clean).double()
+                v, lo, hi = ratio_interval(value - empty, full - empty, counts=counts)
+                values.append((float(v), float(lo), float(hi)))
+    rows, step = [], 2 + n_random
+    for k, (n, (inside, *_)) in enumerate(zip(sizes, insides)):
+        f, c, *draws = values[k * step:(k + 1) * step]
+        rows.append({"size": n, "edges": int(inside.sum()), "fraction": float(inside.sum()) / len(index),
+                     "faithfulness": f[0], "lo": f[1], "hi": f[2],
+                     "complement": c[0], "complement_lo": c[1], "complement_hi": c[2],
+                     "random": float(np.mean([d[0] for d in draws])) if draws else float("nan"),
+                     "random_max": max((d[0] for d in draws), default=float("nan")),
+                     "random_lo": draws[0][1] if draws else float("nan"),
+                     "random_hi": draws[0][2] if draws else float("nan")})
     df = pd.DataFrame(rows)
     cpr, cmd = circuit_areas(df["fraction"], df["faithfulness"])
     cpr_r, cmd_r = circuit_areas(df["fraction"], df["random"]) if n_random else (float("nan"), float("nan"))
     df.attrs.update(cpr=cpr, cmd=cmd, cpr_random=cpr_r, cmd_random=cmd_r, clean=float(full.mean()),
-                    corrupted=float(empty.mean()), forwards_per_point=1, total_edges=len(names))
+                    corrupted=float(empty.mean()), forwards_per_point=step, circuits_per_forward=per,
+                    total_edges=len(index))
     return df
