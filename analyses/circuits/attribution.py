@@ -24,8 +24,8 @@ from interp.runtime.progress import progress
 from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import edge_frame, graph_edges
-from .patching import _Patcher, node_output, source_outputs
+from .graph import edge_frame
+from .patching import EdgeIndex, _Patcher, node_names, node_output, source_outputs
 
 __all__ = ["METHODS", "edge_attribution"]
 
@@ -36,6 +36,23 @@ def _interpolate(clean_input: torch.Tensor, alpha: float):
     def hook(act, point):  # the corrupted run's input embeddings moved alpha of the way to the clean ones
         return act + alpha * (clean_input.to(act.dtype) - act)
     return hook
+
+
+def _edge_scores(index: EdgeIndex, clean_nodes: dict, corrupted_nodes: dict, grads: list) -> list[float]:
+    """Every edge's ``(a_u(clean) - a_u(corrupted)) . grad_r`` summed over the batch and positions: one matrix
+    product per group of receivers that read the same senders (a layer's inputs), over those senders only."""
+    diff = torch.stack([(node_output(clean_nodes, u) - node_output(corrupted_nodes, u)).float().flatten()
+                        for u in index.nodes])  # (nodes, b * p * m)
+    reach = [0] * len(index.receivers)
+    for e in range(len(index)):
+        r = int(index.receiver_of[e])
+        reach[r] = max(reach[r], int(index.node_of[e]) + 1)
+    table = torch.zeros(len(index.receivers), len(index.nodes))
+    for n in sorted(set(reach)):
+        rows = [r for r in range(len(reach)) if reach[r] == n and torch.is_tensor(grads[r])]
+        if rows:
+            table[rows, :n] = torch.stack([grads[r].flatten() for r in rows]) @ diff[:n].T
+    return table[index.receiver_of, index.node_of].tolist()
 
 
 def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5) -> pd.DataFrame:
@@ -56,22 +73,22 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer (EAP-IG's interpolation points); got {steps!r}.")
     steps = 1 if method == "eap" else steps
-    edges = graph_edges(model)
+    index = EdgeIndex(model)
     metric = scalar_metric(metric)
     clean, corrupted = paired_batches(model, clean, corrupted)
     keep = kept_logits(model, metric, corrupted)
-    receivers = list(dict.fromkeys(r for _, r in edges))
-    nodes = list(dict.fromkeys(u for u, _ in edges))
+    receivers = index.receivers
     with model.studying():
         with torch.no_grad():
             out, clean_nodes = source_outputs(model, clean, **keep)
             clean_value = metric(out, clean)
-            out, corrupted_nodes = source_outputs(model, corrupted, **keep)
-            corrupted_value = metric(out, corrupted)
-        grads = {r: 0.0 for r in receivers}
+        grads, corrupted_nodes = [0.0] * len(receivers), {}
+        names = node_names(model)
         for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
             patcher = _Patcher(model, None, opened=receivers)
             hooks = [(hook_name("resid_pre", 0), _interpolate(clean_nodes[hook_name("resid_pre", 0)], k / steps))]
+            if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
+                hooks.append((names, lambda act, point: corrupted_nodes.__setitem__(point.name, act.detach())))
             with torch.enable_grad():
                 for p in model.hf.parameters():
                     p.requires_grad_(False)
@@ -83,13 +100,14 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                                     "without a gradient. Use a metric from analyses.data.metrics or one returning a tensor "
                                     "computed from the model's output.")
                 found = torch.autograd.grad(value, [patcher.zeros[r] for r in receivers], allow_unused=True)
-            for r, g in zip(receivers, found):
-                if g is not None:
-                    grads[r] = grads[r] + g.detach().float() / steps
+            if k == 0:
+                with torch.no_grad():
+                    corrupted_value = metric(out, corrupted)
+            grads = [g_sum if g is None else g_sum + g.detach().float() / steps for g_sum, g in zip(grads, found)]
         with torch.no_grad():
-            diff = {u: (node_output(clean_nodes, u) - node_output(corrupted_nodes, u)).float() for u in nodes}
-            scores = [float((diff[u] * grads[r]).sum()) if torch.is_tensor(grads[r]) else 0.0 for u, r in edges]
-    df = edge_frame(edges)
+            scores = _edge_scores(index, clean_nodes, corrupted_nodes, grads)
+
+    df = edge_frame(index.edges)
     df["score"] = scores
     df["abs_score"] = df["score"].abs()
     df.attrs.update(method=method, steps=steps, metric=metric.name, clean=clean_value, corrupted=corrupted_value)
