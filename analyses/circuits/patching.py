@@ -188,14 +188,31 @@ class _Patcher:
             self.x[site.name] = args[0]
         return pre
 
+    def _columns_of(self, module, site, norm, entries) -> torch.Tensor:
+        """The ``entries``' columns of ``module``'s output, each from its receiver's own input."""
+        x = self.x[site.name]
+        return [_head_columns(module, norm.forward(x + delta), cols)
+                for (_, cols), delta in zip(entries, self.deltas([r for r, _ in entries], x))]
+
     def _project(self, site, norm, entries):
-        def post(module, args, out):
+        def post(module, args, out):  # some heads' columns: the projection runs, then those are replaced
             out = out.clone()
-            x = self.x[site.name]
-            for (receiver, cols), delta in zip(entries, self.deltas([r for r, _ in entries], x)):
-                out[..., cols] = _head_columns(module, norm.forward(x + delta), cols)
+            for (_, cols), value in zip(entries, self._columns_of(module, site, norm, entries)):
+                out[..., cols] = value
             return out
         return post
+
+    def _whole(self, module, site, norm, entries):
+        def forward(*args, **kwargs):  # every column is a receiver's: the projection is not run twice
+            return torch.cat(self._columns_of(module, site, norm, entries), dim=-1)
+        return forward
+
+    @staticmethod
+    def _covers(module, entries) -> bool:
+        """Whether ``entries``' column slices, in order, are exactly every output column of ``module``."""
+        width = getattr(module, "out_features", getattr(module, "nf", None))
+        stops = [0] + [cols.stop for _, cols in entries]
+        return width == stops[-1] and all(cols.start == stop for (_, cols), stop in zip(entries, stops))
 
     @contextmanager
     def active(self):
@@ -224,16 +241,26 @@ class _Patcher:
             for site_name in dict.fromkeys(s for s, _ in by_module):
                 site = model.sites[site_name]
                 handles.append(model.in_norm_of(site).register_forward_pre_hook(self._grab(site)))
+            replaced = []  # (module, its own forward attribute or None)
             for (site_name, path), entries in by_module.items():
                 site = model.sites[site_name]
-                block = model.projections_of(site)[0]
-                hook = self._project(site, model.in_norm_of(site), entries)
-                handles.append(block.get_submodule(path).register_forward_hook(hook))
+                module = model.projections_of(site)[0].get_submodule(path)
+                entries = sorted(entries, key=lambda entry: entry[1].start)
+                if self._covers(module, entries):
+                    replaced.append((module, module.__dict__.get("forward")))
+                    module.forward = self._whole(module, site, model.in_norm_of(site), entries)
+                else:
+                    handles.append(module.register_forward_hook(self._project(site, model.in_norm_of(site), entries)))
             try:
                 yield self
             finally:
                 for handle in handles:
                     handle.remove()
+                for module, forward in replaced:  # an accelerate-dispatched module keeps its own forward
+                    if forward is None:
+                        module.__dict__.pop("forward", None)
+                    else:
+                        module.forward = forward
                 self.stack = None
 
 
