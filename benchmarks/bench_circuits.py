@@ -77,6 +77,14 @@ def main() -> None:
     top = scores["eap"].sort_values("abs_score", ascending=False).head(20)
     row("edge_effects: per edge (top 20 by EAP, 2 unpatched runs included)",
         lambda: edge_effects(model, clean, corrupted, top, metric), per=len(top))
+    # where EAP's FLOPs beyond its three model passes go: each head's output apart (hook_result: the output
+    # projection once more, in the clean run and in the corrupted one) and the score products (2 x edges x b p m)
+    from analyses.circuits.patching import source_outputs
+    with torch.no_grad():
+        per_head, _ = flops(lambda: source_outputs(model, batch, **keep))
+    products = 2 * len(scores["eap"]) * batch["input_ids"].numel() * model.cfg.d_model
+    rows["eap: per-head outputs (2 runs)"] = {"forward_equivalents": 2 * (per_head - forward) / forward}
+    rows["eap: score products"] = {"forward_equivalents": products / forward}
     tokens = list(batch["input_ids"].shape)
     print(f"{args.model}, {args.task}: {tokens[0]} x {tokens[1]} tokens, {len(scores['eap'])} edges; plain forward "
           f"{forward / 1e9:.2f} GFLOP in {forward_s:.3f} CPU s; {torch.get_num_threads()} thread; "
