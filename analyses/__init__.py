@@ -54,9 +54,9 @@ _LAZY = {
                     "explain.sinks"),
     # circuits/: a model as a graph of nodes and edges, exact edge patching, edge attribution (EAP, EAP-IG), faithfulness
     **dict.fromkeys(["edge_frame", "graph_edges"], "circuits.graph"),
-    "edge_patching": "circuits.patching",
+    **dict.fromkeys(["edge_effects", "edge_patching"], "circuits.patching"),
     "edge_attribution": "circuits.attribution",
-    **dict.fromkeys(["circuit_areas", "faithfulness", "select_circuit"], "circuits.evaluation"),
+    **dict.fromkeys(["circuit_areas", "faithfulness", "refine_circuit", "select_circuit"], "circuits.evaluation"),
     "greater_than_task": "circuits.tasks",
     "needle_task": "circuits.tasks",
     # views/: every name of analyses/views/ (save_figure, long_view, ...)

@@ -1,17 +1,22 @@
-"""EAP and EAP-IG against exact edge patching on a real model's task, and the circuits' faithfulness (issue 48).
+"""EAP and EAP-IG against exact edge patching on a real model's task, the circuits' faithfulness, and the heads they
+contain beside the head atlas's labels (issue 48).
 
 For a task (IOI or induction): every edge scored by EAP and by EAP-IG; the exact effect of making each edge alone
-clean in the corrupted run (``edge_patching(..., run="corrupted")`` minus the corrupted run) for the top edges by
-EAP-IG's |score| and for random edges; Spearman of each estimate against the exact effects; the faithfulness curve of
-EAP-IG's circuits with CPR/CMD beside random circuits of the same sizes. Prints one JSON line.
+clean in the corrupted run (``edge_effects``: ``edge_patching(..., run="corrupted")`` minus the corrupted run) for
+the top edges by EAP-IG's |score| and for random other edges; Spearman of each estimate against the exact effects;
+the faithfulness curve of EAP-IG's circuits with CPR/CMD beside random circuits of the same sizes; the upstream heads
+of the top edges into key inputs, with the atlas's label of each (``--atlas``: a saved ``build_atlas`` JSON).
+Prints one JSON line (CPU seconds of this process, the load average, the date).
 
-    OMP_NUM_THREADS=1 python benchmarks/circuits_real.py --model smollm2 --task ioi --top 300 --random 100
+    OMP_NUM_THREADS=1 python benchmarks/circuits_real.py --model smollm2 --task ioi --n 8 --top 300 --random 100 \\
+        --atlas notebooks/atlas/smollm2.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -19,54 +24,92 @@ import torch
 from scipy.stats import spearmanr
 
 import interp
-from analyses import edge_attribution, edge_patching, faithfulness, induction_task, ioi_task
+from analyses import (edge_attribution, edge_effects, faithfulness, induction_task, ioi_task, refine_circuit,
+                      select_circuit)
+
+
+def _labels(path: str | None) -> dict[str, str]:
+    """``{"blocks.L.attn:H": classes}`` from a saved atlas (its ``labels`` column, or the label), or ``{}``."""
+    if not path:
+        return {}
+    with open(path) as f:
+        atlas = json.load(f)
+    return {f"{h['site']}:{h['head']}": h.get("labels") or h["label"] for h in atlas["heads"]}
+
+
+def _heads_of(frame) -> list[str]:
+    return sorted({u for u in frame["upstream"] if ":" in u} | {f"{s}:{h}" for s, h, i in
+                   zip(frame["down_site"], frame["down_head"], frame["input"]) if i == "q"})
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--task", choices=["ioi", "induction"], default="ioi")
-    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--length", type=int, default=8, help="induction: tokens per copy")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=300)
     p.add_argument("--random", type=int, default=100)
-    p.add_argument("--sizes", type=int, nargs="+", default=[25, 50, 100, 200, 400, 800])
+    p.add_argument("--sizes", type=int, nargs="+", default=[25, 50, 100, 200, 400])
     p.add_argument("--n-random-circuits", type=int, default=3)
+    p.add_argument("--refine", type=int, default=0, help="also refine_circuit at this size (0: not)")
+    p.add_argument("--atlas", default=None, help="a saved atlas JSON whose labels the circuit's heads are read with")
     args = p.parse_args()
     torch.set_num_threads(1)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
+           "threads": torch.get_num_threads(), **vars(args)}
     model = interp.load_model(args.model)
     clean, corrupted, metric = (ioi_task(model, n=args.n) if args.task == "ioi"
-                                else induction_task(model, n=args.n, length=12))
-    out = {"model": args.model, "task": args.task, "n": args.n, "steps": args.steps}
+                                else induction_task(model, n=args.n, length=args.length))
+    out["tokens"] = list((clean["input_ids"] if isinstance(clean, dict) else clean).shape)
     cpu = time.process_time()
     eap = edge_attribution(model, clean, corrupted, metric, method="eap")
     out["eap_cpu_s"] = time.process_time() - cpu
     cpu = time.process_time()
     ig = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=args.steps)
     out["eap_ig_cpu_s"] = time.process_time() - cpu
-    out.update(edges=len(ig), clean=ig.attrs["clean"], corrupted=ig.attrs["corrupted"])
+    out.update(edges=len(ig), clean=float(ig.attrs["clean"]), corrupted=float(ig.attrs["corrupted"]))
     rng = np.random.default_rng(0)
-    top = list(ig["abs_score"].sort_values(ascending=False).index[:args.top])
-    rest = [i for i in ig.index if i not in set(top)]
+    top = list(ig["abs_score"].sort_values(ascending=False, kind="stable").index[:args.top])
+    rest = np.setdiff1d(ig.index.to_numpy(), top)
     chosen = top + list(rng.choice(rest, size=min(args.random, len(rest)), replace=False))
     cpu = time.process_time()
-    base = edge_patching(model, clean, corrupted, [], metric, run="corrupted")
-    exact = np.array([edge_patching(model, clean, corrupted, [(ig.at[i, "upstream"], ig.at[i, "downstream"])],
-                                    metric, run="corrupted") - base for i in chosen])
-    out["exact_cpu_s_per_edge"] = (time.process_time() - cpu) / len(chosen)
+    exact = edge_effects(model, clean, corrupted, ig.loc[chosen], metric)
+    out["exact_cpu_s"], out["exact_block_fraction"] = time.process_time() - cpu, exact.attrs["block_fraction"]
+    exact = exact["effect"].to_numpy()
     for name, frame in (("eap_ig", ig), ("eap", eap)):
         est = frame.loc[chosen, "score"].to_numpy()
-        out[f"spearman_{name}_top"] = float(spearmanr(est[:len(top)], exact[:len(top)])[0])
-        out[f"spearman_{name}_all"] = float(spearmanr(est, exact)[0])
-        out[f"abs_error_{name}_median"] = float(np.median(np.abs(est - exact)))
+        for part, sl in (("top", slice(0, len(top))), ("random", slice(len(top), None)), ("all", slice(None))):
+            out[f"spearman_{name}_{part}"] = float(spearmanr(est[sl], exact[sl])[0])
+        out[f"abs_error_{name}_median_top"] = float(np.median(np.abs(est[:len(top)] - exact[:len(top)])))
+    out["exact_top10"] = [[ig.at[i, "upstream"], ig.at[i, "downstream"], round(float(e), 4),
+                           round(float(ig.at[i, "score"]), 4), round(float(eap.at[i, "score"]), 4)]
+                          for i, e in zip(chosen[:10], exact[:10])]
     cpu = time.process_time()
     curve = faithfulness(model, clean, corrupted, metric, ig, sizes=args.sizes, n_random=args.n_random_circuits)
     out["faithfulness_cpu_s"] = time.process_time() - cpu
     out["curve"] = curve.round(4).to_dict("records")
-    out.update({k: curve.attrs[k] for k in ("cpr", "cmd", "cpr_random", "cmd_random")})
-    circuit = ig.loc[ig["abs_score"].sort_values(ascending=False).index[:args.sizes[-1]]]
-    out["top_k_edges"] = [f"{u} -> {d}" for u, d in zip(circuit["upstream"], circuit["downstream"])
-                          if d.endswith(".k")][:10]
+    out.update({k: curve.attrs[k] for k in ("cpr", "cmd", "cpr_random", "cmd_random", "forwards_per_point",
+                                            "circuits_per_forward")})
+    if args.refine:
+        cpu = time.process_time()
+        refined = faithfulness(model, clean, corrupted, metric, ig, sizes=[args.refine], n_random=0, refine=True)
+        out["refined"] = refined.round(4).to_dict("records")
+        out["refine_cpu_s"] = time.process_time() - cpu
+    labels = _labels(args.atlas)
+    into_k = ig[ig["input"] == "k"].sort_values("abs_score", ascending=False, kind="stable").head(10)
+    out["top_k_edges"] = [[u, d, round(float(s), 4), labels.get(u, "")]
+                          for u, d, s in zip(into_k["upstream"], into_k["downstream"], into_k["score"])]
+    if labels:
+        prev = {h for h, l in labels.items() if "previous_token" in l}
+        senders = [u for u in into_k["upstream"] if ":" in u]
+        out["top_k_senders_previous_token"] = f"{sum(u in prev for u in senders)}/{len(senders)}"
+        out["previous_token_heads_in_atlas"] = f"{len(prev)}/{len(labels)}"
+        for n in (args.sizes[0], args.sizes[min(2, len(args.sizes) - 1)]):
+            heads = _heads_of(select_circuit(model, ig, edges=n))
+            out[f"circuit_{n}_heads"] = {h: labels.get(h, "") for h in heads}
+    out["load_after"] = os.getloadavg()
     print(json.dumps(out))
 
 

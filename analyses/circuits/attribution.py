@@ -29,8 +29,8 @@ from interp.runtime.progress import progress
 from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, edge_frame, graph_edges
-from .patching import _columns
+from .graph import Node, Receiver, edge_frame, graph_edges, node_readers
+from .patching import reading
 
 __all__ = ["METHODS", "edge_attribution"]
 
@@ -38,42 +38,29 @@ METHODS = ("eap", "eap-ig")
 _CHUNK_ELEMENTS = 1 << 25  # elements of one chunk's stacked node differences (128 MiB in fp32)
 
 
-def _interpolate(clean_input: torch.Tensor, alpha: float, taps: dict):
+def _interpolate(clean_input: torch.Tensor, alpha: float, moved: dict):
     def hook(act, point):  # the corrupted run's input embeddings moved alpha of the way to the clean ones
-        moved = (act + alpha * (clean_input.to(act.dtype) - act)).detach().requires_grad_(True)
-        taps["input"] = moved
-        return moved
+        out = (act + alpha * (clean_input.to(act.dtype) - act)).detach().requires_grad_(True)
+        moved["input"] = out
+        return out
     return hook
 
 
-# -- the node differences a_u(clean) - a_u(corrupted), kept compact --------------------------------------------------
+# -- every node's output, kept compactly --------------------------------------------------------------------------
 def _compact_names(model) -> list[str]:
     """What a run keeps to rebuild every node's output: the first block's input, each site's z, each MLP's output."""
     names = [hook_name("resid_pre", 0)] + [hook_name("z", s.name) for s in model.cfg.sites]
     return names + [hook_name("mlp_out", l) for l in range(len(model.cfg.sites)) if model.structure.mlp[l]]
 
 
-def _node_differences(model, clean, corrupted, keep):
-    """The clean and corrupted runs' outputs, the clean run's input embeddings, and each node's output difference
-    kept compactly: ``z`` per site (a head's output is its ``z`` through its columns of the output projection,
-    without the bias, as ``hook_result`` has it), the MLPs' outputs and the input."""
-    names, outputs, diff = _compact_names(model), [], {}
-    for sign, batch in ((1.0, clean), (-1.0, corrupted)):
-        args, kwargs = _arguments(batch)
-        out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
-        outputs.append(out)
-        if sign > 0:
-            clean_input = cache[names[0]]
-            diff = {name: cache[name].float().clone() for name in names}  # subtracted from in place
-        else:
-            for name in names:
-                diff[name] -= cache[name].float()
-        del cache
-    return *outputs, clean_input, diff
+def _keeping(store: dict):
+    def hook(act, point):
+        store[point.name] = act.detach()
+    return hook
 
 
 def _output_weight(model, site) -> torch.Tensor:
-    """The output projection as ``(m, h * e)``: a head's output is ``z_h @ W[:, cols].T``."""
+    """The output projection as ``(m, h * e)``: head ``h``'s result is ``z_h @ W[:, h's columns].T``."""
     o = model.o_proj_of(site)
     if o is None:
         raise ValueError(f"Edge attribution reads each head's output through {site.name}'s output projection; this "
@@ -81,112 +68,117 @@ def _output_weight(model, site) -> torch.Tensor:
     return o.weight.float() if isinstance(o, torch.nn.Linear) else o.weight.float().T  # GPT-2's Conv1D: (h * e, m)
 
 
-def _stacked(model, nodes: list[Node], diff: dict, rows: slice) -> torch.Tensor:
-    """``(N, b, c, m)``: every node's output difference at positions ``rows``."""
-    out = []
-    for node in nodes:
-        if node.kind == "input":
-            out.append(diff[hook_name("resid_pre", 0)][:, rows])
-        elif node.kind == "mlp":
-            out.append(diff[hook_name("mlp_out", node.layer)][:, rows])
-        else:
-            out.append(None)
-    heads: dict[str, list[int]] = {}
+def _node_outputs(model, nodes: list[Node], store: dict, rows: slice, read: dict) -> torch.Tensor:
+    """``(N, b, c, m)``: every node's output at positions ``rows``, rebuilt from a run's compact store (a head's:
+    its ``z`` through its columns of the output projection, without the bias, as ``hook_result`` has it), read as
+    ``node_readers`` says (sandwich norms)."""
+    out: list = [None] * len(nodes)
+    sites: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         if node.kind == "head":
-            heads.setdefault(node.site, []).append(i)
-    for site_name, index in heads.items():
+            sites.setdefault(node.site, []).append(i)
+            continue
+        name = hook_name("resid_pre", 0) if node.kind == "input" else hook_name("mlp_out", node.layer)
+        value = store[name][:, rows].float()
+        out[i] = read[name](value) if name in read else value
+    for site_name, index in sites.items():
         site = model.sites[site_name]
-        z = diff[hook_name("z", site_name)][:, rows]  # (b, c, h, e)
+        z = store[hook_name("z", site_name)][:, rows].float()  # (b, c, h, e)
         w = _output_weight(model, site).reshape(-1, site.n_heads, z.shape[-1])  # (m, h, e)
-        result = torch.einsum("bche,mhe->hbcm", z, w)
+        result = torch.einsum("bche,mhe->bchm", z, w)
+        name = hook_name("result", site_name)
+        result = read[name](result) if name in read else result
         for i in index:
-            out[i] = result[nodes[i].head]
+            out[i] = result[:, :, nodes[i].head]
     return torch.stack(out)
 
 
-# -- the receivers' gradients from one backward ---------------------------------------------------------------------
+# -- each receiver's gradient, from one backward --------------------------------------------------------------------
 class _Taps:
-    """Hooks of one run that keep, for each norm a receiver reads through, its input (the run's stream) and the
-    gradient at what the receivers read after it: the q/k/v projections' outputs (a head's columns are its input's)
-    or the norm's output (an MLP, the logits)."""
+    """Hooks of one run that keep, for each stream a receiver reads (``reading``), that stream and the gradient where
+    the receiver's reading of it goes on: the output columns of its q, k or v, the output of the norm (or MLP) it
+    reads through, or a parallel block's MLP input. Each receiver's gradient with respect to its own input stream is
+    then that gradient carried back through what it reads the stream with, a chunk of positions at a time."""
 
-    def __init__(self, model, receivers: list[Receiver]):
-        self.model, self.x, self.grad, self.handles = model, {}, {}, []
-        self.groups: dict[object, list] = {}  # norm key -> [(receiver, projection key or None, cols)]
-        for r in receivers:
-            if r.input == "logits":
-                self.groups.setdefault("final", []).append((r, None, None))
-            elif r.input == "mlp":
-                self.groups.setdefault(("mlp", r.layer), []).append((r, None, None))
-            else:
-                site = model.sites[r.site]
-                path, cols = _columns(model, site, r.input, r.head)
-                self.groups.setdefault(("site", r.site), []).append((r, (r.site, path), cols))
+    def __init__(self, model, receivers: list[Receiver], shape):
+        self.model, self.shape, self.x, self.grad, self.handles = model, shape, {}, {}, []
+        self.reads = {r: reading(model, r) for r in receivers}
+        self.groups: dict[object, list[Receiver]] = {}
+        for r, read in self.reads.items():
+            self.groups.setdefault(read.key, []).append(r)
 
-    def norm(self, key) -> torch.nn.Module:
-        if key == "final":
-            return self.model.final_norm()
-        if key[0] == "mlp":
-            return self.model.block_norm(key[1], mlp_input=True)
-        return self.model.in_norm_of(self.model.sites[key[1]])
+    def _grab(self, key):
+        def pre(module, args):
+            self.x[key] = args[0].detach()
+        return pre
 
-    def _keep_grad(self, key):
+    def _output_grad(self, key):
         def post(module, args, out):
             if out.requires_grad:
                 out.register_hook(lambda g: self.grad.__setitem__(key, g.detach()))
         return post
 
-    def _keep_x(self, key):
-        def pre(module, args):
-            self.x[key] = args[0].detach()
+    def _input_grad(self, key):
+        def pre(module, args):  # an alias of the input, so that its gradient is the one through this module only
+            if not args[0].requires_grad:
+                return None
+            alias = args[0].view_as(args[0])
+            alias.register_hook(lambda g: self.grad.__setitem__(key, g.detach()))
+            return (alias, *args[1:])
         return pre
 
     def __enter__(self):
-        for key, entries in self.groups.items():
-            norm = self.norm(key)
-            self.handles.append(norm.register_forward_pre_hook(self._keep_x(key)))
-            if key == "final" or key[0] == "mlp":
-                self.handles.append(norm.register_forward_hook(self._keep_grad(key)))
+        done = set()
+        for r, read in self.reads.items():
+            if read.key not in done:
+                done.add(read.key)
+                self.handles.append(read.grab.register_forward_pre_hook(self._grab(read.key)))
+            tap = (read.key, id(read.module))
+            if tap in done:
+                continue
+            done.add(tap)
+            if read.kind == "mlp_input":
+                self.handles.append(read.module.register_forward_pre_hook(self._input_grad(tap)))
             else:
-                block = self.model.projections_of(self.model.sites[key[1]])[0]
-                for proj in dict.fromkeys(p for _, p, _ in entries):
-                    self.handles.append(block.get_submodule(proj[1]).register_forward_hook(self._keep_grad(proj)))
+                self.handles.append(read.module.register_forward_hook(self._output_grad(tap)))
         return self
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
 
+    def _rows(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``t`` as ``(b, p, ...)`` (a module run on ``(b * p, m)``, OPT's MLP, reshaped) at positions ``rows``."""
+        if t.ndim == 2:
+            t = t.reshape(*self.shape, t.shape[-1])
+        return t[:, rows]
+
     def stream_gradients(self, key, rows: slice) -> tuple[list[Receiver], torch.Tensor | None]:
-        """The receivers reading through norm ``key`` and ``(R, b, c, m)``: each one's gradient with respect to
-        its own input stream at positions ``rows``."""
-        entries, x = self.groups[key], self.x.get(key)
+        """The receivers reading stream ``key`` and ``(R, b, c, m)``: each one's gradient with respect to its own
+        input stream at positions ``rows`` (None where the backward reached none of them)."""
+        receivers, x = self.groups[key], self.x.get(key)
         if x is None:
-            return [e[0] for e in entries], None
-        after = []
-        for r, proj, cols in entries:
-            if proj is None:
-                g = self.grad.get(key)
-                after.append(None if g is None else g[:, rows].float())
-                continue
-            g = self.grad.get(proj)
+            return receivers, None
+        x = self._rows(x, rows).detach()
+        out = []
+        for r in receivers:
+            read = self.reads[r]
+            g = self.grad.get((key, id(read.module)))
             if g is None:
-                after.append(None)
+                out.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
                 continue
-            module = self.model.projections_of(self.model.sites[proj[0]])[0].get_submodule(proj[1])
-            w = module.weight.float()
-            w = w[cols] if isinstance(module, torch.nn.Linear) else w[:, cols].T  # (d, m)
-            after.append(g[:, rows, cols].float() @ w)
-        if all(a is None for a in after):
-            return [e[0] for e in entries], None
-        like = next(a for a in after if a is not None)
-        g_after = torch.stack([torch.zeros_like(like) if a is None else a for a in after])
-        with torch.enable_grad():
-            xs = x[:, rows].unsqueeze(0).expand(len(entries), *x[:, rows].shape).clone().requires_grad_(True)
-            y = self.norm(key)(xs)
-            (g_x,) = torch.autograd.grad(y, xs, g_after.to(y.dtype))
-        return [e[0] for e in entries], g_x.float()
+            g = self._rows(g, rows)
+            with torch.enable_grad():
+                xs = x.clone().requires_grad_(True)
+                if read.kind == "columns":
+                    value, g = read.compute(xs if read.norm is None else read.norm(xs)), g[..., read.cols]
+                elif read.kind == "mlp_input":
+                    value = read.norm(xs)
+                else:
+                    value = read.module(xs)
+                (found,) = torch.autograd.grad(value, xs, g.to(value.dtype))
+            out.append(found.float())
+        return receivers, torch.stack(out)
 
 
 def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5) -> pd.DataFrame:
@@ -213,53 +205,72 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     keep = kept_logits(model, metric, corrupted)
     receivers = list(dict.fromkeys(r for _, r in edges))
     nodes = list(dict.fromkeys(u for u, _ in edges))
-    node_index = {u: i for i, u in enumerate(nodes)}
-    receiver_index = {r: j for j, r in enumerate(receivers)}
+    node_at = {u: i for i, u in enumerate(nodes)}
+    receiver_at = {r: j for j, r in enumerate(receivers)}
+    # the senders each receiver can read: nodes are in the order the model computes them
+    reach = {r: 1 + max(node_at[u] for u, v in edges if v == r) for r in receivers}
     scores = torch.zeros(len(nodes), len(receivers), dtype=torch.float64)
+    names, read = _compact_names(model), node_readers(model)
+    shape = tuple(corrupted["input_ids"].shape[:2])
     with model.studying():
         with torch.no_grad():
-            out_clean, out_corrupted, clean_input, diff = _node_differences(model, clean, corrupted, keep)
-            clean_value, corrupted_value = metric(out_clean, clean), metric(out_corrupted, corrupted)
-            del out_clean, out_corrupted
+            args, kwargs = _arguments(clean)
+            out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
+            clean_value, clean_store = metric(out, clean), {name: cache[name] for name in names}
+            del out, cache
         for p in model.hf.parameters():
             p.requires_grad_(False)
+        corrupted_store, moved = {}, {}
         for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
-            taps = _Taps(model, receivers)
-            moved = {}
-            hooks = [(hook_name("resid_pre", 0), _interpolate(clean_input, k / steps, moved))]
+            taps = _Taps(model, receivers, shape)
+            hooks = [(hook_name("resid_pre", 0), _interpolate(clean_store[names[0]], k / steps, moved))]
+            if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
+                hooks.append((names[1:], _keeping(corrupted_store)))
             with torch.enable_grad():
                 with model.hooks(hooks), taps, _contiguous_output_layer(model):
                     out = _run(model, corrupted, **keep)
+                    if k == 0:
+                        corrupted_store[names[0]] = moved["input"].detach()
                 value = metric.per_example(out, corrupted).float().mean()
                 if not value.requires_grad:
                     raise TypeError(f"edge_attribution differentiates the metric; {metric.name} returned a value "
                                     "without a gradient. Use a metric from analyses.data.metrics or one returning a "
                                     "tensor computed from the model's output.")
                 torch.autograd.grad(value, [moved["input"]], allow_unused=True)
-            del out, value, moved
-            _contract(model, taps, nodes, node_index, receiver_index, diff, scores, steps)
+            if k == 0:
+                with torch.no_grad():
+                    corrupted_value = metric(out, corrupted)
+            del out, value
+            moved.clear()
+            if not any(bool(g.any()) for g in taps.grad.values()):
+                raise ValueError(f"edge_attribution scores edges by the metric's gradient at each input of the graph; "
+                                 f"{metric.name}'s gradient is 0 at every one (it does not depend on the model's "
+                                 "heads, MLPs or input). Use a metric computed from the logits the graph feeds.")
+            _contract(model, taps, nodes, (clean_store, corrupted_store), read, receiver_at, reach, scores, steps)
             del taps
     df = edge_frame(edges)
-    df["score"] = [float(scores[node_index[u], receiver_index[r]]) for u, r in edges]
+    df["score"] = [float(scores[node_at[u], receiver_at[r]]) for u, r in edges]
     df["abs_score"] = df["score"].abs()
     df.attrs.update(method=method, steps=steps, metric=metric.name, clean=clean_value, corrupted=corrupted_value)
     return df
 
 
-def _contract(model, taps: _Taps, nodes, node_index, receiver_index, diff, scores, steps: int) -> None:
-    """``scores[u, v] += (a_u(clean) - a_u(corrupted)) . d metric / d x_v / steps`` summed over the batch and
-    positions, a chunk of positions at a time (the stacked node differences of a chunk stay under
-    ``_CHUNK_ELEMENTS``)."""
-    b, p, m = diff[hook_name("resid_pre", 0)].shape
+def _contract(model, taps: _Taps, nodes, stores, read, receiver_at, reach, scores, steps: int) -> None:
+    """``scores[u, v] += (a_u(clean) - a_u(corrupted)) . d metric / d x_v / steps``, summed over the batch and
+    positions, a chunk of positions at a time (a chunk's stacked node outputs stay under ``_CHUNK_ELEMENTS``), each
+    receiver against the senders it can read only."""
+    b, p = taps.shape
+    m = stores[0][hook_name("resid_pre", 0)].shape[-1]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, len(nodes) * b * m))
     with torch.no_grad():
         for start in range(0, p, chunk):
             rows = slice(start, min(p, start + chunk))
-            stacked = _stacked(model, nodes, diff, rows).flatten(1)  # (N, b * c * m)
+            diff = (_node_outputs(model, nodes, stores[0], rows, read)
+                    - _node_outputs(model, nodes, stores[1], rows, read)).flatten(1)  # (N, b * c * m)
             for key in taps.groups:
                 receivers, g = taps.stream_gradients(key, rows)
                 if g is None:
                     continue
-                found = (stacked @ g.flatten(1).T).double() / steps  # (N, R)
-                columns = [receiver_index[r] for r in receivers]
-                scores[:, columns] += found
+                n = max(reach[r] for r in receivers)
+                found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
+                scores[:n, [receiver_at[r] for r in receivers]] += found
