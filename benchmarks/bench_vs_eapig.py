@@ -271,8 +271,6 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 
 def build_spec(args) -> dict:
-    import torch
-
     import interp
     from analyses import induction_task, ioi_task
     from interp.model.bundled import bundled_folder

@@ -29,8 +29,7 @@ from interp.runtime.progress import progress
 from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, edge_frame, graph_edges, node_readers
-from .patching import reading
+from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading
 
 __all__ = ["METHODS", "edge_attribution"]
 

@@ -16,19 +16,17 @@ sets run in one forward, as copies of the batch (``patched_runs``), as the scans
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import NamedTuple
 
 import torch
 
 import pandas as pd
 
 from hooks.names import hook_name
-from interp.structure.probe import _is_norm
 from interp.runtime.progress import progress
 
 from ..causal.engine import Prefix, _arguments, _run, _same_output, copies_per_forward, kept_logits, slice_output
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, as_edges, edge_frame, graph_edges, mlp_norm, node_readers
+from .graph import Node, Receiver, as_edges, edge_frame, graph_edges, node_readers, reading
 
 __all__ = ["EdgeIndex", "circuits_per_forward", "edge_effects", "edge_patching", "node_hook", "node_names",
            "node_output", "patched_run", "patched_runs"]
@@ -51,81 +49,6 @@ def node_output(store, node: Node) -> torch.Tensor:
     """A node's output ``(b, p, m)`` from a cache or dict of the hooks ``node_names`` lists."""
     value = store[node_hook(node)]
     return value[:, :, node.head] if node.kind == "head" else value
-
-
-def _columns(model, site, which: str, head: int):
-    """Where ``head``'s ``which`` (q, k or v) input is written: ``(path, cols, compute)``, the module (path under the
-    site's block) whose output holds it, its columns there, and ``compute(y)``, those columns from the normed
-    stream ``y``. That module is the projection, or a norm over every head's q (or k) together (OLMo2's
-    ``q_norm``), after which one head's columns depend on its own projection alone."""
-    block, proj = model.projections_of(site)
-    if isinstance(proj, str):
-        raise ValueError(f"Edge patching needs {site.name}'s q, k and v projections as linear maps; {proj}.")
-    d = site.d_head_v if which == "v" else site.d_head
-    start = 0
-    if proj.layout == "interleaved":  # [q_h | k_h | v_h] per head (GPT-NeoX)
-        start = head * 3 * d + {"q": 0, "k": d, "v": 2 * d}[which]
-        cols = slice(start, start + d)
-    else:
-        if proj.layout == "concat":
-            start = {"q": 0, "k": site.n_heads * site.d_head, "v": (site.n_heads + site.n_kv_heads) * site.d_head}[which]
-        cols = slice(start + head * d, start + (head + 1) * d)
-    linear = block.get_submodule(getattr(proj, which))
-    side = "q" if which == "q" else "kv"
-    across = [path.rsplit(".", 1)[0] for path, on, width in proj.per_head if on == side and width == d and which != "v"
-              and _is_norm(block.get_submodule(path.rsplit(".", 1)[0]))]
-    if not across:
-        return getattr(proj, which), cols, lambda y: _head_columns(linear, y, cols)
-    norm = block.get_submodule(across[0])
-    return across[0], cols, lambda y: norm.forward(linear(y))[..., cols]
-
-
-class Reading(NamedTuple):
-    """Where a receiver reads the residual stream, for the runs that patch it and the backward that differentiates
-    it. ``kind``: ``"stream"`` (the input of ``module``, which is what the receiver reads through: the final norm,
-    the norm before a pre-norm block's MLP, or the MLP itself where it has none), ``"mlp_input"`` (a parallel
-    block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or ``"columns"`` (a head's q, k
-    or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the stream ``x`` grabbed at the
-    input of ``grab``; ``norm`` None where the attention reads the stream as it is). ``key`` names the grabbed
-    stream (shared by the receivers that read the same one)."""
-
-    kind: str
-    key: object
-    grab: torch.nn.Module
-    norm: torch.nn.Module | None
-    module: torch.nn.Module
-    cols: slice | None = None
-    compute: object = None
-
-
-def reading(model, r: Receiver) -> Reading:
-    """Where receiver ``r`` reads the stream (``Reading``)."""
-    if r.input == "logits":
-        norm = model.final_norm()
-        return Reading("stream", "final", norm, None, norm)
-    if r.input == "mlp" and model.structure.kind == "parallel":
-        norm = mlp_norm(model, r.layer)
-        mlp = model._blocks[r.layer].get_submodule(model.structure.mlp[r.layer])
-        return Reading("mlp_input", ("mlp", r.layer), norm, norm, mlp)
-    if r.input == "mlp":  # the norm on the stream after attention, or the MLP itself (no norm)
-        module = model._blocks[r.layer].get_submodule(model.structure.resid_mid[r.layer][0])
-        return Reading("stream", ("mlp", r.layer), module, None, module)
-    site = model.sites[r.site]
-    block, proj = model.projections_of(site)
-    path, cols, compute = _columns(model, site, r.input, r.head)
-    norm = model.in_norm_of(site)
-    grab = norm or block.get_submodule(proj.q)  # no norm: q's projection reads the stream
-    return Reading("columns", site.name, grab, norm, block.get_submodule(path), cols, compute)
-
-
-def _head_columns(module, y: torch.Tensor, cols: slice) -> torch.Tensor:
-    """``module(y)[..., cols]`` computed for those columns only (a linear layer, or GPT-2's transposed Conv1D)."""
-    if isinstance(module, torch.nn.Linear):
-        bias = None if module.bias is None else module.bias[cols]
-        return torch.nn.functional.linear(y, module.weight[cols], bias)
-    if type(module).__name__ == "Conv1D":
-        return y @ module.weight[:, cols] + module.bias[cols]
-    return module.forward(y)[..., cols]
 
 
 class EdgeIndex:
