@@ -188,7 +188,7 @@ class _Patcher:
             self.x[site.name] = args[0]
         return pre
 
-    def _columns_of(self, module, site, norm, entries) -> torch.Tensor:
+    def _columns_of(self, module, site, norm, entries) -> list[torch.Tensor]:
         """The ``entries``' columns of ``module``'s output, each from its receiver's own input."""
         x = self.x[site.name]
         return [_head_columns(module, norm.forward(x + delta), cols)
