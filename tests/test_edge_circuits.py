@@ -255,6 +255,11 @@ def test_select_circuit_drops_edges_with_no_path_to_the_metric_and_areas_are_mib
     assert len(select_circuit(model, frame, edges=4)) == 0  # nothing reaches the logits
     with pytest.raises(ValueError, match="one of edges"):
         select_circuit(model, frame)
+    clean, corrupted = _pair(6)
+    with pytest.raises(ValueError, match="candidates must be an integer at least edges"):
+        refine_circuit(model, clean, corrupted, logit_difference(5, 7), frame, edges=4, candidates=2)
+    with pytest.raises(ValueError, match="edges must be a positive integer"):
+        refine_circuit(model, clean, corrupted, logit_difference(5, 7), frame, edges=0)
     cpr, cmd = circuit_areas([0.5], [0.5])
     assert cpr == pytest.approx(0.5) and cmd == pytest.approx(0.5)
     cpr, cmd = circuit_areas([0.1, 0.5], [1.0, 1.0])

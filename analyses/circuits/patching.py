@@ -160,7 +160,7 @@ class _Patcher:
             self.x[key] = args[0]
         return pre
 
-    def _columns_of(self, module, key, norm, entries) -> torch.Tensor:
+    def _columns_of(self, module, key, norm, entries) -> list[torch.Tensor]:
         """The ``entries``' columns of ``module``'s output, each from its receiver's own input (read at its norm, or
         as it is where the attention reads the stream with no norm)."""
         x = self.x[key]
