@@ -51,11 +51,14 @@ def install_transformer_lens() -> None:
     bridge = types.ModuleType("transformer_lens.model_bridge")
     bridge.TransformerBridge = module.TransformerBridge = interp.HookedTransformer  # boot_transformers: the loading
     points = types.ModuleType("transformer_lens.hook_points")
-    points.HookPoint = hooks.HookPoint
+    points.HookPoint, points.HookedRootModule = hooks.HookPoint, hooks.HookedRootModule
+    root = types.ModuleType("transformer_lens.HookedRootModule")
+    root.HookedRootModule = hooks.HookedRootModule
     module.__path__ = []  # a package, so that its submodules import
     sys.modules.update({"transformer_lens": module, "transformer_lens.utils": interp.utils,
                         "transformer_lens.utilities": interp.utils, "transformer_lens.model_bridge": bridge,
-                        "transformer_lens.hook_points": points})
+                        "transformer_lens.hook_points": points,
+                        "transformer_lens.HookedRootModule": root})
 
 
 def _shell_namespace() -> dict:

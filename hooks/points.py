@@ -36,11 +36,12 @@ class _Layer(int):
 
 class HookPoint:
     """A named place in the forward pass. Calling it runs its hooks in the order they were added. ``hook.layer``:
-    its layer (``hook.layer()`` too, as in TransformerLens), None for a point outside the blocks."""
+    its layer (``hook.layer()`` too, as in TransformerLens), None for a point outside the blocks. A point made without
+    a name (``HookPoint()`` in a module of your own) is named by ``HookedRootModule.setup()``."""
 
     __slots__ = ("name", "layer", "fns", "read_only")
 
-    def __init__(self, name: str, layer: int | None = None, read_only: str | None = None):
+    def __init__(self, name: str | None = None, layer: int | None = None, read_only: str | None = None):
         self.name = name
         self.layer = None if layer is None else _Layer(layer)
         self.fns: list[HookFn] = []

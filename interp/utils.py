@@ -45,7 +45,7 @@ def test_prompt(prompt: str, answer, model, prepend_space_to_answer: bool = True
     other; or a list of strings, their first tokens as rivals) after ``prompt``, printed with the top ``top_k``
     tokens at each answer position. Returns the ranks, ``[[(answer token, rank), ...] per position]`` (rank 0: the
     model's top token); TransformerLens's returns None."""
-    answers = [answer] if isinstance(answer, str) else list(answer)
+    answers = [answer] if isinstance(answer, str) else list(answer) if isinstance(answer, (list, tuple)) else []
     if not answers or not all(isinstance(a, str) for a in answers):
         raise TypeError(f"test_prompt's answer is a string or a list of strings; got {answer!r}.")
     if prepend_space_to_answer:

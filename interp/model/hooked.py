@@ -316,7 +316,9 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
             biases[hook.name.rsplit(".", 1)[0]] = None if b is None else b.detach()
 
         capture = [(lambda n: n.endswith(".hook_q"), bias)] if self._kind.position_bias else []
-        with self.hooks([*fwd_hooks, (selected, save), *capture]):
+        fwd_hooks = list(fwd_hooks)
+        self._say_differences([*fwd_hooks, *([(names, save)] if names is not None else [])])  # what the user named
+        with self._registry.hooks([*fwd_hooks, (selected, save), *capture]):
             output = self.hf(**batch) if stop is None else self._stopped(batch, stop)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))

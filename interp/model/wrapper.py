@@ -14,6 +14,7 @@ import torch
 
 from hooks import HookPoint, NameFilter
 
+from ..lens.differences import warn_tl_differences
 from ..attention.paths import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
 from ..runtime.distributed import input_device
 from ..structure.probe import attention_keys, set_attention_key
@@ -169,8 +170,23 @@ class _Wrapper:
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
         """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
         self._check_attached()
+        fwd_hooks = list(fwd_hooks)
+        self._say_differences(fwd_hooks)
         with self._registry.hooks(fwd_hooks):
             yield self
+
+    def _say_differences(self, pairs) -> None:
+        """The first time a TransformerLens user (``HookedTransformer.from_pretrained``) hooks a point whose content
+        differs from TransformerLens's, say so (``interp.lens.differences``); bad filters are left to the registry."""
+        if self.__dict__.get("tl_differences") is None:
+            return
+        names = []
+        for pair in pairs:
+            try:
+                names += [p.name for p in self._registry.resolve(pair[0])]
+            except (TypeError, ValueError, IndexError, KeyError):
+                continue
+        warn_tl_differences(self, names)
 
     def reset_hooks(self, including_permanent: bool = False, **_tl_options) -> None:
         """Remove every hook added through this model (TransformerLens's ``reset_hooks``: hooks added with
@@ -209,6 +225,7 @@ class _Wrapper:
         if dir != "fwd":
             raise ValueError(f"interp's hooks are forward hooks (dir='fwd'); got dir={dir!r}. For gradients use "
                              "torch.autograd on the tensors a hook sees.")
+        self._say_differences([(name, hook)])
         handles = self._registry.add(name, hook)
         if is_permanent:
             self.__dict__.setdefault("_permanent", []).extend(handles)
