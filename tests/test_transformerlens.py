@@ -695,3 +695,38 @@ def test_no_rotary_warning_where_hook_q_k_are_transformerlens_s():
     assert _said(lambda: gpt2.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_q", lambda t, hook: None)])) == []
     plain = interp.load_model(tiny_hf("llama"))  # not loaded as a TransformerLens user: interp's docs say it
     assert _said(lambda: plain.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_q", lambda t, hook: None)])) == []
+
+
+# -- TransformerLens's config names on an encoder-decoder model (issue 53) ------------------------------------------
+def _t5(decoder_layers=2):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, num_heads=4, num_layers=2,
+                                               num_decoder_layers=decoder_layers, d_ff=64, decoder_start_token_id=0,
+                                               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1)).eval()
+
+
+def test_seq2seq_config_has_transformerlens_fields_where_they_mean_one_thing():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    model = HookedTransformer.from_pretrained(_t5(), device="cpu")
+    cfg = model.cfg
+    # TransformerLens 4.3's T5 config: d_model, d_head=d_kv, n_heads=num_heads, d_mlp=d_ff, d_vocab, n_layers=num_layers,
+    # act_fn=feed_forward_proj, positional_embedding_type "relative_positional_bias"
+    assert (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.d_mlp, cfg.d_vocab, cfg.n_layers) == (32, 8, 4, 64, 100, 2)
+    assert cfg.act_fn == "relu" and cfg.positional_embedding_type == "relative_positional_bias"
+    assert cfg.normalization_type == "RMS"  # T5's norm does not centre; never "RMSPre": no stacked W_* to fold into
+    assert cfg.n_key_value_heads == 4 and cfg.n_ctx is None  # relative positions: no position limit
+    assert cfg.device == model.device and cfg.dtype == torch.float32 and cfg.attn_only is False
+    bart = interp.load_model(BartForConditionalGeneration(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval())
+    assert bart.cfg.normalization_type == "LN" and bart.cfg.positional_embedding_type == "standard"
+    assert bart.cfg.n_ctx == 64 and bart.cfg.act_fn == "gelu"
+    uneven = interp.load_model(_t5(decoder_layers=3)).cfg
+    with pytest.raises(AttributeError, match="n_encoder_layers and cfg.n_decoder_layers"):
+        uneven.n_layers
+    assert (uneven.n_encoder_layers, uneven.n_decoder_layers) == (2, 3)
+    with pytest.raises(ValueError, match="one stack of blocks"):
+        model(torch.ones(1, 4, dtype=torch.long), stop_at_layer=1, decoder_input_ids=torch.zeros(1, 2, dtype=torch.long))

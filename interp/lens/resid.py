@@ -66,10 +66,9 @@ class ModelCache(ActivationCache):
         norm = _NORM_NAME.match(key) if isinstance(key, str) and key not in self._store else None
         if norm is not None:
             return self._norm_hook(*norm.groups())
-        tensor = super().__getitem__(key)
         if self.model is not None and self.model.__dict__.get("tl_differences") is not None:
             warn_tl_differences(self.model, [self._name(key)])  # read by a TransformerLens user
-        return tensor
+        return super().__getitem__(key)
 
     def __contains__(self, key) -> bool:
         try:

@@ -25,7 +25,7 @@ from ..attention.masks import window_aware
 from ..structure.families import check_supported
 from ..tokens.inputs import check_inputs, fix_permissions
 from .layered import LAYERED
-from .config import ModelConfig, ModelRef
+from .config import ModelRef, TLConfigFields
 from ..structure.head_slicing import save_pruned
 from ..lens.resid import ModelCache
 from ..lens.tokens import _UNSET, TokensMixin, pad_mask
@@ -74,7 +74,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure.layered); None for an encoder-decoder
         self.cfg = layout.cfg
-        if isinstance(self.cfg, ModelConfig):  # cfg.device, cfg.normalization_type ... read this model's settings
+        if isinstance(self.cfg, TLConfigFields):  # cfg.device, cfg.normalization_type ... read this model's settings
             object.__setattr__(self.cfg, "owner", ModelRef(self))
         self._blocks = layout.blocks  # the block list, or {stack: block list}
         self._site_modules = layout.modules  # site name -> attention module
@@ -232,7 +232,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     def _stopped(self, batch, stop: int) -> torch.Tensor:
         """TransformerLens's ``stop_at_layer``: the residual stream entering block ``stop`` (negative: counted from
         the end; ``n_layers``: after the last block, before the final norm), the blocks after it not run."""
-        n = getattr(self.cfg, "n_layers", None)
+        n = None if self._kind.seq2seq else self.cfg.n_layers
         if n is None or isinstance(stop, bool) or not isinstance(stop, int) or not -n <= stop <= n:
             raise ValueError(f"stop_at_layer takes a layer in [-{n}, {n}] of a model with one stack of blocks; "
                              f"got {stop!r}.")
