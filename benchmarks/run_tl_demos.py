@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import re
+import resource
 import sys
 import time
 import traceback
@@ -26,7 +28,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|TransformerBridge\.boot_transformers\(")
 # Why a cell fails where it is not interp's to fix: notebook -> cell number -> (the error's start, the reason).
 # A failure whose error does not start so is reported as not explained.
-REASONS: dict[str, dict[int, tuple[str, str]]] = {}
+REASONS: dict[str, dict[int, tuple[str, str]]] = {
+    "Main_Demo": {
+        15: ("IndexError", "GPT-2's head 8 ablated on `hook_v`: SmolLM2 has 3 key/value heads (TransformerLens "
+                           "4.3's `hook_v` is per key/value head too)"),
+        52: ("ValueError: All arguments should have the same length", "GPT-2's 12 x 12 heads written out as hover "
+                                                                      "labels (SmolLM2 has 30 x 9)"),
+        57: ("ModuleNotFoundError", "TransformerLens's table of its own models' training checkpoints "
+                                    "(`loading_from_pretrained.get_checkpoint_labels`): other models"),
+        58: ("ImportError", "`transformer_lens.evals`, for the induction loss of a second model's checkpoints "
+                            "(NeelNanda/SoLU_2L512W_C4_Code, from the internet)"),
+        59: ("NameError", "follows from cell 58: loads that second model's checkpoints"),
+        60: ("NameError", "follows from cell 59: plots their losses"),
+    },
+}
 COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op
 
 
@@ -106,7 +121,12 @@ def run_notebook(path: Path, model, device: str, out=print, log=None) -> list[tu
         results.append((number, status, detail, cpu))
         if log is not None:
             log.write(f"===== {path.stem} cell {number}: {status}\n{printed.getvalue()}\n")
-        out(f"{path.stem} cell {number:3d}: {status} ({cpu:.1f} s CPU) {detail}".rstrip())
+            log.flush()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux counts KiB)
+        out(f"{path.stem} cell {number:3d}: {status} ({cpu:.1f} s CPU, peak {peak:.1f} GiB) {detail}".rstrip())
+    namespace.clear()  # the cells' functions hold the namespace in a cycle: free what they built now
+    loaded.clear()
+    gc.collect()
     ran = sum(r[1] == "ran" for r in results)
     out(f"{path.stem}: {ran} of {len(results)} cells ran")
     return results
@@ -121,43 +141,48 @@ def explain(notebook: str, number: int, detail: str) -> str:
     return "**not explained**" + (f" (expected {expected})" if reason else "")
 
 
-def markdown(results: dict[str, list[tuple[int, str, str, float]]], header: list[str]) -> str:
-    """The per-cell table of a run: per notebook, its counts and each failed cell with its error and reason, plus
-    the cells ``REASONS`` names that ran this time."""
-    lines = [*header, ""]
-    for notebook, cells in results.items():
-        failed = [r for r in cells if r[1] == "failed"]
-        cpu = sum(r[3] for r in cells)
-        lines += [f"**{notebook}: {len(cells) - len(failed)} of {len(cells)} cells ran, {len(failed)} failed** "
-                  f"({cpu:.0f} s CPU)", ""]
-        if failed:
-            lines += ["| cell | error | why |", "|---|---|---|"]
-            for number, _, detail, _ in failed:
-                error = detail.replace("|", "\\|")[:110]
-                lines.append(f"| {number} | `{error}` | {explain(notebook, number, detail)} |")
-        stale = sorted(n for n in REASONS.get(notebook, {}) if any(r[0] == n and r[1] == "ran" for r in cells))
-        if stale:
-            lines.append(f"\nExplained as failing but ran this time: cells {stale}.")
-        lines.append("")
+def markdown(notebook: str, cells: list[tuple[int, str, str, float]], header: list[str]) -> str:
+    """One notebook's per-cell table: the run's header, its counts, each failed cell with its error and reason,
+    and the cells ``REASONS`` names that ran this time."""
+    failed = [r for r in cells if r[1] == "failed"]
+    lines = [f"**{notebook}: {len(cells) - len(failed)} of {len(cells)} cells ran, {len(failed)} failed** "
+             f"({sum(r[3] for r in cells):.0f} s CPU).", "", *header, ""]
+    if failed:
+        lines += ["| cell | error | why |", "|---|---|---|"]
+        for number, _, detail, _ in failed:
+            error = detail.replace("|", "\\|").replace("`", "'")[:110]
+            lines.append(f"| {number} | `{error}` | {explain(notebook, number, detail)} |")
+    stale = sorted(n for n in REASONS.get(notebook, {}) if any(r[0] == n and r[1] == "ran" for r in cells))
+    if stale:
+        lines += ["", f"Explained as failing but ran this time: cells {stale}."]
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- run_tl_demos: begin -->", "<!-- run_tl_demos: end -->"
+def markers(notebook: str) -> tuple[str, str]:
+    return f"<!-- run_tl_demos: {notebook} -->", f"<!-- run_tl_demos: end {notebook} -->"
 
 
-def write_markdown(path: Path, text: str) -> None:
-    """Write ``text`` between the ``BEGIN``/``END`` markers of ``path`` (the rest kept), or as the whole file when
-    it has none."""
-    old = path.read_text() if path.is_file() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}"
+def write_markdown(path: Path, sections: dict[str, str]) -> None:
+    """Write each notebook's table between its ``markers`` in ``path`` (the rest of the file kept; a notebook
+    without markers there is appended), so that notebooks run at different times keep their own run's header."""
+    text = path.read_text() if path.is_file() else ""
+    for notebook, table in sections.items():
+        begin, end = markers(notebook)
+        block = f"{begin}\n{table}\n{end}"
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + block + rest.split(end, 1)[1]
+        else:
+            text = f"{text.rstrip()}\n\n{block}\n" if text.strip() else block + "\n"
     path.write_text(text)
 
 
-def _header(argv: list[str], load_before: str) -> list[str]:
+def _header(argv: list[str], started: str, load_before: str) -> list[str]:
+    """Where and how the run was made: date, machine, threads, load, the checkout's commit, the command, and the
+    versions of what the notebooks import."""
     import os
     import platform
+    import subprocess
     from importlib import metadata
 
     import torch
@@ -168,14 +193,19 @@ def _header(argv: list[str], load_before: str) -> list[str]:
         except metadata.PackageNotFoundError:
             return "not installed"
 
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "interp", "hooks", "benchmarks"]).returncode
     packages = ["torch", "transformers", "plotly", "circuitsvis", "fancy_einsum", "jaxtyping", "einops", "datasets",
-                "numpy", "ipython"]
-    return [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()} "
-            f"({os.cpu_count()} CPUs, {platform.platform()}), Python {platform.python_version()}, "
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads {torch.get_num_threads()}; "
-            f"load average before {load_before}, after {_load()}.", "",
-            f"Command: `python benchmarks/run_tl_demos.py {' '.join(argv)}`", "",
-            "Packages: " + ", ".join(f"{name} {version(name)}" for name in packages) + "."]
+                "numpy", "ipython", "neel-plotly"]
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return [f"- run {started} to {time.strftime('%H:%M UTC', time.gmtime())} on {platform.machine()}, "
+            f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}; "
+            f"OMP_NUM_THREADS={threads}, torch threads {torch.get_num_threads()}; load average {load_before} before, "
+            f"{_load()} after; interp at commit {commit or 'unknown'}{' with changes' if dirty else ''}",
+            f"- command: `OMP_NUM_THREADS={threads} python benchmarks/run_tl_demos.py {' '.join(argv)}`",
+            "- packages: " + ", ".join(f"{name} {version(name)}" for name in packages)]
 
 
 def _load() -> str:
@@ -194,15 +224,28 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=["Main_Demo", "Exploratory_Analysis_Demo", "Head_Detector_Demo",
                                                        "Activation_Patching_in_TL_Demo"])
     parser.add_argument("--log", type=Path, help="write what the cells print (and tracebacks) here")
-    parser.add_argument("--markdown", type=Path, help="write the per-cell table here (between the file's "
-                        f"'{BEGIN}' and '{END}' lines if it has them)")
+    parser.add_argument("--markdown", type=Path, help="write each notebook's per-cell table here, between its "
+                        "'<!-- run_tl_demos: NAME -->' and '<!-- run_tl_demos: end NAME -->' lines (appended if none)")
+    parser.add_argument("--results", type=Path, help="keep each notebook's cells and run header here (JSON, "
+                        "merged with what the file holds), so --render can write the table again")
+    parser.add_argument("--render", action="store_true", help="run nothing: write --markdown from --results "
+                        "with the reasons as they are now")
     args = parser.parse_args(argv)
+    if args.render:
+        if not (args.results and args.results.is_file() and args.markdown):
+            print("run_tl_demos: --render needs --results FILE (from an earlier run) and --markdown FILE.",
+                  file=sys.stderr)
+            return 2
+        saved = json.loads(args.results.read_text())
+        write_markdown(args.markdown, {name: markdown(name, [tuple(c) for c in run["cells"]], run["header"])
+                                       for name, run in saved.items()})
+        return 0
     paths = [args.demos_dir / f"{name}.ipynb" for name in args.only]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         print(f"run_tl_demos: no notebook {missing}; DEMOS_DIR is TransformerLens's demos/ folder.", file=sys.stderr)
         return 2
-    load_before = _load()
+    load_before, started = _load(), time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     install_transformer_lens()
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
     try:
@@ -210,8 +253,13 @@ def main(argv=None) -> int:
     finally:
         if log is not None:
             log.close()
+    header = _header(argv, started, load_before)
+    if args.results:
+        saved = json.loads(args.results.read_text()) if args.results.is_file() else {}
+        saved.update({name: {"cells": cells, "header": header} for name, cells in results.items()})
+        args.results.write_text(json.dumps(saved, indent=1))
     if args.markdown:
-        write_markdown(args.markdown, markdown(results, _header(argv, load_before)))
+        write_markdown(args.markdown, {name: markdown(name, cells, header) for name, cells in results.items()})
     return 0
 
 

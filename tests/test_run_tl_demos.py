@@ -63,14 +63,27 @@ def test_markdown_counts_the_run_and_explains_only_the_failure_it_was_written_fo
     monkeypatch.setattr(run_tl_demos, "REASONS", {"Demo": {2: ("IndexError", "GPT-2's head 8"),
                                                            3: ("KeyError", "needs the internet"),
                                                            4: ("NameError", "cascade")}})
-    results = {"Demo": [(1, "ran", "", 0.1), (2, "failed", "IndexError: index 8", 0.2),
-                        (3, "failed", "ValueError: a|b", 0.0), (4, "ran", "", 0.0)]}
-    text = run_tl_demos.markdown(results, ["header line"])
-    assert text.startswith("header line") and "**Demo: 2 of 4 cells ran, 2 failed**" in text
+    cells = [(1, "ran", "", 0.1), (2, "failed", "IndexError: index 8", 0.2), (3, "failed", "ValueError: a|b", 0.0),
+             (4, "ran", "", 0.0)]
+    text = run_tl_demos.markdown("Demo", cells, ["- header line"])
+    assert text.startswith("**Demo: 2 of 4 cells ran, 2 failed**") and "- header line" in text
     assert "| 2 | `IndexError: index 8` | GPT-2's head 8 |" in text
     assert "| 3 | `ValueError: a\\|b` | **not explained** (expected KeyError) |" in text  # a changed error is not excused
     assert "Explained as failing but ran this time: cells [4]." in text
     doc = tmp_path / "doc.md"
-    doc.write_text(f"before\n{run_tl_demos.BEGIN}\nold table\n{run_tl_demos.END}\nafter\n")
-    run_tl_demos.write_markdown(doc, "new table")
-    assert doc.read_text() == f"before\n{run_tl_demos.BEGIN}\nnew table\n{run_tl_demos.END}\nafter\n"
+    begin, end = run_tl_demos.markers("Demo")
+    doc.write_text(f"before\n{begin}\nold table\n{end}\nafter\n")
+    run_tl_demos.write_markdown(doc, {"Demo": "new table", "Other": "other table"})
+    other = "\n".join(run_tl_demos.markers("Other"))
+    assert doc.read_text() == f"before\n{begin}\nnew table\n{end}\nafter\n\n" + other.replace("\n", "\nother table\n") + "\n"
+
+
+def test_render_writes_the_table_again_from_the_saved_results(tmp_path, monkeypatch, capsys):
+    saved = {"Demo": {"cells": [[1, "ran", "", 0.5], [2, "failed", "IndexError: index 8", 0.1]], "header": ["- h"]}}
+    (tmp_path / "r.json").write_text(__import__("json").dumps(saved))
+    monkeypatch.setattr(run_tl_demos, "REASONS", {"Demo": {2: ("IndexError", "GPT-2's head 8")}})
+    md = tmp_path / "t.md"
+    assert run_tl_demos.main([str(tmp_path), "--render", "--results", str(tmp_path / "r.json"), "--markdown", str(md)]) == 0
+    assert "**Demo: 1 of 2 cells ran, 1 failed**" in md.read_text() and "| 2 | `IndexError: index 8` | GPT-2's head 8 |" in md.read_text()
+    assert run_tl_demos.main([str(tmp_path), "--render", "--markdown", str(md)]) == 2
+    assert "--render needs --results" in capsys.readouterr().err
