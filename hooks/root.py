@@ -9,13 +9,14 @@ points. Hooks are ``fn(tensor, hook)`` returning None or a replacement of the sa
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import torch
 
 from .cache import ActivationCache
-from .points import HookPoint, HookRegistry, NameFilter
+from .points import HookPoint, HookRegistry, NameFilter, remove_at
 
 __all__ = ["HookedRootModule"]
 
@@ -31,7 +32,7 @@ class HookedRootModule(torch.nn.Module):
         for prefix, module in self.named_modules():
             for attr, value in vars(module).items():
                 if isinstance(value, HookPoint):
-                    value.name = f"{prefix}.{attr}" if prefix else attr
+                    value.name, value.owner = (f"{prefix}.{attr}" if prefix else attr), weakref.ref(self)
                     points.append(value)
         self.__dict__["_hook_registry"] = HookRegistry(points)
         self.__dict__["_permanent_hooks"] = []
@@ -67,6 +68,9 @@ class HookedRootModule(torch.nn.Module):
         for handle in keep:
             handle.point.fns.append(handle.fn)
         self.__dict__["_permanent_hooks"] = keep
+
+    def _remove_hooks_at(self, point: HookPoint, including_permanent: bool = False) -> None:
+        remove_at(point, self.__dict__["_permanent_hooks"], including_permanent)
 
     @contextmanager
     def hooks(self, fwd_hooks: Iterable = ()):

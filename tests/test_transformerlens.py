@@ -730,3 +730,27 @@ def test_seq2seq_config_has_transformerlens_fields_where_they_mean_one_thing():
     assert (uneven.n_encoder_layers, uneven.n_decoder_layers) == (2, 3)
     with pytest.raises(ValueError, match="one stack of blocks"):
         model(torch.ones(1, 4, dtype=torch.long), stop_at_layer=1, decoder_input_ids=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_hook_point_add_hook_adds_through_its_model_as_transformerlens():
+    model = interp.load_model(tiny_hf("llama"))
+    ids = _ids()
+    clean = model(ids, return_type="logits")
+    point = model.blocks[1].attn.hook_z
+    point.add_hook(lambda z, hook: torch.zeros_like(z))  # Exploratory_Analysis_Demo's ablation, on the point
+    ablated = model(ids, return_type="logits")
+    assert not torch.allclose(ablated, clean) and point.fns
+    with model.hooks([("blocks.1.attn.hook_z", lambda z, hook: None)]):
+        assert len(point.fns) == 2
+    point.add_hook(lambda z, hook: None, is_permanent=True)
+    point.remove_hooks()  # the permanent one stays, as TransformerLens's
+    assert len(point.fns) == 1 and torch.equal(model(ids, return_type="logits"), clean)
+    point.remove_hooks(including_permanent=True)
+    assert point.fns == []
+    with pytest.raises(TypeError, match="belongs to none"):
+        interp.HookPoint("loose").add_hook(lambda t, hook: None)
+    root = _TwoLayers()
+    root.layer2.hook_square.add_hook(lambda t, hook: torch.zeros_like(t))
+    assert root(torch.tensor(5.0)).item() == -4.0
+    root.layer2.hook_square.remove_hooks()
+    assert root(torch.tensor(5.0)).item() == 780.0

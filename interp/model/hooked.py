@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -84,6 +85,8 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self.attn_scales = tuple(site.scale for site in self.cfg.sites)  # what the model passes, not module.scaling
         self.sites = {site.name: site for site in self.cfg.sites}
         self._registry = HookRegistry(layout.points, on_change=self._sync_module_hooks)
+        for point in layout.points:  # hook_point.add_hook(fn), as TransformerLens, adds through this model
+            point.owner = weakref.ref(self)
         self._torch_handles: dict[str, object] = {}
         self._takes_position_ids = "position_ids" in inspect.signature(hf.forward).parameters
         self._layer_hooks: dict[str, LayerHooks] = {}

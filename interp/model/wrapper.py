@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hooks import HookPoint, NameFilter
+from hooks.points import remove_at
 
 from ..lens.differences import warn_tl_differences
 from ..attention.paths import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
@@ -197,6 +198,11 @@ class _Wrapper:
         for point, fn in kept:
             point.fns.append(fn)
         self.__dict__["_permanent"] = [h for h in permanent if any(h.point is p and h.fn is f for p, f in kept)]
+        self._sync_module_hooks()
+
+    def _remove_hooks_at(self, point: HookPoint, including_permanent: bool = False) -> None:
+        """``hook_point.remove_hooks()`` (TransformerLens's): that point's hooks, permanent ones kept unless asked."""
+        remove_at(point, self.__dict__.get("_permanent", []), including_permanent)
         self._sync_module_hooks()
 
     @property
