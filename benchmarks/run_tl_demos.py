@@ -177,12 +177,21 @@ def write_markdown(path: Path, sections: dict[str, str]) -> None:
     path.write_text(text)
 
 
-def _header(argv: list[str], started: str, load_before: str) -> list[str]:
+def _commit() -> str:
+    """The checkout's commit, and whether interp, hooks or this script differ from it (read when the run starts)."""
+    import subprocess
+
+    git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "interp", "hooks", "benchmarks"]).returncode
+    return (commit or "unknown") + (" with changes" if dirty else "")
+
+
+def _header(argv: list[str], started: str, load_before: str, commit: str) -> list[str]:
     """Where and how the run was made: date, machine, threads, load, the checkout's commit, the command, and the
     versions of what the notebooks import."""
     import os
     import platform
-    import subprocess
     from importlib import metadata
 
     import torch
@@ -193,17 +202,13 @@ def _header(argv: list[str], started: str, load_before: str) -> list[str]:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    root = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(root)]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "interp", "hooks", "benchmarks"]).returncode
     packages = ["torch", "transformers", "plotly", "circuitsvis", "fancy_einsum", "jaxtyping", "einops", "datasets",
                 "numpy", "ipython", "neel-plotly"]
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
     return [f"- run {started} to {time.strftime('%H:%M UTC', time.gmtime())} on {platform.machine()}, "
             f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}; "
             f"OMP_NUM_THREADS={threads}, torch threads {torch.get_num_threads()}; load average {load_before} before, "
-            f"{_load()} after; interp at commit {commit or 'unknown'}{' with changes' if dirty else ''}",
+            f"{_load()} after; interp at commit {commit}",
             f"- command: `OMP_NUM_THREADS={threads} python benchmarks/run_tl_demos.py {' '.join(argv)}`",
             "- packages: " + ", ".join(f"{name} {version(name)}" for name in packages)]
 
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
     if missing:
         print(f"run_tl_demos: no notebook {missing}; DEMOS_DIR is TransformerLens's demos/ folder.", file=sys.stderr)
         return 2
-    load_before, started = _load(), time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    load_before, started, commit = _load(), time.strftime("%Y-%m-%d %H:%M", time.gmtime()), _commit()
     install_transformer_lens()
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
     try:
@@ -253,7 +258,7 @@ def main(argv=None) -> int:
     finally:
         if log is not None:
             log.close()
-    header = _header(argv, started, load_before)
+    header = _header(argv, started, load_before, commit)
     if args.results:
         saved = json.loads(args.results.read_text()) if args.results.is_file() else {}
         saved.update({name: {"cells": cells, "header": header} for name, cells in results.items()})
