@@ -17,6 +17,7 @@ import io
 import json
 import re
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -88,10 +89,20 @@ def _shell_namespace() -> dict:
     return {"display": display}
 
 
-def run_notebook(path: Path, model, device: str, out=print, log=None) -> list[tuple[int, str, str, float]]:
+class CellLimit(Exception):
+    """A cell ran past ``--cell-limit`` seconds of CPU time: stopped there (no error of its own seen until then)."""
+
+
+def _over_limit(signum, frame):
+    raise CellLimit("stopped at the cell's CPU-time limit (no error until then)")
+
+
+def run_notebook(path: Path, model, device: str, out=print, log=None,
+                 cell_limit: float | None = None) -> list[tuple[int, str, str, float]]:
     """Run ``path``'s code cells in one namespace (``model``: a name, folder or HF model, as ``from_pretrained``
     takes it); ``(cell number, "ran" | "failed", detail, CPU seconds)`` per cell. What a cell prints goes to
-    ``log`` (a writable text file, or nowhere), with a failed cell's traceback."""
+    ``log`` (a writable text file, or nowhere), with a failed cell's traceback. A cell that runs past
+    ``cell_limit`` seconds of this process's CPU time is stopped and counted as failed (``CellLimit``)."""
     import interp
 
     loaded = {}
@@ -108,6 +119,9 @@ def run_notebook(path: Path, model, device: str, out=print, log=None) -> list[tu
     for number, cell in enumerate(cells, 1):
         source = cell_source(cell)
         start, printed = time.process_time(), io.StringIO()
+        if cell_limit:
+            signal.signal(signal.SIGPROF, _over_limit)
+            signal.setitimer(signal.ITIMER_PROF, cell_limit)  # counts this process's CPU time, not the wall
         try:
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
                 exec(compile(source, f"{path.name}:cell{number}", "exec"), namespace)  # noqa: S102 (the demo's own code)
@@ -117,6 +131,9 @@ def run_notebook(path: Path, model, device: str, out=print, log=None) -> list[tu
                 raise
             status, detail = "failed", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             printed.write(traceback.format_exc())
+        finally:
+            if cell_limit:
+                signal.setitimer(signal.ITIMER_PROF, 0)
         cpu = time.process_time() - start
         results.append((number, status, detail, cpu))
         if log is not None:
@@ -228,6 +245,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", nargs="*", default=["Main_Demo", "Exploratory_Analysis_Demo", "Head_Detector_Demo",
                                                        "Activation_Patching_in_TL_Demo"])
+    parser.add_argument("--cell-limit", type=float, help="stop a cell after this many seconds of CPU time "
+                        "(counted as failed: CellLimit)")
     parser.add_argument("--log", type=Path, help="write what the cells print (and tracebacks) here")
     parser.add_argument("--markdown", type=Path, help="write each notebook's per-cell table here, between its "
                         "'<!-- run_tl_demos: NAME -->' and '<!-- run_tl_demos: end NAME -->' lines (appended if none)")
@@ -254,7 +273,8 @@ def main(argv=None) -> int:
     install_transformer_lens()
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
     try:
-        results = {path.stem: run_notebook(path, args.model, args.device, log=log) for path in paths}
+        results = {path.stem: run_notebook(path, args.model, args.device, log=log, cell_limit=args.cell_limit)
+                   for path in paths}
     finally:
         if log is not None:
             log.close()
