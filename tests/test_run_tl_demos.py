@@ -87,3 +87,10 @@ def test_render_writes_the_table_again_from_the_saved_results(tmp_path, monkeypa
     assert "**Demo: 1 of 2 cells ran, 1 failed**" in md.read_text() and "| 2 | `IndexError: index 8` | GPT-2's head 8 |" in md.read_text()
     assert run_tl_demos.main([str(tmp_path), "--render", "--markdown", str(md)]) == 2
     assert "--render needs --results" in capsys.readouterr().err
+
+
+def test_a_cell_past_the_cpu_limit_is_stopped_and_the_next_one_runs(tmp_path):
+    path = _notebook(tmp_path / "Slow.ipynb", ["x = 0\nwhile True:\n    x += 1", "y = x"])
+    results = run_tl_demos.run_notebook(path, tiny_hf("llama"), "cpu", out=lambda line: None, cell_limit=0.5)
+    assert results[0][1] == "failed" and results[0][2].startswith("CellLimit") and 0.5 <= results[0][3] < 5
+    assert results[1][1] == "ran"  # the namespace survived: x was defined by the stopped cell
