@@ -79,13 +79,16 @@ def install_transformer_lens() -> None:
 
 def _shell_namespace() -> dict:
     """What a notebook cell finds besides its own names: ``get_ipython()`` returns a shell (cells load extensions
-    through it) and ``display`` is defined, as in Jupyter. Without IPython, ``get_ipython()`` stays None."""
+    through it) with the extension a Jupyter kernel starts with (``storemagic``), and ``display`` is defined, as in
+    Jupyter. Without IPython, ``get_ipython()`` stays None."""
     try:
         from IPython.core.interactiveshell import InteractiveShell
         from IPython.display import display
     except ImportError:
         return {}
-    InteractiveShell.instance()
+    shell = InteractiveShell.instance()
+    if "storemagic" not in shell.extension_manager.loaded:  # what IPython's apps (Jupyter's kernel) load at start
+        shell.extension_manager.load_extension("storemagic")
     return {"display": display}
 
 
