@@ -42,6 +42,13 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
         59: ("NameError", "follows from cell 58: loads that second model's checkpoints"),
         60: ("NameError", "follows from cell 59: plots their losses"),
     },
+    "Activation_Patching_in_TL_Demo": {
+        7: ("ModuleNotFoundError", "`transformer_lens.patching` is not mirrored: interp's is "
+                                   "`analyses.activation_patching(model, clean, corrupted, metric)`, another signature"),
+        **{n: ("NameError", "uses `patching` (cell 7)") for n in (13, 14, 15, 16, 17, 18)},
+        **{n: ("NameError", "uses `patching` (cell 7) on a second model, attn-only-2l (loaded as SmolLM2 here)")
+           for n in (22, 24)},
+    },
 }
 COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op
 
