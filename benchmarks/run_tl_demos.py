@@ -29,8 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|TransformerBridge\.boot_transformers\(")
 # Why a cell fails where it is not interp's to fix: notebook -> cell number -> (the error's start, the reason).
 # A failure whose error does not start so is reported as not explained.
+_CUT = ("CellLimit", "{}: {} forwards of SmolLM2 on the CPU; stopped at the run's CPU-time limit with no error until "
+                     "then")
+_GQA = "GPT-2's head numbers on `hook_{}`: SmolLM2 has 3 key/value heads (per key/value head in TransformerLens 4.3 too)"
 REASONS: dict[str, dict[int, tuple[str, str]]] = {
     "Main_Demo": {
+        17: (_CUT[0], _CUT[1].format("residual-stream patching at every layer and position", "30 layers x positions (GPT-2: 12 x)")),
         15: ("IndexError", "GPT-2's head 8 ablated on `hook_v`: SmolLM2 has 3 key/value heads (TransformerLens "
                            "4.3's `hook_v` is per key/value head too)"),
         52: ("ValueError: All arguments should have the same length", "GPT-2's 12 x 12 heads written out as hover "
@@ -41,6 +45,18 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
                             "(NeelNanda/SoLU_2L512W_C4_Code, from the internet)"),
         59: ("NameError", "follows from cell 58: loads that second model's checkpoints"),
         60: ("NameError", "follows from cell 59: plots their losses"),
+    },
+    "Exploratory_Analysis_Demo": {
+        21: (_CUT[0], _CUT[1].format("`resid_pre` patching at every layer and position", "30 layers x positions (GPT-2: 12 x)")),
+        23: (_CUT[0], _CUT[1].format("`attn_out` and `mlp_out` patching at every layer and position",
+                                     "2 x 30 layers x positions (GPT-2: 2 x 12 x)")),
+        26: (_CUT[0], _CUT[1].format("`z` patching of every head", "30 x 9 = 270 (GPT-2: 144)")),
+        28: ("IndexError", _GQA.format("v") + ": it patches all 9 query heads' indices on `hook_v`"),
+        31: (_CUT[0], _CUT[1].format("`pattern` patching of every head", "270 (GPT-2: 144)")),
+        35: ("IndexError", _GQA.format("v") + " (direct-path patching into values)"),
+        36: (_CUT[0], _CUT[1].format("direct-path patching into queries, layers 7 to 28 (GPT-2: 7 to 10)",
+                                     "22 x 2 x 81 = 3564 (GPT-2: 4 x 2 x 144)")),
+        37: ("IndexError", _GQA.format("k") + " (direct-path patching into keys)"),
     },
     "Activation_Patching_in_TL_Demo": {
         7: ("ModuleNotFoundError", "`transformer_lens.patching` is not mirrored: interp's is "
