@@ -92,5 +92,6 @@ def test_render_writes_the_table_again_from_the_saved_results(tmp_path, monkeypa
 def test_a_cell_past_the_cpu_limit_is_stopped_and_the_next_one_runs(tmp_path):
     path = _notebook(tmp_path / "Slow.ipynb", ["x = 0\nwhile True:\n    x += 1", "y = x"])
     results = run_tl_demos.run_notebook(path, tiny_hf("llama"), "cpu", out=lambda line: None, cell_limit=0.5)
-    assert results[0][1] == "failed" and results[0][2].startswith("CellLimit") and 0.5 <= results[0][3] < 5
+    # the kernel's profiling timer samples CPU time per tick, process_time reads it exactly: a tick or two apart
+    assert results[0][1] == "failed" and results[0][2].startswith("CellLimit") and 0.4 <= results[0][3] < 5
     assert results[1][1] == "ran"  # the namespace survived: x was defined by the stopped cell
