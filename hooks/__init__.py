@@ -1,4 +1,5 @@
-"""Hook points, the hook-name table, the hook registry and the activation cache.
+"""Hook points, the hook-name table, the hook registry, the activation cache, and hook points in a module of your
+own (``HookedRootModule``).
 
 This package depends on nothing else of ours; ``interp`` and ``analyses`` build on it.
 """
@@ -6,6 +7,7 @@ This package depends on nothing else of ours; ``interp`` and ``analyses`` build 
 from .cache import ActivationCache, AttentionMeta, additive_mask, allowed_keys
 from .names import HOOK_TABLE, HookSpec, attn_site, expand_names, get_act_name, hook_name, spec_for, suggest_names
 from .points import HookFn, HookHandle, HookPoint, HookRegistry, NameFilter
+from .root import HookedRootModule
 
 __all__ = [
     "ActivationCache",
@@ -16,6 +18,7 @@ __all__ = [
     "HookPoint",
     "HookRegistry",
     "HookSpec",
+    "HookedRootModule",
     "NameFilter",
     "additive_mask",
     "allowed_keys",

@@ -155,7 +155,10 @@ def unknown_name_error(name: str, valid: list[str]) -> ValueError:
     )
 
 
-_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v"}
+# TransformerLens's other names for a kind; "in"/"out" are TransformerLens 4's block hooks (blocks.{l}.hook_in is its
+# alias of hook_resid_pre, hook_out of hook_resid_post), what its demos ask get_act_name("in", l) for
+_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+            "in": "resid_pre", "out": "resid_post"}
 _SUBLAYERS = {None, "", "a", "attn", "attention", "b", "block", "blocks"}
 _SHORTHAND = re.compile(r"^([a-z_]+?)(\d+)([a-z]*\d?)$")
 _NORM_KINDS = ("scale", "normalized")  # TransformerLens's norm hooks: built on access by interp's cache
@@ -165,7 +168,8 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
     """A hook's full name from TransformerLens's shorthand (``transformer_lens.utils.get_act_name``):
     ``get_act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``, ``get_act_name("resid_pre", 0)``,
     ``get_act_name("embed") == "hook_embed"``, ``get_act_name("k6") == "blocks.6.attn.hook_k"``; its aliases
-    (``attn`` for ``pattern``, ``attn_logits`` for ``attn_scores``, ``key``/``query``/``value``) too. A full name
+    (``attn`` for ``pattern``, ``attn_logits`` for ``attn_scores``, ``key``/``query``/``value``; TransformerLens 4's
+    block ``in``/``out``: ``resid_pre``/``resid_post``) too. A full name
     comes back as it is. Kinds interp has no hook for (MLP neurons ``pre``/``post``) are refused;
     the norms' ``scale``/``normalized`` (``ln_final.hook_scale``, ``blocks.4.ln1.hook_scale``) are built by the cache on access.
 

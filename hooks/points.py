@@ -15,7 +15,7 @@ import torch
 
 from .names import unknown_name_error
 
-__all__ = ["HookPoint", "HookHandle", "HookRegistry", "NameFilter", "HookFn"]
+__all__ = ["HookPoint", "HookHandle", "HookRegistry", "NameFilter", "HookFn", "remove_at"]
 
 # torch's per-module hook tables (forward, pre-forward, their with-kwargs and always-called forms, backward): a copy
 # of a module carries them along, and a replayed block must not fire them again (analyses.causal.engine, analyses.causal.pruning)
@@ -36,15 +36,17 @@ class _Layer(int):
 
 class HookPoint:
     """A named place in the forward pass. Calling it runs its hooks in the order they were added. ``hook.layer``:
-    its layer (``hook.layer()`` too, as in TransformerLens), None for a point outside the blocks."""
+    its layer (``hook.layer()`` too, as in TransformerLens), None for a point outside the blocks. A point made without
+    a name (``HookPoint()`` in a module of your own) is named by ``HookedRootModule.setup()``."""
 
-    __slots__ = ("name", "layer", "fns", "read_only")
+    __slots__ = ("name", "layer", "fns", "read_only", "owner")
 
-    def __init__(self, name: str, layer: int | None = None, read_only: str | None = None):
+    def __init__(self, name: str | None = None, layer: int | None = None, read_only: str | None = None):
         self.name = name
         self.layer = None if layer is None else _Layer(layer)
         self.fns: list[HookFn] = []
         self.read_only = read_only  # why an edit here cannot work, or None
+        self.owner = None  # a weak reference to the model that adds hooks here (it attaches the torch hooks)
 
     def __bool__(self) -> bool:
         return bool(self.fns)
@@ -52,16 +54,22 @@ class HookPoint:
     def __repr__(self) -> str:
         return f"HookPoint({self.name!r}, hooks={len(self.fns)})"
 
-    def add_hook(self, hook: HookFn, dir: str = "fwd", **_options) -> None:  # noqa: A002
-        """TransformerLens adds a hook on the point itself; here the model must know (it attaches the torch hooks a
-        point needs), so this says where to add it instead of failing with an AttributeError."""
-        raise TypeError(f"Add hooks through the model, not the HookPoint: model.add_hook({self.name!r}, hook), or "
-                        f"`with model.hooks([({self.name!r}, hook)]):` or model.run_with_hooks(..., fwd_hooks=...).")
+    def _model(self, what: str):
+        model = self.owner() if self.owner is not None else None
+        if model is None:
+            raise TypeError(f"{what} through the model that owns this point: model.add_hook({self.name!r}, hook) "
+                            f"(or model.run_with_hooks(..., fwd_hooks=...)); this HookPoint belongs to none.")
+        return model
 
-    def remove_hooks(self, *_args, **_options) -> None:
-        """As ``add_hook``: hooks are removed through the model."""
-        raise TypeError(f"Remove hooks through the model: model.reset_hooks() (or the handles that "
-                        f"model.add_hook({self.name!r}, hook) returned).")
+    def add_hook(self, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, **_options) -> list:  # noqa: A002
+        """TransformerLens's ``hook_point.add_hook(fn)``: ``model.add_hook(self.name, fn, ...)`` on the model that
+        owns this point (it stays until removed: ``remove_hooks``, ``model.reset_hooks``)."""
+        return self._model("Add hooks").add_hook(self.name, hook, dir=dir, is_permanent=is_permanent)
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, **_options) -> None:  # noqa: A002
+        """TransformerLens's ``hook_point.remove_hooks()``: this point's hooks, the permanent ones only with
+        ``including_permanent``."""
+        self._model("Remove hooks")._remove_hooks_at(self, including_permanent)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         for fn in tuple(self.fns):
@@ -183,6 +191,12 @@ class HookRegistry:
             yield
         finally:
             self.remove(handles)
+
+
+def remove_at(point: HookPoint, permanent: list[HookHandle], including_permanent: bool = False) -> None:
+    """Remove ``point``'s hooks but those added permanently (``permanent``: their handles), or all of them."""
+    keep = [] if including_permanent else [h.fn for h in permanent if h.point is point]
+    point.fns[:] = [f for f in point.fns if any(f is k for k in keep)]
 
 
 def _check_signature(fn: HookFn) -> None:

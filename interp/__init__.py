@@ -8,6 +8,8 @@ Importing registers the attention keys ``interp_exact`` and ``interp_fused`` wit
 nothing else.
 """
 
+from hooks import HookedRootModule, HookPoint  # TransformerLens's hook points in a module of your own
+
 from .attention import masks as _masks  # noqa: F401  (registers our attention and mask functions)
 from .attention.paths import EAGER_KEY, FLASH_KEY
 from .model.loading import BUNDLED, load_model
@@ -21,7 +23,7 @@ from .streaming import cache_kwarg, kv_cache_bytes, output_cache, stream_heads, 
 from .runtime.progress import set_progress
 from .runtime.threads import set_threads
 
-__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "HookedTransformer", "LowRank", "ModelCache", "ModelConfig", "load_model",
+__all__ = ["BUNDLED", "EAGER_KEY", "FLASH_KEY", "HookedModel", "HookedRootModule", "HookedTransformer", "HookPoint", "LowRank", "ModelCache", "ModelConfig", "load_model",
            "cache_kwarg", "kv_cache_bytes", "output_cache", "set_progress", "set_threads", "stream_heads",
            "stream_model", "streaming_kv_bytes", "utils"]
 __version__ = "0.1.0"

@@ -597,3 +597,160 @@ def test_from_pretrained_warns_when_no_bos_is_prepended():
 def test_utils_get_device_is_where_torch_can_run():
     device = utils.get_device()
     assert device.type == ("cuda" if torch.cuda.is_available() else device.type) and torch.zeros(1, device=device).device.type == device.type
+
+
+# -- what TransformerLens 4's demos call (issue 53, run_tl_demos) ------------------------------------------------
+def test_get_act_name_in_and_out_are_transformerlens_4s_block_hooks():
+    # TransformerLens 4.3: get_act_name("in", l) is "blocks.{l}.hook_in", its BlockBridge's alias of hook_resid_pre
+    assert utils.get_act_name("in", 3) == "blocks.3.hook_resid_pre" == utils.get_act_name("in3")
+    assert utils.get_act_name("out", 0) == "blocks.0.hook_resid_post"
+
+
+def test_test_prompt_ranks_the_answer_as_the_logits_do(smollm2, capsys):
+    ranks = utils.test_prompt("The capital of France is", ["Paris", "London"], smollm2, top_k=3)
+    out = capsys.readouterr().out
+    logits = smollm2(smollm2.to_tokens("The capital of France is"), return_type="logits")[0, -1]
+    assert [w for w, _ in ranks[0]] == [" Paris", " London"]
+    for word, rank in ranks[0]:
+        tid = smollm2.to_single_token(word)
+        assert rank == int((logits > logits[tid]).sum())  # rank 0: the top token
+    assert "Ranks of the answer tokens" in out and out.count("Top ") == 3
+    multi = utils.test_prompt("The cat", "sat on", smollm2, print_details=False)  # one answer, two tokens
+    assert [w for step in multi for w, _ in step] == [" sat", " on"]
+    with pytest.raises(TypeError, match="string or a list of strings"):
+        utils.test_prompt("a", 3, smollm2)
+
+
+class _SquareThenAdd(torch.nn.Module):
+    def __init__(self, offset):
+        super().__init__()
+        self.offset = torch.nn.Parameter(torch.tensor(offset))
+        self.hook_square = interp.HookPoint()
+
+    def forward(self, x):
+        return self.offset + self.hook_square(x * x)
+
+
+class _TwoLayers(interp.HookedRootModule):
+    """Main_Demo's own hooked module, as TransformerLens's HookedRootModule is used there."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1, self.layer2 = _SquareThenAdd(3.0), _SquareThenAdd(-4.0)
+        self.hook_in, self.hook_mid, self.hook_out = interp.HookPoint(), interp.HookPoint(), interp.HookPoint()
+        self.setup()
+
+    def forward(self, x):
+        return self.hook_out(self.layer2(self.hook_mid(self.layer1(self.hook_in(x)))))
+
+
+def test_hooked_root_module_names_its_points_and_runs_with_hooks_and_cache():
+    model = _TwoLayers()
+    assert set(model.hook_dict) == {"hook_in", "hook_mid", "hook_out", "layer1.hook_square", "layer2.hook_square"}
+    out, cache = model.run_with_cache(torch.tensor(5.0))
+    assert out.item() == (5.0 ** 2 + 3) ** 2 - 4  # 780
+    assert {k: cache[k].item() for k in cache} == {"hook_in": 5.0, "layer1.hook_square": 25.0, "hook_mid": 28.0,
+                                                   "layer2.hook_square": 784.0, "hook_out": 780.0}
+    zeroed = model.run_with_hooks(torch.tensor(5.0), fwd_hooks=[("layer2.hook_square", lambda t, hook: torch.zeros_like(t))])
+    assert zeroed.item() == -4.0 and not model.hook_dict["layer2.hook_square"].fns  # removed after the call
+    model.add_hook("hook_mid", lambda t, hook: t * 0, is_permanent=True)
+    model.add_hook("hook_in", lambda t, hook: t + 1)
+    model.reset_hooks()  # the permanent one stays
+    assert model(torch.tensor(5.0)).item() == -4.0 + 0.0 and model.hook_dict["hook_mid"].fns
+    model.reset_hooks(including_permanent=True)
+    assert model(torch.tensor(5.0)).item() == 780.0
+    with pytest.raises(RuntimeError, match="setup"):
+        type("NoSetup", (interp.HookedRootModule,), {"forward": lambda self, x: x})().run_with_hooks(torch.ones(1))
+
+
+def _said(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "hook_rot_q" in str(w.message)]
+
+
+def test_rotary_hook_q_k_warn_a_transformerlens_user_once_per_model():
+    ids = _ids()
+    model = HookedTransformer.from_pretrained(tiny_hf("llama"))  # rotary, GQA
+    assert _said(lambda: model.run_with_cache(ids)) == []  # the default capture is not the user's choice
+    assert _said(lambda: model.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_v", lambda t, hook: None)])) == []
+    first = _said(lambda: model.run_with_hooks(ids, fwd_hooks=[(utils.get_act_name("q", 1), lambda t, hook: None)]))
+    assert len(first) == 1 and "blocks.1.attn.hook_q" in first[0] and "before rotary" in first[0]
+    _, cache = model.run_with_cache(ids)
+    assert _said(lambda: cache["k", 0]) == [] and _said(lambda: model.add_hook("blocks.0.attn.hook_k", lambda t, hook: None)) == []
+    model.reset_hooks()
+    other = HookedTransformer.from_pretrained(tiny_hf("llama"))
+    _, cache = other.run_with_cache(ids)
+    assert len(_said(lambda: cache["k", 0])) == 1  # a new model says it again, also on a read from the cache
+    assert len(_said(lambda: HookedTransformer.from_pretrained(tiny_hf("llama")).run_with_cache(
+        ids, names_filter=lambda n: n.endswith("hook_q")))) == 1  # a filter the user wrote that picks hook_q
+
+
+def test_no_rotary_warning_where_hook_q_k_are_transformerlens_s():
+    ids = _ids()
+    gpt2 = HookedTransformer.from_pretrained(tiny_hf("gpt2"))  # learned positions: hook_q is TransformerLens's
+    assert _said(lambda: gpt2.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_q", lambda t, hook: None)])) == []
+    plain = interp.load_model(tiny_hf("llama"))  # not loaded as a TransformerLens user: interp's docs say it
+    assert _said(lambda: plain.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_q", lambda t, hook: None)])) == []
+
+
+# -- TransformerLens's config names on an encoder-decoder model (issue 53) ------------------------------------------
+def _t5(decoder_layers=2):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=100, d_model=32, d_kv=8, num_heads=4, num_layers=2,
+                                               num_decoder_layers=decoder_layers, d_ff=64, decoder_start_token_id=0,
+                                               relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1)).eval()
+
+
+def test_seq2seq_config_has_transformerlens_fields_where_they_mean_one_thing():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    model = HookedTransformer.from_pretrained(_t5(), device="cpu")
+    cfg = model.cfg
+    # TransformerLens 4.3's T5 config: d_model, d_head=d_kv, n_heads=num_heads, d_mlp=d_ff, d_vocab, n_layers=num_layers,
+    # act_fn=feed_forward_proj, positional_embedding_type "relative_positional_bias"
+    assert (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.d_mlp, cfg.d_vocab, cfg.n_layers) == (32, 8, 4, 64, 100, 2)
+    assert cfg.act_fn == "relu" and cfg.positional_embedding_type == "relative_positional_bias"
+    assert cfg.normalization_type == "RMS"  # T5's norm does not centre; never "RMSPre": no stacked W_* to fold into
+    assert cfg.n_key_value_heads == 4 and cfg.n_ctx is None  # relative positions: no position limit
+    assert cfg.device == model.device and cfg.dtype == torch.float32 and cfg.attn_only is False
+    bart = interp.load_model(BartForConditionalGeneration(BartConfig(
+        vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval())
+    assert bart.cfg.normalization_type == "LN" and bart.cfg.positional_embedding_type == "standard"
+    assert bart.cfg.n_ctx == 64 and bart.cfg.act_fn == "gelu"
+    uneven = interp.load_model(_t5(decoder_layers=3)).cfg
+    with pytest.raises(AttributeError, match="n_encoder_layers and cfg.n_decoder_layers"):
+        uneven.n_layers
+    assert (uneven.n_encoder_layers, uneven.n_decoder_layers) == (2, 3)
+    with pytest.raises(ValueError, match="one stack of blocks"):
+        model(torch.ones(1, 4, dtype=torch.long), stop_at_layer=1, decoder_input_ids=torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_hook_point_add_hook_adds_through_its_model_as_transformerlens():
+    model = interp.load_model(tiny_hf("llama"))
+    ids = _ids()
+    clean = model(ids, return_type="logits")
+    point = model.blocks[1].attn.hook_z
+    point.add_hook(lambda z, hook: torch.zeros_like(z))  # Exploratory_Analysis_Demo's ablation, on the point
+    ablated = model(ids, return_type="logits")
+    assert not torch.allclose(ablated, clean) and point.fns
+    with model.hooks([("blocks.1.attn.hook_z", lambda z, hook: None)]):
+        assert len(point.fns) == 2
+    point.add_hook(lambda z, hook: None, is_permanent=True)
+    point.remove_hooks()  # the permanent one stays, as TransformerLens's
+    assert len(point.fns) == 1 and torch.equal(model(ids, return_type="logits"), clean)
+    point.remove_hooks(including_permanent=True)
+    assert point.fns == []
+    with pytest.raises(TypeError, match="belongs to none"):
+        interp.HookPoint("loose").add_hook(lambda t, hook: None)
+    root = _TwoLayers()
+    root.layer2.hook_square.add_hook(lambda t, hook: torch.zeros_like(t))
+    assert root(torch.tensor(5.0)).item() == -4.0
+    root.layer2.hook_square.remove_hooks()
+    assert root(torch.tensor(5.0)).item() == 780.0

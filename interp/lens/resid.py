@@ -22,6 +22,7 @@ import torch
 from hooks import ActivationCache, get_act_name
 
 from .circuits import head_weights
+from .differences import warn_tl_differences
 from ..structure.norms import norm_centres, norm_scale
 
 __all__ = ["ModelCache"]
@@ -63,7 +64,11 @@ class ModelCache(ActivationCache):
         if isinstance(key, tuple) and key and key[0] in ("scale", "normalized"):
             key = get_act_name(*key)
         norm = _NORM_NAME.match(key) if isinstance(key, str) and key not in self._store else None
-        return super().__getitem__(key) if norm is None else self._norm_hook(*norm.groups())
+        if norm is not None:
+            return self._norm_hook(*norm.groups())
+        if self.model is not None and self.model.__dict__.get("tl_differences") is not None:
+            warn_tl_differences(self.model, [self._name(key)])  # read by a TransformerLens user
+        return super().__getitem__(key)
 
     def __contains__(self, key) -> bool:
         try:

@@ -37,6 +37,7 @@ class HookedTransformer:
         model = load_model(model_name, attn=attn, device=device, dtype=dtype, **kwargs)
         model.return_type = "logits"
         model.fold_ln = fold_ln
+        model.tl_differences = set()  # where our hooks differ from TransformerLens's: said once (interp.lens.differences)
         tok = model.tokenizer
         if getattr(tok, "bos_token_id", None) is not None and not adds_bos(tok):
             warnings.warn(f"{model_name}: text is tokenized without a BOS token, as its tokenizer does; "

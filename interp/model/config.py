@@ -10,11 +10,99 @@ from ..structure.head_slicing import CONFIG_KEY
 from ..attention.sites import Site
 from ..structure.layered import Structure
 
-__all__ = ["ModelConfig", "real_sites"]
+__all__ = ["ModelConfig", "TLConfigFields", "real_sites"]
+
+
+class TLConfigFields:
+    """TransformerLens's config names (``model.cfg.X`` as its notebooks read them) over a config's own facts
+    (``vocab_size``, ``max_positions``, ``n_kv_heads``, ``mlp_width``, ``mlp_act``, ``norm_kind``, ``positions``) and
+    the live model it belongs to (``owner``, for the fields that are its settings: device, fold_ln, tokenizer).
+    A field that means nothing for the model raises one line (an AttributeError, so ``hasattr`` says False)."""
+
+    _folds_norms = True  # whether model.W_* can be read with the norm folded in (fold_ln): "LNPre"/"RMSPre"
+
+    @property
+    def d_vocab(self) -> int:
+        """TransformerLens's name of ``vocab_size``."""
+        return self.vocab_size
+
+    @property
+    def n_ctx(self) -> int | None:
+        """TransformerLens's name of ``max_positions``."""
+        return self.max_positions
+
+    @property
+    def n_key_value_heads(self) -> int:
+        """TransformerLens's name of ``n_kv_heads``."""
+        return self.n_kv_heads
+
+    def _model(self, name: str):
+        model = self.owner() if callable(self.owner) else None
+        if model is None:
+            raise AttributeError(f"cfg.{name} is a setting of a loaded model; this config has none attached "
+                                 "(read it from model.cfg).")
+        return model
+
+    @property
+    def device(self):
+        """Where the model's inputs go (``model.device``), as TransformerLens's ``cfg.device``."""
+        return self._model("device").device
+
+    @property
+    def dtype(self):
+        return self._model("dtype").dtype
+
+    @property
+    def normalization_type(self) -> str:
+        """TransformerLens's: ``"LN"`` or ``"RMS"``, with ``"Pre"`` appended when ``model.W_*`` have the norm
+        folded in (``fold_ln``, as TransformerLens's ``"LNPre"``/``"RMSPre"``)."""
+        if self.norm_kind is None:
+            raise AttributeError(f"cfg.normalization_type means nothing for this {self.family} model: interp found "
+                                 "no final norm in it.")
+        folded = self._folds_norms and getattr(self._model("normalization_type"), "fold_ln", False)
+        return self.norm_kind + ("Pre" if folded else "")
+
+    @property
+    def default_prepend_bos(self) -> bool:
+        """Whether ``to_tokens(text)`` prepends a BOS token by default: here the tokenizer's own convention
+        (TransformerLens prepends one for most models; ``notebooks/transformerlens.md``)."""
+        return adds_bos(self._model("default_prepend_bos").tokenizer)
+
+    @property
+    def tokenizer_name(self) -> str | None:
+        tok = self._model("tokenizer_name").tokenizer
+        return getattr(tok, "name_or_path", None) or None
+
+    @property
+    def model_name(self) -> str:
+        return getattr(self._model("model_name").hf.config, "_name_or_path", "") or self.family
+
+    @property
+    def attn_only(self) -> bool:
+        return self.mlp_width is None
+
+    @property
+    def d_mlp(self) -> int:
+        return self._fact("d_mlp", self.mlp_width)
+
+    @property
+    def act_fn(self) -> str:
+        return self._fact("act_fn", self.mlp_act)
+
+    @property
+    def positional_embedding_type(self) -> str:
+        return self._fact("positional_embedding_type", self.positions)
+
+    def _fact(self, name: str, value):
+        if value is None:
+            raise AttributeError(f"cfg.{name} means nothing for this {self.family} model: interp found none in its "
+                                 "HF config.")
+        return value
+
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(TLConfigFields):
     """Shape of a hooked model, as its attention calls showed it (``interp.structure.layered``).
 
     ``n_heads``/``n_kv_heads``: query and key/value heads; a pruned model (``analyses.prune_model``) has fewer
@@ -60,84 +148,6 @@ class ModelConfig:
         if len(self.heads_per_layer) != self.n_layers or len(self.kv_heads_per_layer) != self.n_layers:
             raise ValueError(f"heads_per_layer and kv_heads_per_layer need {self.n_layers} entries; got "
                              f"{self.heads_per_layer} and {self.kv_heads_per_layer}.")
-
-    @property
-    def d_vocab(self) -> int:
-        """TransformerLens's name of ``vocab_size``."""
-        return self.vocab_size
-
-    @property
-    def n_ctx(self) -> int | None:
-        """TransformerLens's name of ``max_positions``."""
-        return self.max_positions
-
-    # -- TransformerLens's names (``model.cfg.X`` as its notebooks read it) -----------------------------------
-    @property
-    def n_key_value_heads(self) -> int:
-        """TransformerLens's name of ``n_kv_heads``."""
-        return self.n_kv_heads
-
-    def _model(self, name: str):
-        model = self.owner() if callable(self.owner) else None
-        if model is None:
-            raise AttributeError(f"cfg.{name} is a setting of a loaded model; this config has none attached "
-                                 "(read it from model.cfg).")
-        return model
-
-    @property
-    def device(self):
-        """Where the model's inputs go (``model.device``), as TransformerLens's ``cfg.device``."""
-        return self._model("device").device
-
-    @property
-    def dtype(self):
-        return self._model("dtype").dtype
-
-    @property
-    def normalization_type(self) -> str:
-        """TransformerLens's: ``"LN"`` or ``"RMS"``, with ``"Pre"`` appended when ``model.W_*`` have the norm
-        folded in (``fold_ln``, as TransformerLens's ``"LNPre"``/``"RMSPre"``)."""
-        if self.norm_kind is None:
-            raise AttributeError(f"cfg.normalization_type means nothing for this {self.family} model: interp found "
-                                 "no final norm in it.")
-        return self.norm_kind + ("Pre" if getattr(self._model("normalization_type"), "fold_ln", False) else "")
-
-    @property
-    def default_prepend_bos(self) -> bool:
-        """Whether ``to_tokens(text)`` prepends a BOS token by default: here the tokenizer's own convention
-        (TransformerLens prepends one for most models; ``notebooks/transformerlens.md``)."""
-        return adds_bos(self._model("default_prepend_bos").tokenizer)
-
-    @property
-    def tokenizer_name(self) -> str | None:
-        tok = self._model("tokenizer_name").tokenizer
-        return getattr(tok, "name_or_path", None) or None
-
-    @property
-    def model_name(self) -> str:
-        return getattr(self._model("model_name").hf.config, "_name_or_path", "") or self.family
-
-    @property
-    def attn_only(self) -> bool:
-        return self.mlp_width is None
-
-    @property
-    def d_mlp(self) -> int:
-        return self._fact("d_mlp", self.mlp_width)
-
-    @property
-    def act_fn(self) -> str:
-        return self._fact("act_fn", self.mlp_act)
-
-    @property
-    def positional_embedding_type(self) -> str:
-        return self._fact("positional_embedding_type", self.positions)
-
-    def _fact(self, name: str, value):
-        if value is None:
-            raise AttributeError(f"cfg.{name} means nothing for this {self.family} model: interp found none in its "
-                                 "HF config.")
-        return value
 
     @property
     def pruned(self) -> bool:
@@ -198,9 +208,9 @@ def _config_of(hf, structure: Structure) -> ModelConfig:
     )
 
 
-def tl_facts(hf, structure: Structure | None = None) -> dict:
+def tl_facts(hf, structure: Structure | None = None, norm=None) -> dict:
     """The HF config's facts TransformerLens's config names: MLP width and activation, the norm's kind (from
-    the final norm, ``interp.structure.norms``) and how positions enter."""
+    the final norm, ``interp.structure.norms``; or ``norm``, given) and how positions enter."""
     from ..structure.norms import norm_centres
     from ..structure.probe import _is_norm
 
@@ -211,12 +221,12 @@ def tl_facts(hf, structure: Structure | None = None) -> dict:
         d_mlp = 4 * structure.d_model  # GPT-2's n_inner=None
     act = next((getattr(c, k) for k in ("hidden_activation", "hidden_act", "activation_function", "feed_forward_proj")
                 if isinstance(getattr(c, k, None), str)), None)
-    norm = None
     if structure is not None:  # the final norm, else (post-norm: BERT) the first block's first norm
         block = hf.get_submodule(structure.layers)[0]
         norm = hf.get_submodule(structure.final_norm) if structure.final_norm else next(
             (m for m in block.modules() if _is_norm(m) and getattr(m, "weight", None) is not None), None)
-    norm_kind = None if norm is None else "LN" if norm_centres(norm, structure.d_model) else "RMS"
+    d_model = structure.d_model if structure is not None else getattr(c, "d_model", None) or c.hidden_size
+    norm_kind = None if norm is None else "LN" if norm_centres(norm, d_model) else "RMS"
     if getattr(c, "rope_theta", None) or getattr(c, "rope_scaling", None) or getattr(c, "rotary_dim", None) \
             or getattr(c, "position_embedding_type", None) in ("rope", "rotary"):
         positions = "rotary"

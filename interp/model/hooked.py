@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +26,7 @@ from ..attention.masks import window_aware
 from ..structure.families import check_supported
 from ..tokens.inputs import check_inputs, fix_permissions
 from .layered import LAYERED
-from .config import ModelConfig, ModelRef
+from .config import ModelRef, TLConfigFields
 from ..structure.head_slicing import save_pruned
 from ..lens.resid import ModelCache
 from ..lens.tokens import _UNSET, TokensMixin, pad_mask
@@ -74,7 +75,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure.layered); None for an encoder-decoder
         self.cfg = layout.cfg
-        if isinstance(self.cfg, ModelConfig):  # cfg.device, cfg.normalization_type ... read this model's settings
+        if isinstance(self.cfg, TLConfigFields):  # cfg.device, cfg.normalization_type ... read this model's settings
             object.__setattr__(self.cfg, "owner", ModelRef(self))
         self._blocks = layout.blocks  # the block list, or {stack: block list}
         self._site_modules = layout.modules  # site name -> attention module
@@ -84,6 +85,8 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self.attn_scales = tuple(site.scale for site in self.cfg.sites)  # what the model passes, not module.scaling
         self.sites = {site.name: site for site in self.cfg.sites}
         self._registry = HookRegistry(layout.points, on_change=self._sync_module_hooks)
+        for point in layout.points:  # hook_point.add_hook(fn), as TransformerLens, adds through this model
+            point.owner = weakref.ref(self)
         self._torch_handles: dict[str, object] = {}
         self._takes_position_ids = "position_ids" in inspect.signature(hf.forward).parameters
         self._layer_hooks: dict[str, LayerHooks] = {}
@@ -232,7 +235,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
     def _stopped(self, batch, stop: int) -> torch.Tensor:
         """TransformerLens's ``stop_at_layer``: the residual stream entering block ``stop`` (negative: counted from
         the end; ``n_layers``: after the last block, before the final norm), the blocks after it not run."""
-        n = getattr(self.cfg, "n_layers", None)
+        n = None if self._kind.seq2seq else self.cfg.n_layers
         if n is None or isinstance(stop, bool) or not isinstance(stop, int) or not -n <= stop <= n:
             raise ValueError(f"stop_at_layer takes a layer in [-{n}, {n}] of a model with one stack of blocks; "
                              f"got {stop!r}.")
@@ -316,7 +319,9 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
             biases[hook.name.rsplit(".", 1)[0]] = None if b is None else b.detach()
 
         capture = [(lambda n: n.endswith(".hook_q"), bias)] if self._kind.position_bias else []
-        with self.hooks([*fwd_hooks, (selected, save), *capture]):
+        fwd_hooks = list(fwd_hooks)
+        self._say_differences([*fwd_hooks, *([(names, save)] if names is not None else [])])  # what the user named
+        with self._registry.hooks([*fwd_hooks, (selected, save), *capture]):
             output = self.hf(**batch) if stop is None else self._stopped(batch, stop)
         order = {n: i for i, n in enumerate(self.hook_names())}
         store = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))

@@ -25,7 +25,7 @@ right). There is no class of its own: ``HookedModel(t5)`` is a ``HookedModel``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,8 +33,10 @@ from hooks import AttentionMeta, HookPoint
 
 from ..tokens.inputs import position_limit
 from ..structure.head_slicing import CONFIG_KEY
+from ..structure.probe import _is_norm
 from ..structure.seq2seq import _discover
 from ..attention.sites import Site
+from .config import TLConfigFields, tl_facts
 from .wrapper import Kind, Layout, _replace_first
 
 __all__ = ["SEQ2SEQ", "Seq2SeqConfig", "decoder_inputs"]
@@ -43,8 +45,12 @@ _ATTN_KINDS = ("q", "k", "v", "attn_scores", "pattern", "z", "lse")
 
 
 @dataclass(frozen=True)
-class Seq2SeqConfig:
-    """Shape of an encoder-decoder model: its attention sites in call order (encoder, then decoder)."""
+class Seq2SeqConfig(TLConfigFields):
+    """Shape of an encoder-decoder model: its attention sites in call order (encoder, then decoder).
+    TransformerLens's config names (``TLConfigFields``) where they mean one thing for both stacks: ``n_layers``,
+    ``n_heads``, ``d_head`` and ``n_key_value_heads`` when every stack and site agree (else one line naming the
+    per-stack fields), ``d_mlp``, ``act_fn``, ``normalization_type`` (never ``"Pre"``: ``model.W_*`` are per site
+    here), ``positional_embedding_type``, ``d_vocab``, ``n_ctx``, ``device``, ``dtype``, ``tokenizer_name`` ..."""
 
     n_encoder_layers: int
     n_decoder_layers: int
@@ -65,6 +71,39 @@ class Seq2SeqConfig:
 
     pruned: bool = False  # heads sliced out by analyses.prune_model (interp.structure.head_slicing.slice_sites)
     empty_sites: tuple[str, ...] = ()  # sites pruned of every head: one zeroed placeholder head each
+    # TransformerLens's facts read from the HF config (``tl_facts``); None where the model has no such thing
+    mlp_width: int | None = None
+    mlp_act: str | None = None
+    norm_kind: str | None = None  # "LN" or "RMS", from the decoder's first norm
+    positions: str | None = None
+    owner: object = field(default=None, repr=False, compare=False)  # the live model (HookedModel sets it)
+
+    _folds_norms = False  # no stacked W_* on an encoder-decoder model, so nothing is read folded
+
+    def _same(self, name: str, values: dict[str, int], fields: str) -> int:
+        """The one value every stack or site has, or one line saying where to read the differing ones."""
+        if len(set(values.values())) == 1:
+            return next(iter(values.values()))
+        raise AttributeError(f"cfg.{name} differs across this {self.family} model's stacks or sites ({values}); "
+                             f"read {fields}.")
+
+    @property
+    def n_layers(self) -> int:
+        return self._same("n_layers", {"encoder": self.n_encoder_layers, "decoder": self.n_decoder_layers},
+                          "cfg.n_encoder_layers and cfg.n_decoder_layers")
+
+    @property
+    def n_heads(self) -> int:
+        return self._same("n_heads", {s.name: s.n_heads for s in self.sites}, "each site's n_heads in cfg.sites")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self._same("n_key_value_heads", {s.name: s.n_kv_heads for s in self.sites},
+                          "each site's n_kv_heads in cfg.sites")
+
+    @property
+    def d_head(self) -> int:
+        return self._same("d_head", {s.name: s.d_head for s in self.sites}, "each site's d_head in cfg.sites")
 
 
 def _out_name(site: Site) -> str:
@@ -82,7 +121,7 @@ def _build(hf, structure=None) -> Layout:
         d_model=int(getattr(c, "d_model", None) or c.hidden_size), family=c.model_type,
         vocab_size=int(getattr(c, "vocab_size", None) or hf.get_input_embeddings().num_embeddings),
         sites=tuple(sites), max_positions=position_limit(c), pruned=bool(record),
-        empty_sites=tuple(name for name, kept in record.items() if not kept))
+        empty_sites=tuple(name for name, kept in record.items() if not kept), **tl_facts(hf, norm=_first_norm(hf)))
     blocks = {"encoder": hf.get_encoder().get_submodule(enc_path), "decoder": hf.get_decoder().get_submodule(dec_path)}
     points, attach = [], {}
     for stack in ("encoder", "decoder"):
@@ -102,6 +141,12 @@ def _build(hf, structure=None) -> Layout:
             attach[points[-1].name] = _out_hook(module)
     weights = {name: (modules[name], proj, norm) for name, (proj, norm) in weights.items()}
     return Layout(cfg, None, blocks, modules, weights, points, attach)
+
+
+def _first_norm(hf):
+    """The decoder's first norm with a weight: what kind of norm the model uses (T5's RMS, BART's LayerNorm)."""
+    return next((m for m in hf.get_decoder().modules() if _is_norm(m) and getattr(m, "weight", None) is not None),
+                None)
 
 
 def _pre_hook(module):

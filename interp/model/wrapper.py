@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from hooks import HookPoint, NameFilter
+from hooks.points import remove_at
 
+from ..lens.differences import warn_tl_differences
 from ..attention.paths import ATTN_KEYS, attached_layer_hooks, detach_layer_hooks
 from ..runtime.distributed import input_device
 from ..structure.probe import attention_keys, set_attention_key
@@ -169,8 +171,23 @@ class _Wrapper:
     def hooks(self, fwd_hooks: Iterable[tuple[NameFilter, Callable]] = ()):
         """``with model.hooks([(name_or_filter, fn), ...]):`` hooks active inside the block only."""
         self._check_attached()
+        fwd_hooks = list(fwd_hooks)
+        self._say_differences(fwd_hooks)
         with self._registry.hooks(fwd_hooks):
             yield self
+
+    def _say_differences(self, pairs) -> None:
+        """The first time a TransformerLens user (``HookedTransformer.from_pretrained``) hooks a point whose content
+        differs from TransformerLens's, say so (``interp.lens.differences``); bad filters are left to the registry."""
+        if self.__dict__.get("tl_differences") is None:
+            return
+        names = []
+        for pair in pairs:
+            try:
+                names += [p.name for p in self._registry.resolve(pair[0])]
+            except (TypeError, ValueError, IndexError, KeyError):
+                continue
+        warn_tl_differences(self, names)
 
     def reset_hooks(self, including_permanent: bool = False, **_tl_options) -> None:
         """Remove every hook added through this model (TransformerLens's ``reset_hooks``: hooks added with
@@ -181,6 +198,11 @@ class _Wrapper:
         for point, fn in kept:
             point.fns.append(fn)
         self.__dict__["_permanent"] = [h for h in permanent if any(h.point is p and h.fn is f for p, f in kept)]
+        self._sync_module_hooks()
+
+    def _remove_hooks_at(self, point: HookPoint, including_permanent: bool = False) -> None:
+        """``hook_point.remove_hooks()`` (TransformerLens's): that point's hooks, permanent ones kept unless asked."""
+        remove_at(point, self.__dict__.get("_permanent", []), including_permanent)
         self._sync_module_hooks()
 
     @property
@@ -209,6 +231,7 @@ class _Wrapper:
         if dir != "fwd":
             raise ValueError(f"interp's hooks are forward hooks (dir='fwd'); got dir={dir!r}. For gradients use "
                              "torch.autograd on the tensors a hook sees.")
+        self._say_differences([(name, hook)])
         handles = self._registry.add(name, hook)
         if is_permanent:
             self.__dict__.setdefault("_permanent", []).extend(handles)
