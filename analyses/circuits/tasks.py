@@ -90,16 +90,17 @@ def greater_than_task(model, n: int = 32, seed: int = 0) -> tuple[dict, dict, Me
 
 def needle_task(model, length: int, depth: float = 0.5, needle_len: int = 8, seed: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, Metric]:
-    """``(clean, corrupted, metric)`` for retrieving a needle from ``length`` tokens back: token ids ``(1, length +
-    a)`` (``a`` the answer's tokens: the ``needle_prompts`` prompt of that length and depth, then the answer); the
-    corrupted prompt's needle is another of the same token count (the next prompt
-    ``needle_prompts`` draws with ``seed + 1``, its code put in place), and the metric is the clean answer's mean
-    next-token loss read at the answer's positions."""
-    (prompt,) = needle_prompts(model, [length], [depth], needle_len=needle_len, seed=seed)
+    """``(clean, corrupted, metric)`` for retrieving a needle from far back: token ids ``(1, length)``, a
+    ``needle_prompts`` prompt (its depth, needle and seed) followed by the needle's ``a`` tokens; the corrupted
+    prompt's needle is another of as many tokens (the first ``needle_prompts`` draws with a later seed), put in its
+    place; the metric is the clean answer's mean next-token loss at the answer's positions."""
+    first = needle_prompts(model, [length], [depth], needle_len=needle_len, seed=seed)[0]
+    a = len(first.answer)  # the prompt is drawn again a tokens shorter: the same needle, a shorter haystack
+    (prompt,) = needle_prompts(model, [length - a], [depth], needle_len=needle_len, seed=seed)
     start, end = prompt.needle
     answer = prompt.answer
     for other_seed in range(seed + 1, seed + 65):
-        (other,) = needle_prompts(model, [length], [depth], needle_len=needle_len, seed=other_seed)
+        (other,) = needle_prompts(model, [length - a], [depth], needle_len=needle_len, seed=other_seed)
         if other.needle[1] - other.needle[0] == end - start and not torch.equal(other.answer, answer):
             break
     else:
@@ -108,8 +109,8 @@ def needle_task(model, length: int, depth: float = 0.5, needle_len: int = 8, see
     clean = torch.cat([prompt.ids, answer])[None]
     corrupted = clean.clone()
     corrupted[0, start:end] = other.answer
-    first = len(prompt.ids) - 1  # the position whose logits predict the answer's first token
-    return clean, corrupted, next_token_loss(clean, first, first + len(answer))
+    first_row = len(prompt.ids) - 1  # the position whose logits predict the answer's first token
+    return clean, corrupted, next_token_loss(clean, first_row, first_row + len(answer))
 
 
 def check_task(task) -> tuple:
