@@ -31,8 +31,8 @@ from interp.attention.sites import FRONT, is_layered
 
 from ..heads import registry
 from ..data.bootstrap import check_n_bootstrap, mean_interval, ratio_interval, resample_counts
-from ..heads.detect import _score_batch, prompt_sets
-from ..heads.scores import Tally, rule_pairs
+from ..heads.detect import prompt_sets
+from ..heads.scores import Tally, rule_pairs, score_batch
 
 __all__ = ["sink_heads", "dormant_frame", "massive_activations", "sink_value_ablation", "massive_dims_ablation"]
 
@@ -83,7 +83,7 @@ def sink_heads(model, prompts=None, n_prompts: int = 32, seq_len: int | None = N
     with model.studying(), torch.no_grad():
         for start in progress(range(0, len(rows), batch_size), desc=f"sinks: {len(rows)} prompts", unit="batch"):
             index = torch.arange(start, min(len(rows), start + batch_size))
-            _score_batch(model, [rows[i] for i in index], index, [record], tally)
+            score_batch(model, [rows[i] for i in index], index, [record], tally)
     raw, norm = tally.raw.frame(n_bootstrap, seed), tally.norm.frame(n_bootstrap, seed)
     at = {s.name: i for i, s in enumerate(model.cfg.sites)}
     site_at, head_at = torch.tensor([at[s] for s in raw.site]), torch.tensor(raw["head"].tolist())
