@@ -202,3 +202,27 @@ def test_removing_the_massive_dim_moves_the_sink_heads_weight_off_the_sink_and_r
     assert abs(df.loc["random", "sink_drop"]) < 0.01 and df.loc["random", "what"] == "4 draws"
     assert all(MASSIVE_DIM not in map(int, df.loc[f"random {i}", "what"].split()) for i in range(4))
     assert model.attn == attn
+
+
+# -- the report's sink finding ---------------------------------------------------------------------------------------
+def test_the_reports_sink_finding_counts_the_dormant_head_checks_it_and_names_the_massive_writer():
+    from analyses.views.report_sinks import sinks_apply, sinks_finding, sinks_section
+
+    model = interp.load_model(planted())
+    assert sinks_apply(model)
+    entry = sinks_section(model)
+    assert (entry["n_sink"], entry["n_dormant"]) == (2, 1) and entry["dormant"][0]["head"] == "0.0"
+    mean, lo, hi = entry["value_check"]["dormant"]
+    assert abs(mean) < 1e-6 and lo <= mean <= hi  # head 0's sink moves nothing
+    assert all(abs(d) > 1e-3 for d in entry["value_check"]["draws"])  # head 1's does
+    assert entry["massive"] == []
+    line = sinks_finding(entry)
+    assert "<b>1 of the 2</b> are dormant" in line and "0.0 (weight" in line
+    assert "No massive activation" in line
+    entry = sinks_section(interp.load_model(planted_massive()))
+    assert entry["massive"] == [{"dim": MASSIVE_DIM, "block": WRITER_BLOCK, "writer": "mlp", "max_abs": 5000.0,
+                                 "first_token": True}]
+    assert "dim 7 (up to 5,000, from block 1's MLP, at the first token only)" in sinks_finding(entry)
+    evil = {**entry, "prompts": "<script>x</script>"}
+    assert "<script>" not in sinks_finding(evil) and "&lt;script&gt;" in sinks_finding(evil)
+    assert sinks_finding(None) == "" and sinks_finding({**entry, "n_sink": 0}) == ""

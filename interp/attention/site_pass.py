@@ -31,7 +31,7 @@ from hooks.names import hook_name
 from .sites import Site
 from .stats import attention_stats, pair_weights
 
-__all__ = ["SiteRead", "each_site", "key_output_norms", "WEIGHTINGS"]
+__all__ = ["SiteRead", "each_site", "key_output_norms", "norm_weighted", "WEIGHTINGS"]
 
 WEIGHTINGS = ("raw", "norm")  # attention weights as the softmax gives them, or norm-weighted (value_norms)
 
@@ -175,6 +175,14 @@ def key_output_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     v = v.double().repeat_interleave(n_heads // n_kv, dim=2)  # (b, k, h, e)
     squared = torch.einsum("bkhe,hef,bkhf->bhk", v, gram.to(v.device), v)
     return squared.clamp(min=0).sqrt().float()
+
+
+def norm_weighted(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Norm-weighted attention from a pattern ``(..., h, q, k)`` and each key's ``||v_j W_O^h||`` ``(..., h, k)``:
+    ``w_ij n_j / sum_k w_ik n_k`` (Kobayashi et al. 2020), 0 in a row whose keys all move nothing."""
+    moved = pattern.float() * norms.float()[..., None, :]
+    total = moved.sum(-1, keepdim=True)
+    return torch.where(total > 0, moved / total.clamp(min=1e-30), 0.0)
 
 
 def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iterable[int] | None = None,
