@@ -367,3 +367,10 @@ def test_interp_view_writes_a_page_and_refuses_bad_input(tmp_path, toy, tokens, 
     assert main(["view", "--out", str(head)]) == 2  # exists, no --force
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and ".html page" in err[0] and "interp view head" in err[1] and "--force" in err[2]
+    norm = tmp_path / "norm.html"
+    assert main(["view", "--layers", "1", "--text", " ".join(map(str, tokens.tolist())), "--weighting", "norm",
+                 "--out", str(norm)]) == 0
+    assert head_view(toy, tokens, layers=1, weighting="norm").html in norm.read_text()
+    capsys.readouterr()
+    assert main(["view", "grid", "--weighting", "norm", "--out", str(tmp_path / "g.html")]) == 2
+    assert "--weighting go with `interp view head`" in capsys.readouterr().err
