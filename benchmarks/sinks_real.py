@@ -149,11 +149,11 @@ def section(r: dict) -> str:
     for c in changes:
         counts[(c["raw"], c["norm"])] = counts.get((c["raw"], c["norm"]), 0) + 1
     lines += ["| weights | norm-weighted | heads |", "|---|---|---:|"]
-    lines += [f"| {a} | {b} | {n} |" for (a, b), n in sorted(counts.items(), key=lambda x: -x[1])]
+    lines += [f"| {a or 'none'} | {b or 'none'} | {n} |" for (a, b), n in sorted(counts.items(), key=lambda x: -x[1])]
     lines += ["", "<details><summary>every head whose labels change, with the scores that moved by 0.05 or more "
               "(weights -> norm-weighted)</summary>", "", "| head | weights | norm-weighted | scores moved |",
               "|---|---|---|---|"]
-    lines += [f"| {c['head']} | {c['raw']} | {c['norm']} | " + ", ".join(
+    lines += [f"| {c['head']} | {c['raw'] or 'none'} | {c['norm'] or 'none'} | " + ", ".join(
         f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in c["moved"].items()) + " |" for c in changes]
     lines += ["", "</details>"]
     return "\n".join(lines)

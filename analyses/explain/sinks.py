@@ -73,7 +73,8 @@ def sink_heads(model, prompts=None, n_prompts: int = 32, seq_len: int | None = N
     first token), ``sink_output`` (the first token's share of the head's output norm, norm-weighted attention),
     ``sink_value_ratio`` (``||v_0 W_O||`` over the mean ``||v_j W_O||`` of the other real keys), ``dormant``
     (``sink_weight - sink_output``), each with ``_lo`` and ``_hi`` (95% bootstrap over prompts), and the labels
-    ``is_sink`` and ``is_dormant`` (the registry's thresholds, or ``thresholds``). Prompts as ``detect_heads`` takes
+    ``is_sink`` and ``is_dormant`` (a sink head whose ``dormant`` clears its threshold: the registry's thresholds, or
+    ``thresholds``; the registry's ``dormant`` label reads the column alone). Prompts as ``detect_heads`` takes
     them (default: ``n_prompts`` corpus prompts of up to ``seq_len`` tokens)."""
     check_n_bootstrap(n_bootstrap)
     record = registry.score("sink")
@@ -101,7 +102,8 @@ def sink_heads(model, prompts=None, n_prompts: int = 32, seq_len: int | None = N
     df["dormant"], df["dormant_lo"], df["dormant_hi"] = (t.numpy() for t in dormant)
     limits = {**registry.DEFAULT_THRESHOLDS, **(thresholds or {})}
     sink, dormant_limit = limits[record.name], limits[_DORMANT]
-    df["is_sink"], df["is_dormant"] = df.sink_weight >= sink, df.dormant >= dormant_limit
+    df["is_sink"] = df.sink_weight >= sink
+    df["is_dormant"] = df.is_sink & (df.dormant >= dormant_limit)  # a sink head whose sink moves little
     df.attrs.update(inputs=what, thresholds={record.name: sink, _DORMANT: dormant_limit}, attn=model.attn)
     return df
 
