@@ -139,8 +139,8 @@ def section(r: dict) -> str:
     lines += ["", f"**Removing the massive dims** (dims {d['dims']} set to their median at each prompt's first token "
               f"after every block from {d['edited_from']} on): the drop in the mean weight the {d['n_heads']} sink "
               f"heads after block {d['edited_from']} put on the first token (without edits {d['sink_weight']:.3f}): "
-              f"**{_interval(d['massive'])}**; as many random other dims, 10 draws: {_interval(d['random'])} pooled "
-              "(draws " + ", ".join(f"{x:+.3f}" for x in d["draws"]) + ").", ""]
+              f"**{_interval(d['massive'], 4)}**; as many random other dims, 10 draws: {_interval(d['random'], 4)} "
+              "pooled (draws " + ", ".join(f"{x:+.4f}" for x in d["draws"]) + ").", ""]
     changes = r["label_changes"]
     lines += [f"**Labels that change when read on norm-weighted attention** (`detect_heads(model, n_prompts="
               f"{r['n_prompts']})` against the same with `weighting=\"norm\"`): {len(changes)} of {r['n_heads']} "
