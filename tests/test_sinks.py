@@ -217,7 +217,10 @@ def test_the_reports_sink_finding_counts_the_dormant_head_checks_it_and_names_th
     assert all(abs(d) > 1e-3 for d in entry["value_check"]["draws"])  # head 1's does
     assert entry["massive"] == []
     line = sinks_finding(entry)
-    assert "<b>1 of the 2</b> are dormant" in line and "0.0 (weight" in line
+    # the report's own prompts: random tokens on a model without a tokenizer
+    assert "<b>1 of 2</b> sink heads on 8 repeated random token sequences of 64 tokens are dormant" in line
+    assert "0.0 (weight" in line and "zeroing the first token's value in them changes the loss by +0.000" in line
+    assert "on 4 repeated random token sequences of 64 tokens, in as many other sink heads by" in line
     assert "No massive activation" in line
     entry = sinks_section(interp.load_model(planted_massive()))
     assert entry["massive"] == [{"dim": MASSIVE_DIM, "block": WRITER_BLOCK, "writer": "mlp", "max_abs": 5000.0,

@@ -261,8 +261,9 @@ def sink_value_ablation(model, sinks: pd.DataFrame | None = None, prompts=None, 
     next-token loss, with 95% intervals over prompts. A dormant head's sink moves nothing, so removing it should
     change the loss less. Runs on the eager path (the first token's column of each head's pattern set to 0, which
     is zeroing its value for that head alone); the model's path is restored after. Rows: ``dormant``, ``random 0``
-    ... and ``random`` (the draws pooled), with ``delta_loss``, ``delta_loss_lo``, ``delta_loss_hi``."""
-    rows, _ = _causal_rows(model, prompts, n_prompts, seq_len, seed, "sink_value_ablation")
+    ... and ``random`` (the draws pooled), with ``delta_loss``, ``delta_loss_lo``, ``delta_loss_hi``;
+    ``df.attrs["inputs"]`` says which prompts."""
+    rows, inputs = _causal_rows(model, prompts, n_prompts, seq_len, seed, "sink_value_ablation")
     sinks = sink_heads(model, prompts, n_prompts, seq_len, seed, batch_size, n_bootstrap) if sinks is None else sinks
     dormant = [(int(l), int(h)) for l, h in sinks.loc[sinks.is_dormant, ["layer", "head"]].to_numpy()]
     pool = [(int(l), int(h)) for l, h in sinks.loc[sinks.is_sink & ~sinks.is_dormant, ["layer", "head"]].to_numpy()]
@@ -281,8 +282,10 @@ def sink_value_ablation(model, sinks: pd.DataFrame | None = None, prompts=None, 
                        for name, heads in progress(sets.items(), desc="sinks: zero the sink's value", unit="set")}
         finally:
             model.set_attn(path)
-    return _effect_rows(effects, {n: [f"{l}.{h}" for l, h in s] for n, s in sets.items()}, n_bootstrap, seed,
-                        "delta_loss")
+    df = _effect_rows(effects, {n: [f"{l}.{h}" for l, h in s] for n, s in sets.items()}, n_bootstrap, seed,
+                      "delta_loss")
+    df.attrs["inputs"] = inputs
+    return df
 
 
 def _zero_sink_hooks(heads: list[tuple[int, int]]):
@@ -337,8 +340,8 @@ def massive_dims_ablation(model, sinks: pd.DataFrame | None = None, massive: pd.
     ``n_random`` times: the drop in the sink heads' weight on the first token (``sinks``: ``sink_heads``'s table;
     the sink heads after the first writing block), with 95% intervals over prompts. Rows ``massive``, ``random 0``
     ... and ``random`` (the draws pooled), with ``sink_drop``, ``sink_drop_lo``, ``sink_drop_hi``; ``df.attrs``:
-    the sink weight without edits and the heads read."""
-    rows, _ = _causal_rows(model, prompts, n_prompts, seq_len, seed, "massive_dims_ablation")
+    the sink weight without edits, the heads read and the prompts (``inputs``)."""
+    rows, inputs = _causal_rows(model, prompts, n_prompts, seq_len, seed, "massive_dims_ablation")
     massive = massive_activations(model, prompts, n_prompts, seq_len, seed, batch_size) if massive is None else massive
     if massive.empty:
         raise ValueError("massive_dims_ablation: the model has no massive activations on these prompts "
@@ -377,5 +380,6 @@ def massive_dims_ablation(model, sinks: pd.DataFrame | None = None, massive: pd.
         effects = {name: base - _sink_weight(model, rows, heads, batch_size, edit(dims))
                    for name, dims in progress(sets.items(), desc="sinks: remove massive dims", unit="set")}
     df = _effect_rows(effects, sets, n_bootstrap, seed, "sink_drop")
-    df.attrs.update(sink_weight=float(base.mean()), heads=[f"{l}.{h}" for l, h in heads], edited_from=start)
+    df.attrs.update(sink_weight=float(base.mean()), heads=[f"{l}.{h}" for l, h in heads], edited_from=start,
+                    inputs=inputs)
     return df

@@ -37,13 +37,16 @@ def sinks_section(model, seed: int = 0) -> dict:
              "dormant": [{"head": f"{int(r.layer)}.{int(r.head)}", "weight": round(float(r.sink_weight), 3),
                           "output": round(float(r.sink_output), 3)} for r in dormant.head(3).itertuples()]}
     n_others = int((sinks.is_sink & ~sinks.is_dormant).sum())
-    if entry["n_dormant"] and n_others >= entry["n_dormant"]:
-        check = sink_value_ablation(model, sinks, n_prompts=_CHECK_PROMPTS, seed=seed, n_random=_DRAWS,
+    if entry["n_dormant"] and n_others:
+        # as many other sink heads as dormant ones: where fewer remain, the most dormant heads, as many as there are
+        checked = dormant.head(min(len(dormant), n_others))
+        chosen = sinks.assign(is_dormant=sinks.index.isin(checked.index))
+        check = sink_value_ablation(model, chosen, n_prompts=_CHECK_PROMPTS, seed=seed, n_random=_DRAWS,
                                     n_bootstrap=200).set_index("condition")
         entry["value_check"] = {
             "dormant": [float(check.loc["dormant", c]) for c in ("delta_loss", "delta_loss_lo", "delta_loss_hi")],
             "draws": [float(check.loc[f"random {i}", "delta_loss"]) for i in range(_DRAWS)],
-            "prompts": f"{_CHECK_PROMPTS} corpus prompts"}
+            "prompts": check.attrs["inputs"], "n_heads": len(checked)}
     massive = massive_activations(model, n_prompts=_PROMPTS, seed=seed)
     entry["massive"] = [{"dim": int(dim), "block": int(rows.first_layer.iloc[0]), "writer": str(rows.writer.iloc[0]),
                          "max_abs": round(float(rows.max_abs.max()), 1), "first_token": bool(
@@ -58,8 +61,9 @@ def sinks_finding(entry: dict | None) -> str:
     esc = html.escape
     n_sink, n_dormant = entry["n_sink"], entry["n_dormant"]
     threshold = entry["thresholds"].get("dormant")
-    text = (f" Read on norm-weighted attention (on {esc(entry['prompts'])}), <b>{n_dormant} of the {n_sink}</b> "
-            f"are dormant (their first token takes at least {threshold:g} more of the weight than of the output)")
+    text = (f" Read on norm-weighted attention, <b>{n_dormant} of {n_sink}</b> sink heads on "
+            f"{esc(entry['prompts'])} are dormant (their first token takes at least {threshold:g} more of the weight "
+            "than of the output)")
     if entry["dormant"]:
         text += ", e.g. " + ", ".join(f"{esc(d['head'])} (weight {d['weight']:.2f}, output {d['output']:.2f})"
                                       for d in entry["dormant"])
@@ -67,9 +71,10 @@ def sinks_finding(entry: dict | None) -> str:
     if check:
         mean, lo, hi = check["dormant"]
         draws = check["draws"]
-        text += (f"; zeroing the first token's value in them changes the loss by {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] on "
-                 f"{esc(check['prompts'])}, in as many other sink heads by {min(draws):+.3f} to {max(draws):+.3f} "
-                 f"({len(draws)} draws)")
+        some = "them" if check["n_heads"] == n_dormant else f"the {check['n_heads']} most dormant"
+        text += (f"; zeroing the first token's value in {some} changes the loss by {mean:+.3f} [{lo:+.3f}, "
+                 f"{hi:+.3f}] on {esc(check['prompts'])}, in as many other sink heads by {min(draws):+.3f} to "
+                 f"{max(draws):+.3f} ({len(draws)} draws)")
     text += "."
     if entry["massive"]:
         parts = [f"dim {m['dim']} (up to {m['max_abs']:,.0f}, from {_source(m)}"
