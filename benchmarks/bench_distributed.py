@@ -61,7 +61,7 @@ def _worker(n_prompts: int, out: str | None) -> None:
 
     timed(heads, "repeated_random_tokens", "prompts")
     timed(heads, "corpus_prompts", "prompts")
-    timed(heads, "_score_batch", "batches")
+    timed(heads, "score_batch", "batches")
     timed(distributed, "all_sum", "combine")
     timed(scores.Tally, "frame", "bootstrap")
     with distributed.launched():

@@ -7,6 +7,8 @@ interleaved (sdpa, scores, retrieval at one length, then the next length):
   row only, as generation does; the n x vocabulary logits would otherwise dominate the peak);
 - ``scores``: ``detect_heads(model, prompts=...)`` on our flash path: previous-token, self, sink, duplicate-token,
   induction and positional on one prompt BOS + x + x (x random ordinary tokens), stopping after the last attention;
+- ``norm_scores``: the same scores read on norm-weighted attention (``weighting="norm"``: each key's ``||v_j W_O||``
+  and each row's sum of ``w_ik ||v_k W_O||``, one more statistic of the tiled pass), on the same prompt;
 - ``user_score``: ``detect_heads(model, scores=["punctuation"])`` on a prompt of the same length made of corpus text
   (random tokens have no punctuation), the score defined in a user's own file (``notebooks/examples/punctuation_heads.py``, registered with ``analyses.head_score``), on our flash path;
 - ``sdpa_decode``: HF sdpa, the prefill of a needle prompt with the KV cache and greedy decoding of as many tokens
@@ -43,8 +45,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ("sdpa", "scores", "user_score", "sdpa_decode", "retrieval")
-_REFERENCE = {"sdpa": "sdpa", "scores": "sdpa", "user_score": "sdpa", "sdpa_decode": "sdpa_decode",
+TASKS = ("sdpa", "scores", "norm_scores", "user_score", "sdpa_decode", "retrieval")
+_REFERENCE = {"sdpa": "sdpa", "scores": "sdpa", "norm_scores": "sdpa", "user_score": "sdpa",
+              "sdpa_decode": "sdpa_decode",
               "retrieval": "sdpa_decode"}
 USER_SCORE = ROOT / "notebooks" / "examples" / "punctuation_heads.py"  # a score defined outside the package
 SCORE_KINDS = ["previous_token", "self", "sink", "duplicate_token", "induction", "positional"]
@@ -101,9 +104,10 @@ def child(model_name: str, n: int, task: str) -> dict:
                     token = out.logits[:, -1].argmax(-1, keepdim=True)
                     out = model.hf(input_ids=token, use_cache=True, logits_to_keep=1,
                                    **{name: interp.output_cache(out)})
-    elif task == "scores":
+    elif task in ("scores", "norm_scores"):
         def run():
-            return detect_heads(model, prompts=ids[None], scores=SCORE_KINDS, n_bootstrap=100)
+            return detect_heads(model, prompts=ids[None], scores=SCORE_KINDS, n_bootstrap=100,
+                                weighting="norm" if task == "norm_scores" else "raw")
     elif task == "user_score":
         import importlib.util
 
@@ -125,7 +129,8 @@ def child(model_name: str, n: int, task: str) -> dict:
         if task.startswith("sdpa"):
             model.hf(input_ids=warm[None], use_cache=False, logits_to_keep=1)
         else:
-            detect_heads(model, prompts=warm[None], scores=SCORE_KINDS, n_bootstrap=10)
+            detect_heads(model, prompts=warm[None], scores=SCORE_KINDS, n_bootstrap=10,
+                         weighting="norm" if task == "norm_scores" else "raw")
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
     start, cpu = time.perf_counter(), time.process_time()
@@ -136,7 +141,7 @@ def child(model_name: str, n: int, task: str) -> dict:
     if task == "retrieval":
         extra = {"trial": out.attrs["trials"][0],
                  "top": out.nlargest(3, "retrieval")[["layer", "head", "retrieval"]].values.tolist()}
-    if task == "scores":
+    if task in ("scores", "norm_scores"):
         extra = {"top_induction": out.nlargest(3, "induction")[["layer", "head", "induction"]].values.tolist()}
     if task == "user_score":
         extra = {"top_punctuation": out.nlargest(3, "punctuation")[["layer", "head", "punctuation"]].values.tolist()}
@@ -163,22 +168,22 @@ def measure(model_name: str, lengths: list[int], tasks: list[str]) -> list[dict]
         for task in tasks:
             row = _spawn(model_name, n, task)
             rows.append(row)
-            print(f"  {model_name} {n:>6} {task:<9} grew {row['grew_mib']:8.1f} MiB  peak {row['peak_mib']:8.1f} MiB"
+            print(f"  {model_name} {n:>6} {task:<11} grew {row['grew_mib']:8.1f} MiB  peak {row['peak_mib']:8.1f} MiB"
                   f"  {row['seconds']:7.1f} s  cpu {row['cpu_seconds']:7.1f} s", flush=True)
     return rows
 
 
 def report(rows: list[dict]) -> list[str]:
-    lines = ["x ref: against sdpa (one forward) for sdpa and scores, sdpa_decode (prefill + the needle's tokens) for "
-             "retrieval",
-             "model     n      task       grew MiB   x ref  peak MiB   x ref   time s   x ref    cpu s   x ref  "
+    lines = ["x ref: against sdpa (one forward) for sdpa and the scores, sdpa_decode (prefill + the needle's tokens) "
+             "for retrieval",
+             "model     n      task         grew MiB   x ref  peak MiB   x ref   time s   x ref    cpu s   x ref  "
              "eager pattern/layer"]
     by = {(r["model"], r["n"], r["task"]): r for r in rows}
     for r in rows:
         ref = by.get((r["model"], r["n"], _REFERENCE[r["task"]]))
         eager_gib = r["heads"] * r["n"] ** 2 * 4 / 1024 ** 3
         ratio = (lambda key: r[key] / ref[key] if ref and ref[key] > 0 else float("nan"))
-        lines.append(f"{r['model']:<9} {r['n']:<6} {r['task']:<9} {r['grew_mib']:9.1f} {ratio('grew_mib'):7.2f} "
+        lines.append(f"{r['model']:<9} {r['n']:<6} {r['task']:<11} {r['grew_mib']:9.1f} {ratio('grew_mib'):7.2f} "
                      f"{r['peak_mib']:9.1f} {ratio('peak_mib'):7.2f} {r['seconds']:8.1f} {ratio('seconds'):7.2f} "
                      f"{r['cpu_seconds']:8.1f} {ratio('cpu_seconds'):7.2f}  "
                      f"{eager_gib:8.3f} GiB")

@@ -56,7 +56,7 @@ def test_streaming_section_only_when_asked(report, streaming_report):
     assert "streaming" not in off and 'id="streaming"' not in page and "streaming.csv" not in page
     assert not (report / "streaming.csv").exists() and not (report / "figures" / "streaming.png").exists()
     assert not any("#streaming" in line for line in off["findings"])
-    assert list(off["seconds"]) == ["heads", "attention maps", "ablation", "classes", "pruning", "total"]
+    assert list(off["seconds"]) == ["heads", "attention maps", "ablation", "classes", "sinks", "pruning", "total"]
 
 
 def test_report_files(report):
@@ -312,8 +312,8 @@ def test_the_cli_report_prints_a_line_per_stage_into_a_log_file(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     stages = [s for s in summary["seconds"] if s != "total"]
     assert [line.split(" (")[0] for line in lines] == [f"interp report: {s}" for s in stages]
-    assert re.fullmatch(r"interp report: heads \(stage 2 of 7; load took \d+\.\d s\)", lines[0])
-    assert re.fullmatch(r"interp report: attention maps \(stage 3 of 7; heads took \d+\.\d s\)", lines[1])
+    assert re.fullmatch(r"interp report: heads \(stage 2 of 8; load took \d+\.\d s\)", lines[0])
+    assert re.fullmatch(r"interp report: attention maps \(stage 3 of 8; heads took \d+\.\d s\)", lines[1])
     code, err = report("--out", str(tmp_path / "bad"), "--model", "minilm", "--streaming")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "causal decoders" in err
 

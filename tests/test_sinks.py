@@ -100,3 +100,132 @@ def test_zeroing_a_dormant_heads_sink_value_changes_nothing_and_a_live_sinks_doe
     assert abs(df.loc["random", "delta_loss"]) > 1e-3 and df.loc["random", "what"] == "2 draws"
     assert model.attn == "flash"  # the path is restored
 
+
+
+# -- massive activations, planted ------------------------------------------------------------------------------------
+MASSIVE_DIM, WRITER_BLOCK = 7, 1  # block 1's MLP writes 5,000 into residual dim 7 at the first token, nowhere else
+
+
+def planted_massive(seed: int = 0):
+    """A three-block Llama whose first token (id 1) lives alone in residual dim 0, every other token in dims 1-6 and
+    8-14 (random) and 15 (a constant). Attention writes nothing before block 2 (o_proj zero). Block 1's MLP reads dim
+    0 and writes 5,000 into dim 7: a massive activation at position 0 only. Both heads of block 2 key on dim 7 (a
+    query on the constant dim 15, in the RoPE pair that hardly rotates), so their sink exists only through it."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=8, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=1e12,
+                      rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=FIRST, eos_token_id=0)
+    hf = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = torch.zeros(20, 16)
+        emb[2:, 1:15] = torch.randn(18, 14, generator=g)
+        emb[:, MASSIVE_DIM] = 0.0
+        emb[2:, 15] = 1.0
+        emb[FIRST, 0] = 4.0
+        hf.model.embed_tokens.weight.copy_(emb)
+        hf.lm_head.weight.copy_(torch.randn(20, 16, generator=g))
+        for block in hf.model.layers:
+            block.self_attn.o_proj.weight.zero_()
+            for w in (block.mlp.gate_proj.weight, block.mlp.up_proj.weight, block.mlp.down_proj.weight):
+                w.zero_()
+        mlp = hf.model.layers[WRITER_BLOCK].mlp
+        mlp.gate_proj.weight[0, 0] = mlp.up_proj.weight[0, 0] = 2.0  # the first token's normed dim 0 is 4: 8 each
+        mlp.down_proj.weight[MASSIVE_DIM, 0] = 5000.0 / (8.0 * torch.sigmoid(torch.tensor(8.0)) * 8.0)
+        attn = hf.model.layers[2].self_attn
+        attn.q_proj.weight.zero_()
+        attn.k_proj.weight.zero_()
+        for head in (0, 1):
+            attn.q_proj.weight[head * 8 + 3, 15] = 3.0
+            attn.k_proj.weight[head * 8 + 3, MASSIVE_DIM] = 3.0
+    return hf
+
+
+def massive_prompts(n: int = 6, seed: int = 2) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[FIRST, *torch.randint(2, 20, (8 + 2 * i,), generator=g).tolist()] for i in range(n)]
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_massive_activations_finds_the_planted_dim_its_position_block_and_writer(attn):
+    from analyses import massive_activations
+
+    model = interp.load_model(planted_massive(), attn=attn)
+    df = massive_activations(model, prompts=massive_prompts(), batch_size=4)
+    assert set(df.dim) == {MASSIVE_DIM}  # dim 0 (the first token's 4.0) is large but not massive
+    assert df.layer.tolist() == [1, 2]  # after the writing block and every block after it
+    assert (df.first_layer == WRITER_BLOCK).all() and (df.writer == "mlp").all()
+    assert (df.positions == "0").all() and (df.first_token_share == 1.0).all()
+    assert (df.n_tokens == len(massive_prompts())).all()  # once per prompt, at its first token
+    assert df.value.tolist() == pytest.approx([5000.0, 5000.0], rel=1e-3)
+    assert df.attrs["dim_median"][1, MASSIVE_DIM] == 0.0  # every other token holds 0 there
+
+
+def test_massive_activations_names_an_attention_writer_and_the_embedding():
+    """The same dim written by block 1's attention instead (head 0's value reads dim 0, which only the first token
+    has, and every other row keeps away from the first token: its key there is strongly negative), and a massive
+    embedding entry: the writer follows."""
+    from analyses import massive_activations
+
+    hf = planted_massive()
+    with torch.no_grad():
+        hf.model.layers[WRITER_BLOCK].mlp.down_proj.weight.zero_()
+        attn = hf.model.layers[WRITER_BLOCK].self_attn
+        for w in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+            w.zero_()
+        attn.q_proj.weight[3, 15], attn.k_proj.weight[3, 0] = 3.0, -3.0
+        attn.v_proj.weight[0, 0] = 1.0
+        attn.o_proj.weight[MASSIVE_DIM, 0] = 5000.0 / 4.0  # the first token's own row: all its weight on itself
+    df = massive_activations(interp.load_model(hf), prompts=massive_prompts(), batch_size=4)
+    first = df[df.layer == WRITER_BLOCK]
+    assert first.dim.tolist() == [MASSIVE_DIM] and first.writer.tolist() == ["attn"]
+    assert first.positions.tolist() == ["0"]
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[FIRST, 0] = 4000.0
+    df = massive_activations(interp.load_model(hf), prompts=massive_prompts(), batch_size=4)
+    assert df.loc[df.dim == 0, "writer"].unique().tolist() == ["embedding"]
+    assert (df.loc[df.dim == 0, "first_layer"] == 0).all()
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_removing_the_massive_dim_moves_the_sink_heads_weight_off_the_sink_and_random_dims_do_not(attn):
+    from analyses import massive_dims_ablation
+
+    model = interp.load_model(planted_massive(), attn=attn)
+    df = massive_dims_ablation(model, prompts=massive_prompts(), n_random=4, batch_size=4,
+                               n_bootstrap=50).set_index("condition")
+    assert df.attrs["heads"] == ["2.0", "2.1"] and df.attrs["edited_from"] == WRITER_BLOCK
+    assert df.attrs["sink_weight"] > 0.9  # the planted sink
+    assert df.loc["massive", "what"] == str(MASSIVE_DIM)
+    # without the massive dim the first token's key is 0: uniform rows, weight 1 / (row + 1) on it
+    assert df.loc["massive", "sink_drop"] > 0.6 and df.loc["massive", "sink_drop_lo"] > 0.5
+    assert abs(df.loc["random", "sink_drop"]) < 0.01 and df.loc["random", "what"] == "4 draws"
+    assert all(MASSIVE_DIM not in map(int, df.loc[f"random {i}", "what"].split()) for i in range(4))
+    assert model.attn == attn
+
+
+# -- the report's sink finding ---------------------------------------------------------------------------------------
+def test_the_reports_sink_finding_counts_the_dormant_head_checks_it_and_names_the_massive_writer():
+    from analyses.views.report_sinks import sinks_apply, sinks_finding, sinks_section
+
+    model = interp.load_model(planted())
+    assert sinks_apply(model)
+    entry = sinks_section(model)
+    assert (entry["n_sink"], entry["n_dormant"]) == (2, 1) and entry["dormant"][0]["head"] == "0.0"
+    mean, lo, hi = entry["value_check"]["dormant"]
+    assert abs(mean) < 1e-6 and lo <= mean <= hi  # head 0's sink moves nothing
+    assert all(abs(d) > 1e-3 for d in entry["value_check"]["draws"])  # head 1's does
+    assert entry["massive"] == []
+    line = sinks_finding(entry)
+    # the report's own prompts: random tokens on a model without a tokenizer
+    assert "<b>1 of 2</b> sink heads on 8 repeated random token sequences of 64 tokens are dormant" in line
+    assert "0.0 (weight" in line and "zeroing the first token's value in them changes the loss by +0.000" in line
+    assert "on 4 repeated random token sequences of 64 tokens, in as many other sink heads by" in line
+    assert "No massive activation" in line
+    entry = sinks_section(interp.load_model(planted_massive()))
+    assert entry["massive"] == [{"dim": MASSIVE_DIM, "block": WRITER_BLOCK, "writer": "mlp", "max_abs": 5000.0,
+                                 "first_token": True}]
+    assert "dim 7 (up to 5,000, from block 1's MLP, at the first token only)" in sinks_finding(entry)
+    evil = {**entry, "prompts": "<script>x</script>"}
+    assert "<script>" not in sinks_finding(evil) and "&lt;script&gt;" in sinks_finding(evil)
+    assert sinks_finding(None) == "" and sinks_finding({**entry, "n_sink": 0}) == ""

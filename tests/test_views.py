@@ -149,6 +149,34 @@ def test_bad_input_is_refused_with_the_fix(toy, tokens, monkeypatch):
         head_view(cache)
 
 
+def _norm_weighted_by_hand(model, tokens, layer: int) -> np.ndarray:
+    """(h, q, k): the pattern times each key's ||v_j W_O^h|| computed from HF's o_proj weight, rows renormalised."""
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+        pattern, v = cache.pattern(layer)[0].double(), cache["v", layer][0].double()  # (h, q, k), (k, g, e)
+        w_o = model.hf.model.layers[layer].self_attn.o_proj.weight.double()  # (m, h * e)
+    h, e = pattern.shape[0], v.shape[-1]
+    v = v.repeat_interleave(h // v.shape[1], dim=1)  # (k, h, e)
+    norms = torch.stack([(v[:, i] @ w_o[:, i * e:(i + 1) * e].T).norm(dim=-1) for i in range(h)])  # (h, k)
+    moved = pattern * norms[:, None, :]
+    return (moved / moved.sum(-1, keepdim=True)).numpy()
+
+
+def test_a_norm_weighted_head_view_embeds_each_keys_share_of_the_output(toy, tokens, patterns):
+    data = head_view(toy, tokens, weighting="norm").data
+    assert data["weighting"] == "norm" and "norm-weighted" in data["title"]
+    expected = np.concatenate([_norm_weighted_by_hand(toy, tokens, l) for l in (0, 1)])
+    assert np.abs(decoded(data) - expected).max() <= HALF_UNIT
+    assert np.abs(decoded(data) - np.concatenate([patterns[0], patterns[1]])).max() > 0.01  # not the pattern
+    assert head_view(toy, tokens).data["weighting"] == "raw"
+    with torch.no_grad():
+        _, cache = toy.run_with_cache(tokens)
+    with pytest.raises(ValueError, match="W_O, which a cache does not hold"):
+        head_view(cache, weighting="norm")
+    with pytest.raises(ValueError, match="weighting is one of"):
+        head_view(toy, tokens, weighting="value")
+
+
 # -- in the browser ---------------------------------------------------------------------------------------
 def test_head_view_hover_shows_the_exact_weights_both_ways(browser, toy, tokens, patterns, tmp_path):
     view = head_view(toy, tokens)
@@ -172,6 +200,32 @@ def test_head_view_hover_shows_the_exact_weights_both_ways(browser, toy, tokens,
     assert info.get_attribute("data-weight") == f"{shown[(4, 1)]:.4f}"
     page.check_clean()
     page.screenshot(tmp_path / "head_view.png")
+    page.close()
+
+
+def test_a_norm_weighted_head_view_says_so_and_a_dormant_sink_shows_as_nothing(browser):
+    """The planted model of test_sinks: both heads park most weight on the first token; head 0's first-token value
+    is zero, so read on norm-weighted attention its sink vanishes, head 1's stays."""
+    from test_sinks import planted, prompts
+
+    model, tokens = interp.load_model(planted()), torch.tensor(prompts()[2])
+    raw, norm = (head_view(model, tokens, weighting=w) for w in ("raw", "norm"))
+    page = Page(browser, norm.page())
+    p = page.page
+    assert p.get_attribute(".interp-view", "data-weighting") == "norm"
+    assert p.locator('[data-role="weighting"]').inner_text() == "norm-weighted attention"
+    q = len(tokens) - 1
+    p.hover(f'[data-role="query"][data-token="{q}"] .iv-text')
+    shown = page.squares("key")
+    assert shown[(0, 0)] == 0.0 and shown[(0, 1)] > 0.1  # head 0's sink moves nothing, head 1's does
+    assert abs(sum(w for (k, h), w in shown.items() if h == 0) - 1.0) < 0.01  # its output comes from other keys
+    assert abs(shown[(0, 1)] - decoded(norm.data)[1, q, 0]) <= HALF_UNIT
+    assert decoded(raw.data)[0, q, 0] > 0.5  # the weights themselves: a sink
+    page.check_clean()
+    page.close()
+    page = Page(browser, raw.page())
+    assert page.page.get_attribute(".interp-view", "data-weighting") is None
+    assert page.page.locator('[data-role="weighting"]').count() == 0
     page.close()
 
 
@@ -313,3 +367,10 @@ def test_interp_view_writes_a_page_and_refuses_bad_input(tmp_path, toy, tokens, 
     assert main(["view", "--out", str(head)]) == 2  # exists, no --force
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and ".html page" in err[0] and "interp view head" in err[1] and "--force" in err[2]
+    norm = tmp_path / "norm.html"
+    assert main(["view", "--layers", "1", "--text", " ".join(map(str, tokens.tolist())), "--weighting", "norm",
+                 "--out", str(norm)]) == 0
+    assert head_view(toy, tokens, layers=1, weighting="norm").html in norm.read_text()
+    capsys.readouterr()
+    assert main(["view", "grid", "--weighting", "norm", "--out", str(tmp_path / "g.html")]) == 2
+    assert "--weighting go with `interp view head`" in capsys.readouterr().err

@@ -93,3 +93,38 @@ def test_bad_arguments_are_refused_with_what_was_given(toy):
         long_view(seq2seq, _ids(16), layer=0)
     view = long_view(toy, _ids(32), layer=np.int64(1), n_buckets=2)  # a numpy layer is a layer; 2 buckets: 0 and >=1
     assert view.data["buckets"] == ["0", ">=1"] and 'data-view="long"' in view.html
+
+
+def test_a_norm_weighted_long_view_equals_the_norm_weighted_eager_pattern(toy):
+    """weighting="norm": top-1 keys, the weight on the first token, the distance buckets, the zoom's exact weights and
+    the head scores all read on norm-weighted attention (the pattern times each key's ||v_j W_O||, rows
+    renormalised), computed here by hand from HF's o_proj weight and the eager path's values."""
+    ids = _ids(60)
+    view = long_view(toy, ids, layer=1, zoom=(30, 60), weighting="norm")
+    assert view.data["weighting"] == "norm" and "norm-weighted attention" in view.data["title"]
+    assert 'data-weighting="norm"' in view.html and 'data-weighting="raw"' in long_view(toy, ids, layer=1).html
+    eager = interp.load_model("toy-induction", attn="eager")
+    with torch.no_grad():
+        _, cache = eager.run_with_cache(ids[None])
+        pattern, v = cache.pattern(1)[0].double(), cache["v", 1][0].double()  # (h, q, k), (k, g, e)
+        w_o = eager.hf.model.layers[1].self_attn.o_proj.weight.double()  # (m, h * e)
+    e = v.shape[-1]
+    v = v.repeat_interleave(4 // v.shape[1], dim=1)
+    norms = torch.stack([(v[:, h] @ w_o[:, h * e:(h + 1) * e].T).norm(dim=-1) for h in range(4)])  # (h, k)
+    moved = pattern * norms[:, None, :]
+    nw = moved / moved.sum(-1, keepdim=True)
+    assert (nw - pattern).abs().max() > 0.01  # the two differ on this model
+    for h in range(4):
+        top = np.frombuffer(base64.b64decode(view.data["top"][h]), dtype="<u4").copy()
+        assert (nw[h, torch.arange(60), torch.as_tensor(top, dtype=torch.long)] >= nw[h].max(-1).values - 1e-6).all()
+        zoom = np.frombuffer(base64.b64decode(view.data["zoom"]["weights"][h]), dtype="u1").reshape(30, -1)
+        lo = view.data["zoom"]["keys"][0]
+        assert np.abs(zoom - (nw[h, 30:60, lo:60] * 255).round().numpy()).max() <= 1
+        assert abs(view.data["sink"][h] - float(nw[h, :, 0].mean())) < 1e-4
+        assert abs(sum(view.data["mean_offsets"][h]) - 1.0) < 1e-3
+        prev = float(nw[h, torch.arange(1, 60), torch.arange(59)].sum()) / 60
+        assert abs(view.data["mean_offsets"][h][1] - prev) < 1e-4
+        previous = float(nw[h, torch.arange(1, 60), torch.arange(59)].mean())  # row 0 has no target
+        assert abs(view.data["scores"]["previous_token"][h] - previous) < 1e-4
+    with pytest.raises(ValueError, match="weighting is one of"):
+        long_view(toy, ids, layer=1, weighting="value")

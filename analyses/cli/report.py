@@ -37,7 +37,7 @@ def cmd_report(args) -> int:
     load_score_modules(args)
     fmt = _formats([f.strip() for f in args.fmt.split(",") if f.strip()])
     t0 = time.perf_counter()
-    stages = ["load", "heads", "attention maps", "ablation", "circuits", "classes", "pruning"]
+    stages = ["load", "heads", "attention maps", "ablation", "circuits", "classes", "sinks", "pruning"]
     # a bar on a terminal; where stderr is a file, a line as each stage starts, and the studies' own lines (a report
     # on SmolLM2 ran 4.5 minutes with nothing printed after the model's conversion line)
     with _Progress(stages + (["streaming"] if args.streaming else []), lines="interp report") as progress, \

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--score", default=None, help="grid: the score that frames the thumbnails first")
     p.add_argument("--csv", type=Path, default=None, help="grid: scores from this table (a report's heads.csv) "
                    "instead of running detect_heads")
+    p.add_argument("--weighting", choices=("raw", "norm"), default="raw",
+                   help="head: raw (the attention weights) or norm (norm-weighted attention: each key's share of the "
+                        "head's output norm, ||w_ij v_j W_O|| / sum_k ||w_ik v_k W_O||)")
     p.add_argument("--out", type=Path, required=True, help="the .html page to write")
     p.add_argument("--force", action="store_true")
     score_module_option(p)
@@ -38,8 +41,9 @@ def cmd_view(args) -> int:
     if args.out.suffix.lower() not in (".html", ".htm"):
         raise UserError(f"--out {str(args.out)!r}: a view is one .html page")
     _check_out_file(args.out, args.force)
-    if args.kind == "grid" and (args.layers or args.heads):
-        raise UserError("--layers and --heads go with `interp view head`; the grid shows every head")
+    if args.kind == "grid" and (args.layers or args.heads or args.weighting != "raw"):
+        raise UserError("--layers, --heads and --weighting go with `interp view head`; the grid shows every head's "
+                        "attention weights")
     from ..data.seq2seq import is_seq2seq
 
     model = _load(args)
@@ -57,7 +61,8 @@ def cmd_view(args) -> int:
     else:
         layers = None if args.layers is None else [int(x) if x.isdigit() else x  # an index, or a seq2seq site
                                                    for x in args.layers.replace(",", " ").split()]
-        view = head_view(model, text, layers=layers, heads=_parse_heads(args.heads, model), window=window)
+        view = head_view(model, text, layers=layers, heads=_parse_heads(args.heads, model), window=window,
+                         weighting=args.weighting)
     view.save(_rank_zero_path(args.out), overwrite=args.force)
     print(args.out)
     return 0

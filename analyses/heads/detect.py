@@ -16,15 +16,13 @@ import pandas as pd
 import torch
 
 from interp.runtime import distributed
-from interp.tokens.inputs import pad_ids
 from interp.runtime.progress import progress, stage
-from interp.attention.site_pass import WEIGHTINGS, each_site
-from interp.lens.circuits import output_grams
+from interp.attention.site_pass import WEIGHTINGS
 from interp.attention.sites import FRONT, MASK_OF, is_layered, with_head_columns
 
 from ..data.prompts import corpus_prompts, corpus_sentences, prompt_ids, repeated_random_tokens
-from .labels import choose_scores, resolve_thresholds, site_kind
-from .scores import Tally, labelled, rule_pairs
+from .labels import choose_scores, resolve_thresholds
+from .scores import Tally, labelled, score_batch, wanted_sites
 from ..data.bootstrap import check_n_bootstrap
 from ..data.needles import check_protocol
 
@@ -265,53 +263,16 @@ def _tally(model, rows: list[dict], records, batch_size: int, weighting: str = "
     with distributed.failing_together(), torch.no_grad():
         batches = starts if mine is None else [starts[i] for i in mine]
         # counted per attention site of each batch: one batch of a large model is one long forward (tens of seconds)
-        n_sites = len(_wanted_sites(model, records))
+        n_sites = len(wanted_sites(model, records))
         bar = progress(total=len(batches) * n_sites, desc=f"heads: {len(rows)} prompts in {len(batches)} "
                        f"batch{'es' if len(batches) > 1 else ''} ({names})", unit="site")
         for start in batches:
             index = order[start:start + batch_size]
-            _score_batch(model, [rows[i] for i in index], index, records, tally, bar)
+            score_batch(model, [rows[i] for i in index], index, records, tally, bar)
         bar.close()
         if mine is not None:  # every other rank's prompts are zeros here: the sums are exact
             tally.set_tensors(distributed.all_sum(*tally.tensors()))
     return tally
-
-
-def _wanted_sites(model, records) -> list[int]:
-    return [i for i, s in enumerate(model.cfg.sites) if any(r.applies_to(site_kind(s)) for r in records)]
-
-
-def _score_batch(model, rows: list[dict], index: torch.Tensor, records, tally: Tally, bar=None) -> None:
-    """One forward over one batch; each site's scores are added as the site runs."""
-    batch = {}
-    for entry, mask_name in MASK_OF.items():
-        if entry in rows[0]:
-            left = model.cfg.causal and entry == "input_ids"  # a causal model's prompts are padded on the left
-            batch[entry], batch[mask_name] = pad_ids([row[entry] for row in rows], left=left,
-                                                     pad_id=model.pad_token_id)
-    targets = [r for r in records if r.how == "target"]
-    pairs: dict[tuple, dict] = {}
-
-    def for_site(site) -> dict:
-        key = (site.queries, site.keys, site.causal)
-        if key not in pairs:
-            ids, keys = batch[site.queries], batch[site.keys]
-            valid, key_valid = batch[MASK_OF[site.queries]].bool(), batch[MASK_OF[site.keys]].bool()
-            pairs[key] = {r.name: rule_pairs(r, ids, valid, keys, key_valid, site.causal, model.tokenizer)
-                          for r in targets if r.applies_to(site_kind(site))}
-        return pairs[key]
-
-    def visit(read) -> None:
-        bad = read.nonfinite_heads()
-        if bad is not None:
-            tally.mark_nonfinite(read.index, bad)
-        tally.add_site(read, index, for_site(read.site))
-        if bar is not None:  # detect_heads's bar counts sites (sinks.py passes none)
-            bar.update(1)
-
-    wanted = _wanted_sites(model, records)
-    each_site(model, batch, visit, wanted,
-              value_norms=output_grams(model, wanted) if tally.weighting == "norm" else None)
 
 
 def _mark_nonfinite(model, df: pd.DataFrame, nonfinite: set) -> pd.DataFrame:

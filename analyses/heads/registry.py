@@ -369,10 +369,10 @@ _OURS = (
     HeadScore("self", "the weight a token puts on itself", precedence=25, rule="analyses.heads.rules:self_target", default=True),
     HeadScore("sink", "the weight a token puts on the first token of the sequence", citation="Gu et al. 2024",
               threshold=0.3, precedence=26, rule="analyses.heads.rules:sink", default=True),
-    # a sink whose sink moves nothing (Guo et al. 2024); 0.3 is a placeholder, not yet measured (notebooks/sinks.md)
+    # a sink whose sink moves nothing (Guo et al. 2024); 0.2 chosen by the causal check (see dormant_frame, sinks.md)
     HeadScore("dormant", "the weight a token puts on the first token minus the first token's share of the head's "
               "output norm (norm-weighted attention): weight the sink takes without moving anything", "behaviour",
-              "Guo et al. 2024", 0.3, precedence=25, runner="analyses.explain.sinks:dormant_frame"),
+              "Guo et al. 2024", 0.2, precedence=25, runner="analyses.explain.sinks:dormant_frame"),
     # cross-attention heads of encoder-decoder models (decoder queries on the encoder's output)
     HeadScore("alignment", "cross-attention: the weight a target position i puts on source position i (on the copy "
               "task, the token being copied)", precedence=16, sites=("cross",), prompts="task",

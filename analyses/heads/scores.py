@@ -7,6 +7,7 @@ counted as 0). The weights come from the site's pattern (eager) or are rebuilt o
 logsumexp (flash: ``interp.attention.site_pass.SiteRead.weights``), so memory is O(number of pairs), never n x n. An
 ``how="argmax"`` score (positional heads, Voita et al. 2019) histograms the offset of each row's top-1 key from its
 query: ``{name}_offset`` is the commonest offset, ``{name}_fraction`` the share of rows whose top-1 key sits there.
+``score_batch`` runs one batch's forward and adds every site's pairs to a tally (``detect_heads``, ``sink_heads``).
 
 The rule runs row by row on each prompt's unpadded tokens (positions count from its first real token); pairs
 whose query or key is padding are dropped. The row of a causal site's first real position is left out of every
@@ -23,7 +24,10 @@ import pandas as pd
 import torch
 
 from interp.model.config import real_sites
-from interp.attention.sites import FRONT
+from interp.tokens.inputs import pad_ids
+from interp.lens.circuits import output_grams
+from interp.attention.site_pass import each_site
+from interp.attention.sites import FRONT, MASK_OF
 
 from . import registry
 from .labels import has_evidence, head_labels, label_evidence, label_heads, site_kind
@@ -31,7 +35,8 @@ from .registry import HeadScore
 from ..data.bootstrap import check_n_bootstrap, ratio_interval, resample_counts
 from ..data.stability import halves, stability
 
-__all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs"]
+__all__ = ["Pairs", "Tally", "labelled", "order_columns", "pattern_scores", "rule_pairs", "score_batch",
+           "wanted_sites"]
 
 
 @dataclass
@@ -321,3 +326,46 @@ def pattern_scores(pattern: torch.Tensor, input_ids: torch.Tensor, attention_mas
     df = tally.frame(n_bootstrap, seed)
     df.attrs.pop("nonfinite")
     return labelled(df, thresholds)
+
+
+# -- one batch's pass ----------------------------------------------------------------------------------------------
+def wanted_sites(model, records) -> list[int]:
+    """The indices of the model's sites that one of ``records`` applies to."""
+    return [i for i, s in enumerate(model.cfg.sites) if any(r.applies_to(site_kind(s)) for r in records)]
+
+
+def score_batch(model, rows: list[dict], index: torch.Tensor, records, tally, bar=None) -> None:
+    """One forward over one batch of prompts (``rows``: dicts of unpadded 1-D id tensors; ``index``: their places
+    in the tally), stopping after the last site a record applies to: each site's target-rule pairs and weights are
+    added to ``tally`` (a ``Tally``, or an object with its ``weighting``, ``mark_nonfinite`` and ``add_site``) as
+    the site runs, with the value norms of each head's output when ``tally.weighting == "norm"``. bar: a progress
+    bar advanced once per site (``detect_heads``'s)."""
+    batch = {}
+    for entry, mask_name in MASK_OF.items():
+        if entry in rows[0]:
+            left = model.cfg.causal and entry == "input_ids"  # a causal model's prompts are padded on the left
+            batch[entry], batch[mask_name] = pad_ids([row[entry] for row in rows], left=left,
+                                                     pad_id=model.pad_token_id)
+    targets = [r for r in records if r.how == "target"]
+    pairs: dict[tuple, dict] = {}
+
+    def for_site(site) -> dict:
+        key = (site.queries, site.keys, site.causal)
+        if key not in pairs:
+            ids, keys = batch[site.queries], batch[site.keys]
+            valid, key_valid = batch[MASK_OF[site.queries]].bool(), batch[MASK_OF[site.keys]].bool()
+            pairs[key] = {r.name: rule_pairs(r, ids, valid, keys, key_valid, site.causal, model.tokenizer)
+                          for r in targets if r.applies_to(site_kind(site))}
+        return pairs[key]
+
+    def visit(read) -> None:
+        bad = read.nonfinite_heads()
+        if bad is not None:
+            tally.mark_nonfinite(read.index, bad)
+        tally.add_site(read, index, for_site(read.site))
+        if bar is not None:
+            bar.update(1)
+
+    wanted = wanted_sites(model, records)
+    each_site(model, batch, visit, wanted,
+              value_norms=output_grams(model, wanted) if tally.weighting == "norm" else None)

@@ -15,7 +15,8 @@ import base64
 import numpy as np
 import torch
 
-from interp.attention.site_pass import each_site
+from interp.lens.circuits import output_grams
+from interp.attention.site_pass import WEIGHTINGS, each_site
 from interp.attention.stats import bucket_labels
 
 from ..heads import registry
@@ -29,13 +30,19 @@ _MAX_ZOOM = 256  # rows (and keys) of the exact zoom window
 
 
 def long_stats(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None,
-               scores=None) -> dict:
+               scores=None, weighting: str = "raw") -> dict:
     """The long view's data for ``layer`` and one prompt ``ids: (p,)`` (or (1, p)), on the flash path.
 
     A batch of several rows is refused (the view shows one sequence: pick one with ``ids[i:i+1]``), and so is a
     model with encoder and decoder stacks (``head_view`` shows its sites). zoom: (start, stop) query rows shown
     exactly, at most 256 (default: the last 64 rows). n_buckets: distance buckets (default: enough for the prompt's
-    length). scores: registered target-rule scores to compute on the prompt (default: every one that applies)."""
+    length). scores: registered target-rule scores to compute on the prompt (default: every one that applies).
+    weighting: ``"raw"`` or ``"norm"``: everything read on norm-weighted attention, each key's share of the head's
+    output norm (``SiteRead.norm_stats``, ``weights(..., weighting="norm")``), still O(n)."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting is one of {WEIGHTINGS} (the attention weights, or norm-weighted attention); "
+                         f"got {weighting!r}.")
+    norm = weighting == "norm"
     ids, layer, n_buckets = _checked(model, ids, layer, n_buckets)
     n = len(ids)
     start, stop = zoom if zoom is not None else (max(0, n - 64), n)
@@ -48,34 +55,36 @@ def long_stats(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_bu
     out = {}
 
     def visit(read) -> None:
-        out["stats"] = read.stats(n_buckets=n_buckets,
-                                  fields=("top_index", "top_weight", "offsets", "entropy", "sink"))
+        out["stats"] = (read.norm_stats if norm else read.stats)(
+            n_buckets=n_buckets, fields=("top_index", "top_weight", "offsets", "entropy", "sink"))
         before = read.window[0]
         lo = start if before is None else max(0, start - before)
         lo = max(0, min(lo, stop - _MAX_ZOOM))  # keys from lo: up to 256 before the window's last row
         rows, keys = torch.meshgrid(torch.arange(start, stop), torch.arange(lo, stop), indexing="ij")
-        w = read.weights(torch.zeros(rows.numel(), dtype=torch.long), rows.flatten(), keys.flatten())  # (r*k, h)
+        w = read.weights(torch.zeros(rows.numel(), dtype=torch.long), rows.flatten(), keys.flatten(),
+                         weighting)  # (r*k, h)
         out["zoom"], out["zoom_keys"] = w.T.reshape(-1, stop - start, stop - lo).cpu(), lo
         valid = read.query_valid.cpu()
         out["scores"] = {}
         for r in records:
             pairs = rule_pairs(r, batch["input_ids"], valid, batch["input_ids"], valid, site.causal, model.tokenizer)
             rows_with = int(pairs.rows.sum())
-            weight = read.weights(pairs.b, pairs.q, pairs.k).double().sum(0).cpu()
+            weight = read.weights(pairs.b, pairs.q, pairs.k, weighting).double().sum(0).cpu()
             out["scores"][r.name] = [round(float(x) / rows_with, 4) if rows_with else None for x in weight]
 
     with model.studying(), torch.no_grad():
         if model.attn != "flash":
             raise ValueError("long_view reads the flash path's logsumexp; call model.set_attn('flash') first.")
-        each_site(model, batch, visit, [layer])
+        each_site(model, batch, visit, [layer], value_norms=output_grams(model, [layer]) if norm else None)
     st = out["stats"]
     h = st.top_index.shape[1]
     bands = torch.linspace(0, n, _BANDS + 1).long()
     band_hist = torch.stack([st.offsets[0, :, a:b].mean(1) if b > a else torch.zeros(h, n_buckets)
                              for a, b in zip(bands[:-1], bands[1:])], 1)  # (h, bands, buckets)
     return {
-        "layer": layer, "n": n, "n_heads": h, "title": f"layer {layer}, {n} tokens: top-1 key per row, weight by "
-                                                        f"distance, exact zoom on rows {start}-{stop - 1}",
+        "layer": layer, "n": n, "n_heads": h, "weighting": weighting,
+        "title": f"layer {layer}, {n} tokens{', norm-weighted attention' if norm else ''}: top-1 key per row, "
+                 f"weight by distance, exact zoom on rows {start}-{stop - 1}",
         "top": [_b64(st.top_index[0, i].clamp(min=0).numpy().astype("<u4")) for i in range(h)],
         "weight": [_b64((st.top_weight[0, i] * 255).round().clamp(0, 255).numpy().astype("u1")) for i in range(h)],
         "buckets": bucket_labels(n_buckets),

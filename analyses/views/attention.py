@@ -41,7 +41,8 @@ LINES_UP_TO = 128  # tokens; longer views open on the heatmap display (lines nee
 
 # -- public functions ------------------------------------------------------------------------------------
 def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: tuple[int, int] | None = None,
-              batch: int = 0, display: str | None = None, title: str | None = None) -> HeadView:
+              batch: int = 0, display: str | None = None, title: str | None = None,
+              weighting: str = "raw") -> HeadView:
     """bertviz's head view: query tokens on the left, key tokens on the right, a line per weight.
 
     source: a ``HookedModel`` with ``text_or_tokens`` (a text, token ids ``(p,)`` or ``(b, p)``, or
@@ -54,6 +55,9 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
       query also shows how much of its weight falls outside the window.
     batch: the sequence of a batch to show; padding is dropped. display: ``"lines"`` or ``"matrix"`` (one
       heatmap per head); default lines up to 128 tokens.
+    weighting: ``"raw"`` (the attention weights) or ``"norm"``: norm-weighted attention, each row's share of the
+      head's output norm that comes from each key, ``||w_ij v_j W_O|| / sum_k ||w_ik v_k W_O||`` (Kobayashi et al.
+      2020; a sink whose value is near zero shows as nothing); needs the model as source. The page says which.
 
     Encoder-decoder models (T5, BART, ...) show one attention *site* at a time, as others show one layer:
       source: the model with ``text_or_tokens`` one of
@@ -77,7 +81,7 @@ def head_view(source, text_or_tokens=None, layers=None, heads=None, *, window: t
     if display not in (None, "lines", "matrix"):
         raise ValueError(f"display is 'lines' or 'matrix'; got {display!r}.")
     layers, heads = site_indices(places_of(source), layers, heads)
-    run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads))
+    run = _Run.of(source, text_or_tokens, batch, _needed_layers(layers, heads), weighting)
     chosen = _choose(run, layers, heads)
     data = _embed(run, chosen, window, "head view")
     sequences = [data[side] for side in SIDES.values()] if "sites" in data else [data]
@@ -207,7 +211,7 @@ def _embed(run: _Run, chosen: dict[int, list[int]], window, what: str) -> dict:
     else:  # one flag for every head
         packed = [not any(np.triu(w, 1).any() for w in shown)] * len(shown)
     flat = [_lower(w) if p else w.reshape(-1) for w, p in zip(shown, packed)]
-    data = {"layers": list(chosen), "heads": list(chosen.values()), "scale": SCALE,
+    data = {"layers": list(chosen), "heads": list(chosen.values()), "scale": SCALE, "weighting": run.weighting,
             "weights": _b64(np.concatenate(flat)),
             "outside": _b64(np.concatenate([o.reshape(-1) for o in outside])) if outside else None}
     if run.multi:

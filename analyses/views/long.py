@@ -30,9 +30,11 @@ class LongView:
         payload = json.dumps(self.data, separators=(",", ":")).replace("</", "<\\/")
         heads = "".join(f'<button data-role="head" data-head="{h}">head {h}</button>'
                         for h in range(self.data["n_heads"]))
+        weighting = html.escape(self.data.get("weighting", "raw"))
         return (f'<!doctype html><html><head><meta charset="utf-8"><title>layer {self.data["layer"]}: '
                 f'{self.data["n"]} tokens</title><style>{_CSS}</style></head><body>'
-                f'<div class="interp-long" data-view="long"><h3>{html.escape(self.data["title"])}</h3>'
+                f'<div class="interp-long" data-view="long" data-weighting="{weighting}">'
+                f'<h3>{html.escape(self.data["title"])}</h3>'
                 f'<div class="heads">{heads}</div><div class="row"><canvas data-role="top1" width="480" height="480">'
                 f'</canvas><canvas data-role="offsets" width="480" height="480"></canvas>'
                 f'<canvas data-role="zoom" width="480" height="480"></canvas></div><div class="row caption">'
@@ -55,13 +57,16 @@ class LongView:
 
 
 def long_view(model, ids, layer: int, zoom: tuple[int, int] | None = None, n_buckets: int | None = None,
-              scores=None) -> LongView:
+              scores=None, weighting: str = "raw") -> LongView:
     """The long-sequence view of ``layer`` for one prompt ``ids: (p,)`` (or (1, p)) on the flash path: the page of
     ``analyses.long.long_context.long_stats`` (arguments there), with each registered head score of the layer's heads
-    on this prompt (ours and a user's, ``scores``: names, default every target-rule score that applies)."""
+    on this prompt (ours and a user's, ``scores``: names, default every target-rule score that applies).
+    weighting: ``"norm"`` shows norm-weighted attention (each key's share of the head's output norm) throughout; the
+    page's title says so."""
     from ..long.long_context import long_stats
 
-    return LongView(long_stats(model, ids, layer, zoom=zoom, n_buckets=n_buckets, scores=scores))
+    return LongView(long_stats(model, ids, layer, zoom=zoom, n_buckets=n_buckets, scores=scores,
+                               weighting=weighting))
 
 
 _CSS = """body{font:13px sans-serif;margin:12px}.row{display:flex;gap:8px;flex-wrap:wrap}

@@ -38,6 +38,7 @@ from .plots import attention_heatmap  # noqa: E402
 from .report_page import page  # noqa: E402
 from .report_parts import _Figures, _formats  # noqa: E402
 from ..atlas.class_ablation import class_ablation  # noqa: E402
+from .report_sinks import sinks_apply, sinks_section  # noqa: E402
 from .report_story import findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
@@ -159,6 +160,11 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     timed("classes")
     by_class = class_ablation(model, heads, seed=seed)
 
+    sinks = None
+    if sinks_apply(model):
+        timed("sinks")
+        sinks = sinks_section(model, seed)
+
     timed("pruning")
     threshold = 0.95 if metric.name == "embedding_similarity" else None
     curves = _pruning(model, inputs, metric, figures, out, n_heads, threshold)
@@ -199,6 +205,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
         "pruning_step": pruning_step(n_heads),
         "circuits": circuits,
         "class_ablation": by_class,
+        **({"sinks": sinks} if sinks else {}),
         "skipped": {k: v for k, v in (("circuits", circuits_note),
                                       ("class_ablation", None if by_class else _NOT_CAUSAL)) if v},
         "higher_is_better": metric.higher_is_better,

@@ -14,6 +14,7 @@ from interp.attention.sites import one_site_per_layer
 
 from ..atlas.class_ablation import PROPERTY as _PROPERTY, own_task
 from ..heads.labels import LABEL_ORDER
+from .report_sinks import sinks_finding
 from .report_streaming import streaming_finding
 
 __all__ = ["findings", "head_name", "model_name", "model_size", "site_lines"]
@@ -131,7 +132,8 @@ def findings(summary: dict, heads) -> list[str]:
         lines.append(f"{n_sinks} of {len(heads)} heads are attention sinks (they park most weight on the first "
                      f"token): a property shown beside the classes, not a class of its own. For {primary} of them it "
                      f"is the primary label (the label counts' \"sink {primary}\"); the other {n_sinks - primary} "
-                     "are first of all another class (an induction head can be a sink too).")
+                     "are first of all another class (an induction head can be a sink too)." +
+                     sinks_finding(summary.get("sinks")))
     # The single-head ablation scan is not a finding: one run on the study prompts (few and short on a large
     # model), no interval; the "ablation" section shows it as a scan.
     circuits = summary.get("circuits")

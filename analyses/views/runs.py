@@ -4,7 +4,9 @@ A site's queries and keys come from a batch entry (``site.queries``, ``site.keys
 ``decoder_input_ids`` of a model with a decoder stack fed separately). A decoder-only or encoder model has one entry
 and one site per layer, so its selector offers layers (``blocks.3.attn`` is layer 3); an encoder-decoder model has
 two entries, the page's source and target, and its selector offers every site ("encoder 0 self", "decoder 0 cross").
-A run keeps one sequence of each entry, with its padding dropped.
+A run keeps one sequence of each entry, with its padding dropped. A run made with ``weighting="norm"`` gives
+norm-weighted attention instead of the pattern (``interp.attention.site_pass.norm_weighted``: each key's weight times
+its ``||v_j W_O||``, rows renormalised), from the values it captured and the model's ``W_O``.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class _Run:
     available: list[int]  # sites whose patterns the cache can give
     name: str
     model: object = None
+    weighting: str = "raw"  # "norm": patterns are norm-weighted (the model's run captured v)
 
     @property
     def multi(self) -> bool:
@@ -116,19 +119,26 @@ class _Run:
         return [p.n_heads for p in self.places]
 
     @classmethod
-    def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None) -> _Run:
+    def of(cls, source, text_or_tokens, batch: int, layers: list[int] | None, weighting: str = "raw") -> _Run:
         from hooks import ActivationCache
         from interp import HookedModel
+        from interp.attention.site_pass import WEIGHTINGS
 
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting is one of {WEIGHTINGS} (the attention weights, or norm-weighted attention); "
+                             f"got {weighting!r}.")
         if isinstance(source, HookedModel):
-            return cls._from_model(source, text_or_tokens, batch, layers)
+            return cls._from_model(source, text_or_tokens, batch, layers, weighting)
         if isinstance(source, ActivationCache):
+            if weighting != "raw":
+                raise ValueError("weighting='norm' reads each head's W_O, which a cache does not hold: pass the model "
+                                 "and the text or tokens instead of the cache.")
             return cls._from_cache(source, text_or_tokens, batch)
         raise TypeError(f"A view reads a HookedModel with text or tokens, or an ActivationCache from "
                         f"run_with_cache; got {type(source).__name__}.")
 
     @classmethod
-    def _from_model(cls, model, inputs, batch: int, layers: list[int] | None) -> _Run:
+    def _from_model(cls, model, inputs, batch: int, layers: list[int] | None, weighting: str = "raw") -> _Run:
         places = places_of(model)
         entries = _entries(places)
         feed = _model_batch(model, inputs, entries)
@@ -145,12 +155,14 @@ class _Run:
         bad = [l for l in layers if not 0 <= l < len(places)]
         if bad:
             raise IndexError(f"{unit} {bad[0]} is out of range: this model has {unit}s 0..{len(places) - 1}.")
-        names = [hook_name(kind, places[l].name) for l in layers for kind in ("q", "k")]
+        kinds = ("q", "k", "v") if weighting == "norm" else ("q", "k")
+        names = [hook_name(kind, places[l].name) for l in layers for kind in kinds]
         first, *rest = entries
         with model.studying(), torch.no_grad():
             _, cache = model.run_with_cache(rows[first][None], None, names=names, **{e: rows[e][None] for e in rest})
+        name = f"{type(model.hf).__name__} ({model.attn} path{', norm-weighted' if weighting == 'norm' else ''})"
         return cls(cache, 0, dict.fromkeys(entries), {e: model_tokens(model, r) for e, r in rows.items()}, places,
-                   list(layers), f"{type(model.hf).__name__} ({model.attn} path)", model)
+                   list(layers), name, model, weighting)
 
     @classmethod
     def _from_cache(cls, cache, tokens, batch: int) -> _Run:
@@ -187,6 +199,13 @@ class _Run:
         """(h, q, k) float32 on the CPU, padding dropped on both sides."""
         place = self.places[index]
         p = self.cache.pattern(index, heads)[self.batch].float().cpu()
+        if self.weighting == "norm":  # a model's run: one sequence, no padding
+            from interp.attention.site_pass import key_output_norms, norm_weighted
+            from interp.lens.circuits import output_grams
+
+            v = self.cache[hook_name("v", place.name)][self.batch][None]  # (1, k, g, e)
+            norms = key_output_norms(v, output_grams(self.model, [index])[index])[0, heads].cpu()  # (h, k)
+            p = norm_weighted(p, norms)
         if self.keep[place.queries] is not None:
             p = p[:, self.keep[place.queries]]
         return p if self.keep[place.keys] is None else p[:, :, self.keep[place.keys]]

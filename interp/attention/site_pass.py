@@ -31,7 +31,7 @@ from hooks.names import hook_name
 from .sites import Site
 from .stats import attention_stats, pair_weights
 
-__all__ = ["SiteRead", "each_site", "key_output_norms", "WEIGHTINGS"]
+__all__ = ["SiteRead", "each_site", "key_output_norms", "norm_weighted", "WEIGHTINGS"]
 
 WEIGHTINGS = ("raw", "norm")  # attention weights as the softmax gives them, or norm-weighted (value_norms)
 
@@ -153,6 +153,23 @@ class SiteRead:
                                softcap=self.site.softcap, sinks=self.sinks, bias=self.bias, query_offset=self.offset,
                                **kwargs)
 
+    def norm_stats(self, **kwargs):
+        """``stats`` of the norm-weighted attention (``read.value_norms`` needed): ``w_ij n_j / sum_k w_ik n_k`` is
+        the softmax of the scores plus ``log n_j``, so every statistic of the tiled pass (top-1 key, sink, distance
+        buckets, entropy) is read on it with that per-key bias, O(n) memory (its logsumexp recomputed; a sink logit
+        moves nothing, so it takes no share)."""
+        if self.q is None or self.value_norms is None:
+            raise ValueError("SiteRead.norm_stats reads the flash path's q and k and each key's ||v W_O|| "
+                             "(each_site(..., value_norms=...)).")
+        norms = self.value_norms.float().to(self.q.device)  # (b, h, k)
+        log_norms = torch.where(norms > 0, norms.clamp(min=1e-30).log(), float("-inf"))
+        bias = log_norms[:, :, None, :].expand(-1, -1, self.q.shape[1], -1)  # a view: (b, h, q, k), no n x n memory
+        if self.bias is not None:
+            bias = bias + self.bias
+        return attention_stats(self.q.transpose(1, 2), self.k.transpose(1, 2), self.site.scale, None,
+                               causal=self.site.causal, window=self.window, key_valid=self.key_valid,
+                               softcap=self.site.softcap, bias=bias, query_offset=self.offset, **kwargs)
+
     def _inside(self, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor:
         before, after = self.window
         qi = qi + self.offset
@@ -175,6 +192,14 @@ def key_output_norms(v: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     v = v.double().repeat_interleave(n_heads // n_kv, dim=2)  # (b, k, h, e)
     squared = torch.einsum("bkhe,hef,bkhf->bhk", v, gram.to(v.device), v)
     return squared.clamp(min=0).sqrt().float()
+
+
+def norm_weighted(pattern: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Norm-weighted attention from a pattern ``(..., h, q, k)`` and each key's ``||v_j W_O^h||`` ``(..., h, k)``:
+    ``w_ij n_j / sum_k w_ik n_k`` (Kobayashi et al. 2020), 0 in a row whose keys all move nothing."""
+    moved = pattern.float() * norms.float()[..., None, :]
+    total = moved.sum(-1, keepdim=True)
+    return torch.where(total > 0, moved / total.clamp(min=1e-30), 0.0)
 
 
 def each_site(model, batch: dict, visit: Callable[[SiteRead], None], sites: Iterable[int] | None = None,

@@ -297,6 +297,11 @@
     displaySel.addEventListener("change", () => { display = displaySel.value; hover = null; build(); describe(); });
 
     const span = d.window ? `positions ${d.window[0]}..${d.window[1] - 1} of ${d.length}; ` : "";
+    if (d.weighting === "norm") {  // the weights are each key's share of the head's output norm, not the softmax
+      root.dataset.weighting = "norm";
+      note.append(el("b", { "data-role": "weighting" }, "norm-weighted attention"),
+        " (each key's share of the head's output norm, ||w v W_O|| / Σ ||w v W_O||); ");
+    }
     note.append(`${span}line opacity = weight; squares beside tokens: one per head, opacity = weight, the exact ` +
       "weight (4 decimals) on hover; heatmaps: ", legend("colour = \u221Aweight", "iv-viridis"));
     build(); describe();
