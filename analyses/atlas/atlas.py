@@ -24,7 +24,7 @@ import torch
 from interp.runtime.files import atomic_write
 from interp.attention.sites import FRONT
 
-from ..data.provenance import model_record, versions
+from ..data.provenance import identity_changes, model_record, versions
 from ..heads import registry
 from .class_ablation import class_ablation
 from ..heads.detect import detect_heads
@@ -283,10 +283,6 @@ def _whole(x) -> bool:
 
 
 # -- comparing -------------------------------------------------------------------------------------------------
-_IDENTITY = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("versions", "interp"),
-             ("versions", "transformers"), ("versions", "torch"), ("versions", "attn"))
-
-
 def diff_atlas(a: dict, b: dict) -> dict:
     """What changed from atlas ``a`` (the reference) to ``b``: ``changed``, one entry per head whose primary label or
     classes differ, or one of whose values in ``b`` lies outside ``a``'s 95% interval (or a value without interval
@@ -294,11 +290,7 @@ def diff_atlas(a: dict, b: dict) -> dict:
     heads, and values of a head, that only ``b`` has; ``notes``: what differs in the inputs (digests, versions,
     settings, prompts) and scores only ``b`` has. Nothing in ``changed``, ``missing`` and ``added``: the atlases
     agree."""
-    changed, missing, added, notes = [], [], [], []
-    for section, key in _IDENTITY:
-        x, y = a.get(section, {}).get(key), b.get(section, {}).get(key)
-        if x != y:
-            notes.append(f"{section} {key}: {x} -> {y}")
+    changed, missing, added, notes = [], [], [], identity_changes(a, b)
     for key in sorted(set(a.get("settings", {})) | set(b.get("settings", {}))):
         if a.get("settings", {}).get(key) != b.get("settings", {}).get(key):
             notes.append(f"setting {key}: {a['settings'].get(key)} -> {b['settings'].get(key)}")

@@ -1,5 +1,7 @@
 """`interp circuit`: edge attribution (EAP or EAP-IG) of a task, the circuit of the top edges and its faithfulness
-curve by exact edge patching, written to a folder: edges.csv, faithfulness.csv, faithfulness.png."""
+curve by exact edge patching, written to a folder: edges.csv, faithfulness.csv, faithfulness.png, the saved circuit
+(circuit.json), its view (circuit.html) and figure (circuit.png). `interp circuit diff A.json B.json`: the edges
+added, removed or rescored from A to B (exit 1 when any, 0 when none)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ TASKS = ("ioi", "induction", "greater-than")
 
 def add_parser(sub) -> None:
     """`interp circuit`: its options."""
-    p = sub.add_parser("circuit", help="edge attribution (EAP, EAP-IG), a circuit of heads and its faithfulness")
+    p = sub.add_parser("circuit", help="edge attribution (EAP, EAP-IG), a circuit of heads and its faithfulness; "
+                       "`circuit diff A.json B.json` compares two saved circuits")
+    p.add_argument("diff", nargs="*", metavar="diff A.json B.json", help="compare two saved circuits instead")
     _model_options(p)
     p.add_argument("--task", choices=TASKS, default="ioi")
     p.add_argument("--method", choices=["eap", "eap-ig"], default="eap-ig")
@@ -20,7 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("--edges", type=_positive_int, default=200, help="the circuit's size: the top edges by |score|")
     p.add_argument("--n-prompts", type=_positive_int, default=16, help="prompts of the task")
     p.add_argument("--random", type=int, default=5, help="random circuits per size on the faithfulness curve")
-    p.add_argument("--out", required=True, help="folder for edges.csv, faithfulness.csv and faithfulness.png")
+    p.add_argument("--out", default=None, help="folder for edges.csv, faithfulness.csv, faithfulness.png, "
+                   "circuit.json, circuit.html and circuit.png")
+    p.add_argument("--atlas", type=Path, default=None, help="a head atlas of the model (interp atlas's JSON): each "
+                   "head's labels on hover in circuit.html")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     p.set_defaults(func=cmd_circuit)
 
@@ -37,15 +44,24 @@ def _task(model, name: str, n: int, seed: int):
 
 
 def cmd_circuit(args) -> int:
+    if args.diff:
+        from .circuit_diff import cmd_diff
+
+        return cmd_diff(args.diff)
     from ..circuits.attribution import edge_attribution
     from ..circuits.evaluation import faithfulness, select_circuit
     from ..views.circuit_plots import faithfulness_plot
+    from ..atlas.atlas import load_atlas
+    from ..views.circuit_figure import write_circuit
     from ..views.plots import save_figure
 
     if args.random < 0:
         raise UserError(f"--random must be 0 or more; got {args.random}")
+    if args.out is None:
+        raise UserError("--out is needed: the folder the circuit's files go to (e.g. --out circuit)")
     out = Path(args.out)
     _check_out(out, args.force)
+    atlas = None if args.atlas is None else load_atlas(args.atlas)
     with _Progress(["load", "task", args.method, "faithfulness", "write"], lines="circuit") as progress:
         progress("load")
         model = _load(args)
@@ -65,6 +81,7 @@ def cmd_circuit(args) -> int:
         curve.to_csv(out / "faithfulness.csv", index=False)
         ax = faithfulness_plot(curve, title=f"{args.task}, {args.method}: {df.attrs['metric']}")
         save_figure(ax.figure, out / "faithfulness.png", overwrite=True)
+        write_circuit(model, df, clean, corrupted, curve, out, task=args.task, source=str(args.model), atlas=atlas)
     last = curve.iloc[-1]
     a = curve.attrs
     print(f"{args.task} ({args.n_prompts} prompts), {args.method}: {df.attrs['metric']} clean {a['clean']:.4f}, "
@@ -76,5 +93,6 @@ def cmd_circuit(args) -> int:
     heads = sorted({u for u in chosen["upstream"] if ":" in u} | {d.rsplit(".", 1)[0] for d in chosen["downstream"]
                                                                   if ":" in d})
     print(f"heads in the circuit ({len(heads)}): {', '.join(heads[:30])}{' ...' if len(heads) > 30 else ''}")
-    print(f"wrote {out / 'edges.csv'}, {out / 'faithfulness.csv'}, {out / 'faithfulness.png'}")
+    print(f"wrote {out / 'edges.csv'}, {out / 'faithfulness.csv'}, {out / 'faithfulness.png'}, {out / 'circuit.json'}, "
+          f"{out / 'circuit.html'}, {out / 'circuit.png'}")
     return 0

@@ -14,7 +14,11 @@ import torch
 
 from .batches import unpadded_rows
 
-__all__ = ["batch_digest", "model_record", "prompts_digest", "tokenizer_digest", "versions", "weights_digest"]
+__all__ = ["IDENTITY", "batch_digest", "identity_changes", "model_record", "prompts_digest", "tokenizer_digest", "versions", "weights_digest"]
+
+
+IDENTITY = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("versions", "interp"),
+            ("versions", "transformers"), ("versions", "torch"), ("versions", "attn"))  # what makes two results comparable
 
 
 def weights_digest(model) -> str:
@@ -75,3 +79,14 @@ def prompts_digest(rows: list[dict]) -> str:
 def batch_digest(batch: dict) -> str:
     """``prompts_digest`` of a padded batch (``input_ids`` with its ``attention_mask``): its padding does not count."""
     return prompts_digest(unpadded_rows(batch))
+
+
+def identity_changes(a: dict, b: dict) -> list[str]:
+    """What differs between two results' ``model`` and ``versions`` records (``IDENTITY``), one line each:
+    ``"model weights_sha256: x -> y"``."""
+    notes = []
+    for section, key in IDENTITY:
+        x, y = (r.get(section, {}).get(key) for r in (a, b))
+        if x != y:
+            notes.append(f"{section} {key}: {x} -> {y}")
+    return notes
