@@ -176,7 +176,8 @@ def load_circuit(path: str | Path, model=None) -> Circuit:
     try:
         body = json.loads(text)
     except json.JSONDecodeError as err:
-        where = ("it ends early: truncated" if err.pos >= len(text.rstrip()) - 1 else f"{err.msg} at line {err.lineno}")
+        cut = text.lstrip().startswith("{") and not text.rstrip().endswith("}")  # Circuit.save's last line is "}"
+        where = "it ends early: truncated" if cut else f"{err.msg} at line {err.lineno}"
         raise ValueError(f"{str(path)!r} is not a whole circuit JSON ({len(text)} bytes; {where}); expected a file "
                          f"written by Circuit.save: {_AGAIN}.") from None
     if not isinstance(body, dict) or body.get("written_by") != WRITTEN_BY or "edges" not in body:
