@@ -166,17 +166,11 @@ def test_interp_circuit_diff_prints_a_table_and_refuses_bad_input_in_one_line(tm
     assert "1 rescored" in err
     (tmp_path / "cut.json").write_text(a.read_text()[:500])
 
-    def one_line(argv, expected):
-        try:
-            code = main(argv)
-        except SystemExit as exit:
-            code = exit.code
-        assert code == 2
-        text = capsys.readouterr().err.strip()
-        assert len(text.splitlines()) == 1 and expected in text, text
-
-    one_line(["circuit", "diff", str(a), str(tmp_path / "cut.json")], "truncated")
-    one_line(["circuit", "diff", str(a), str(tmp_path / "missing.json")], "is not a file")
-    one_line(["circuit", "diff", str(a)], "diff A.json B.json")
-    one_line(["circuit", "compare", str(a), str(b)], "diff A.json B.json")
-    one_line(["circuit", "--task", "induction"], "--out is needed")
+    cases = [(["diff", str(a), str(tmp_path / "cut.json")], "truncated"),
+             (["diff", str(a), str(tmp_path / "missing.json")], "is not a file"),
+             (["diff", str(a)], "diff A.json B.json"), (["compare", str(a), str(b)], "diff A.json B.json"),
+             (["--task", "induction"], "--out is needed")]
+    for argv, expected in cases:
+        assert main(["circuit", *argv]) == 2, argv
+        text = capsys.readouterr().err.strip()  # one line, no traceback
+        assert len(text.splitlines()) == 1 and expected in text and text.startswith("interp circuit: error:"), text
