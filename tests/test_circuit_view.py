@@ -208,3 +208,31 @@ def test_interp_circuit_writes_the_view_figure_and_json_on_the_toy_model(browser
     assert max(abs(w - pattern[q, k]) for q, k, w in shown) <= 0.5 / 255 + 5e-4  # 8 bits, shown to 3 decimals
     page.check_clean()
     page.close()
+
+
+def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_does_not_apply(tmp_path):
+    """The report's part (analyses.views.report_circuit): the toy's induction circuit of 40 edges beats its random
+    circuits, its two figures are added, the finding says so in one sentence; a BERT gets the graph's one-line
+    note."""
+    from analyses.data.tasks import induction_task
+    from analyses.views.report_circuit import edge_circuit, edge_circuit_finding, edge_circuit_html
+    from analyses.views.report_parts import _Figures
+    from tests.tiny import tiny_model
+
+    toy = interp.load_model("toy-induction")
+    clean, corrupted, metric = induction_task(toy, n=8, length=12, seed=0)
+    figures = _Figures(tmp_path / "figures")
+    task = {"clean": clean, "corrupted": corrupted, "metric": metric, "name": "the <b>induction</b> task"}
+    c = edge_circuit(toy, task, figures)
+    assert set(figures.items) == {"edge_circuit", "edge_faithfulness"} and c["total"] == 110
+    assert [r["size"] for r in c["curve"]] == [10, 20, 40] and c["size"] == 40
+    assert c["lo"] > c["random_max"] and c["faithfulness"] > 0.5
+    finding = edge_circuit_finding(c, task["name"])
+    assert "<b>" not in finding and "&lt;b&gt;induction" in finding and "not separated" not in finding
+    assert f"{c['faithfulness'] * 100:.0f}%" in finding and "random circuits of that size" in finding
+    page = edge_circuit_html(c, figures, task["name"])
+    assert page.count("<img") == 2 and "&lt;b&gt;" in page
+    bert = interp.load_model(tiny_model("bert"))
+    skipped = edge_circuit(bert, task, figures)
+    assert "pre-norm" in skipped["skipped"] and edge_circuit_finding(skipped, "x") is None
+    assert "Not run: Edge circuits need pre-norm" in edge_circuit_html(skipped, figures, "x")
