@@ -210,10 +210,10 @@ def test_interp_circuit_writes_the_view_figure_and_json_on_the_toy_model(browser
     page.close()
 
 
-def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_does_not_apply(tmp_path):
+def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_does_not_apply(tmp_path, monkeypatch):
     """The report's part (analyses.views.report_circuit): the toy's induction circuit of 40 edges beats its random
     circuits, its two figures are added, the finding says so in one sentence; a BERT gets the graph's one-line
-    note."""
+    note, and a graph over the report's size (SmolLM2's) a note that says what to run instead."""
     from analyses.data.tasks import induction_task
     from analyses.views.report_circuit import edge_circuit, edge_circuit_finding, edge_circuit_html
     from analyses.views.report_parts import _Figures
@@ -236,3 +236,8 @@ def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_
     skipped = edge_circuit(bert, task, figures)
     assert "pre-norm" in skipped["skipped"] and edge_circuit_finding(skipped, "x") is None
     assert "Not run: Edge circuits need pre-norm" in edge_circuit_html(skipped, figures, "x")
+    import analyses.views.report_circuit as part
+
+    monkeypatch.setattr(part, "MAX_GRAPH", 100)
+    big = edge_circuit(toy, task, figures)["skipped"]
+    assert big.startswith("this model's graph has 110 edges") and "interp circuit --task induction" in big
