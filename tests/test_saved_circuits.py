@@ -169,7 +169,8 @@ def test_interp_circuit_diff_prints_a_table_and_refuses_bad_input_in_one_line(tm
     cases = [(["diff", str(a), str(tmp_path / "cut.json")], "truncated"),
              (["diff", str(a), str(tmp_path / "missing.json")], "is not a file"),
              (["diff", str(a)], "diff A.json B.json"), (["compare", str(a), str(b)], "diff A.json B.json"),
-             (["--task", "induction"], "--out is needed")]
+             (["--task", "induction"], "--out is needed"),
+             (["--task", "induction", "--out", str(tmp_path / "o"), "--atlas", str(a)], "is not an atlas")]
     for argv, expected in cases:
         assert main(["circuit", *argv]) == 2, argv
         text = capsys.readouterr().err.strip()  # one line, no traceback
