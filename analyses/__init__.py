@@ -12,6 +12,7 @@ _VIEWS = {
     "dla_bars": "study_plots", "streaming_curve_plot": "study_plots",
     "write_report": "report", "long_view": "long", "LongView": "long", "qk_attribution_plot": "qk_view",
     "atlas_page": "atlas", "write_atlas_pages": "atlas", "faithfulness_plot": "circuit_plots",
+    "circuit_view": "circuit_view", "CircuitView": "circuit_view", "circuit_figure": "circuit_figure",
 }
 
 _LAZY = {
@@ -59,6 +60,7 @@ _LAZY = {
     **dict.fromkeys(["circuit_areas", "faithfulness", "refine_circuit", "select_circuit"], "circuits.evaluation"),
     "greater_than_task": "circuits.tasks",
     "needle_task": "circuits.tasks",
+    **dict.fromkeys(["Circuit", "circuit_of", "diff_circuits", "load_circuit"], "circuits.saved"),  # with provenance
     # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -13,7 +13,8 @@ import torch
 
 import interp
 from analyses.heads import registry
-from analyses.atlas.atlas import SCHEMA, build_atlas, diff_atlas, load_atlas, save_atlas, weights_digest
+from analyses.atlas.atlas import SCHEMA, build_atlas, diff_atlas, load_atlas, save_atlas
+from analyses.data.provenance import weights_digest
 from analyses.cli import main
 from analyses.views.atlas import atlas_page, write_atlas_pages
 from tests.tiny import tiny_model
@@ -161,7 +162,7 @@ def test_the_committed_minilm_atlas_is_found_again():
     tokenizer, the same prompts (their digest), and a fresh previous-token score of every head inside the committed
     95% interval, its label unchanged."""
     from analyses import detect_heads
-    from analyses.atlas.atlas import tokenizer_digest
+    from analyses.data.provenance import tokenizer_digest
 
     committed = load_atlas(COMMITTED / "minilm.json")
     model = interp.load_model("minilm", attn=committed["versions"]["attn"], device="cpu")

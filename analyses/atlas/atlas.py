@@ -13,10 +13,8 @@ CPU), which run when named. The atlas records which scores ran and, for the othe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
@@ -26,14 +24,14 @@ import torch
 from interp.runtime.files import atomic_write
 from interp.attention.sites import FRONT
 
+from ..data.provenance import identity_changes, model_record, versions
 from ..heads import registry
 from .class_ablation import class_ablation
 from ..heads.detect import detect_heads
 from ..heads.labels import choose_scores, resolve_thresholds
 from ..heads.scores import labelled
 
-__all__ = ["SCHEMA", "WRITTEN_BY", "atlas_scores", "build_atlas", "diff_atlas", "load_atlas", "save_atlas",
-           "tokenizer_digest", "weights_digest"]
+__all__ = ["SCHEMA", "WRITTEN_BY", "atlas_scores", "build_atlas", "diff_atlas", "load_atlas", "save_atlas"]
 
 SCHEMA = 1  # the JSON's layout; load_atlas refuses another
 WRITTEN_BY = "interp atlas"  # the mark of a file we wrote: --force replaces only files that carry it
@@ -41,39 +39,6 @@ _ON_REQUEST = ("runs its own task prompts through the model (IOI or ICL tasks; m
                "by default, name it in scores to run it")
 
 
-# -- what identifies the inputs --------------------------------------------------------------------------------
-def weights_digest(model) -> str:
-    """sha256 over the model's state dict in name order: each tensor's name, dtype, shape and bytes. The weights as
-    loaded (a de-quantized GGUF's fp32 tensors), so the digest also changes when the conversion does."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.hf.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def tokenizer_digest(model) -> str | None:
-    """sha256 of the tokenizer's serialisation (a fast tokenizer's tokenizer.json text; else its vocabulary sorted),
-    None without a tokenizer."""
-    tok = model.tokenizer
-    if tok is None:
-        return None
-    backend = getattr(tok, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tok.get_vocab().items()))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _versions(model) -> dict:
-    import transformers
-
-    import interp
-
-    return {"interp": interp.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "attn": model.attn}
-
-
-# -- which scores ----------------------------------------------------------------------------------------------
 def atlas_scores(model, scores=None) -> tuple[list, dict[str, str]]:
     """The registry records the atlas runs on ``model`` and ``{name: why not}`` for every other registered score.
     scores: names to run (refused as ``detect_heads`` refuses them), or None: every score that applies to one of
@@ -174,8 +139,8 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
     causal = class_ablation(model, table, seed=seed, draws=draws)
     atlas = {
         "schema": SCHEMA, "written_by": WRITTEN_BY, "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": _model_record(model, source),
-        "versions": _versions(model),
+        "model": model_record(model, source),
+        "versions": versions(model),
         "settings": {"seed": seed, "n_prompts": n_prompts, "seq_len": seq_len, "context": context,
                      "n_bootstrap": n_bootstrap, "draws": draws, "dtype": str(next(model.hf.parameters()).dtype),
                      "device": str(model.device)},
@@ -189,15 +154,6 @@ def build_atlas(model, scores=None, n_prompts: int = 64, seq_len: int = 64, cont
                  "threads": torch.get_num_threads()},
     }
     return atlas
-
-
-def _model_record(model, source: str | None) -> dict:
-    c = model.cfg
-    name = getattr(model, "source_name", None) or Path(getattr(model.hf.config, "name_or_path", "") or "").name
-    return {"name": name or type(model.hf).__name__, "source": source, "class": type(model.hf).__name__,
-            "parameters": sum(p.numel() for p in model.hf.parameters()),
-            "sites": len(c.sites), "heads": sum(s.n_heads for s in c.sites),
-            "weights_sha256": weights_digest(model), "tokenizer_sha256": tokenizer_digest(model)}
 
 
 def _score_record(name: str, attrs: dict, limits: dict) -> dict:
@@ -327,10 +283,6 @@ def _whole(x) -> bool:
 
 
 # -- comparing -------------------------------------------------------------------------------------------------
-_IDENTITY = (("model", "weights_sha256"), ("model", "tokenizer_sha256"), ("versions", "interp"),
-             ("versions", "transformers"), ("versions", "torch"), ("versions", "attn"))
-
-
 def diff_atlas(a: dict, b: dict) -> dict:
     """What changed from atlas ``a`` (the reference) to ``b``: ``changed``, one entry per head whose primary label or
     classes differ, or one of whose values in ``b`` lies outside ``a``'s 95% interval (or a value without interval
@@ -338,11 +290,7 @@ def diff_atlas(a: dict, b: dict) -> dict:
     heads, and values of a head, that only ``b`` has; ``notes``: what differs in the inputs (digests, versions,
     settings, prompts) and scores only ``b`` has. Nothing in ``changed``, ``missing`` and ``added``: the atlases
     agree."""
-    changed, missing, added, notes = [], [], [], []
-    for section, key in _IDENTITY:
-        x, y = a.get(section, {}).get(key), b.get(section, {}).get(key)
-        if x != y:
-            notes.append(f"{section} {key}: {x} -> {y}")
+    changed, missing, added, notes = [], [], [], identity_changes(a, b)
     for key in sorted(set(a.get("settings", {})) | set(b.get("settings", {}))):
         if a.get("settings", {}).get(key) != b.get("settings", {}).get(key):
             notes.append(f"setting {key}: {a['settings'].get(key)} -> {b['settings'].get(key)}")

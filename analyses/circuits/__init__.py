@@ -8,6 +8,9 @@
 - ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
 - ``evaluation``: circuits chosen from the scores (top-n, threshold, pruned to what reaches the metric), their
   faithfulness curve by exact patching with bootstrap intervals, MIB's CPR and CMD, random circuits of each size.
+- ``saved``: a circuit with its provenance (digests of weights, tokenizer and prompts; versions; method, steps,
+  metric; the faithfulness curve) as JSON, loaded back exactly and refused for another model or an edited file;
+  the diff of two.
 
 May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
 here imports the views or the CLI. Not ``interp.lens.circuits`` (low-rank OV/QK circuits of weights, another meaning).

@@ -11,6 +11,8 @@
     interp view       [head|grid] --out HTML [--text T]   an interactive view, one offline page
     interp patch      [--model M]               activation, attribution or path patching of every head
     interp attribute  [--model M]               direct logit attribution (or --lens: the logit lens)
+    interp circuit    --out DIR [--task T]      edge attribution, a circuit, its faithfulness, JSON and view
+    interp circuit    diff A.json B.json        edges added, removed or rescored (exit 1 if any)
     interp train-toy  --out DIR                 train the toy induction model
     interp report     --out DIR                 everything above as one HTML page
     interp atlas      --out DIR [--model M]     a versioned head atlas: JSON, its page, each head's view

@@ -8,7 +8,9 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["Batch", "batch_of", "check_position"]
+from interp.attention.sites import MASK_OF
+
+__all__ = ["Batch", "batch_of", "check_position", "unpadded_rows"]
 
 Batch = dict  # {"input_ids": (b, p) int64, "attention_mask": (b, p) or None}
 
@@ -91,3 +93,17 @@ def check_position(position, n_pos: int, what: str = "position") -> int:
         raise ValueError(f"{what} must be an integer in [-{n_pos}, {n_pos}) (the batch has {n_pos} positions; "
                          f"-1 is the last); got {position!r}.")
     return index
+
+
+def unpadded_rows(batch: Batch) -> list[dict]:
+    """A padded batch as one dict of 1-D id tensors per row (``input_ids``, and ``decoder_input_ids`` where the batch
+    has them), each entry cut to its real tokens."""
+    rows = []
+    for r in range(batch["input_ids"].shape[0]):
+        row = {}
+        for entry, mask_name in MASK_OF.items():
+            if batch.get(entry) is not None:
+                ids, mask = batch[entry][r].cpu(), batch.get(mask_name)
+                row[entry] = ids if mask is None else ids[mask[r].cpu().bool()]
+        rows.append(row)
+    return rows

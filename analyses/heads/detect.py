@@ -8,7 +8,6 @@ the forward stops after the last site. The weights and behaviour scores run thei
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import warnings
 
@@ -20,6 +19,8 @@ from interp.runtime.progress import progress, stage
 from interp.attention.site_pass import WEIGHTINGS
 from interp.attention.sites import FRONT, MASK_OF, is_layered, with_head_columns
 
+from ..data.batches import unpadded_rows
+from ..data.provenance import prompts_digest
 from ..data.prompts import corpus_prompts, corpus_sentences, prompt_ids, repeated_random_tokens
 from .labels import choose_scores, resolve_thresholds
 from .scores import Tally, labelled, score_batch, wanted_sites
@@ -199,7 +200,7 @@ def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, se
             batch = copy_task(model, n_prompts, seq_len or 12, seed)
         else:
             what, batch = "the given batch", pair_batch(model, prompts)
-        return [(records, _unpadded(batch), what)]
+        return [(records, unpadded_rows(batch), what)]
     if prompts is not None:
         ids = prompt_ids(model, prompts)
         return [(records, [{"input_ids": i} for i in ids], f"{len(ids)} given prompts")]
@@ -220,31 +221,6 @@ def prompt_sets(model, records, prompts, n_prompts: int, seq_len: int | None, se
         ids = corpus_prompts(model, n_prompts, seq_len, generator)
         sets.append((text, [{"input_ids": i} for i in ids], f"{n_prompts} corpus prompts of up to {seq_len} tokens"))
     return sets
-
-
-def prompts_digest(rows: list[dict]) -> str:
-    """sha256 of a prompt set's token ids (each row's entries in name order, as int64 with their lengths): the same
-    digest means the same prompts, so a result can be checked again on them (``analyses.atlas.atlas``)."""
-    digest = hashlib.sha256()
-    for row in rows:
-        for entry in sorted(row):
-            ids = torch.as_tensor(row[entry]).long().cpu()
-            digest.update(f"{entry}:{len(ids)};".encode())
-            digest.update(ids.numpy().astype("<i8").tobytes())
-    return digest.hexdigest()
-
-
-def _unpadded(batch: dict) -> list[dict]:
-    """A padded batch dict as one dict of 1-D id tensors per row, each entry cut to its real tokens."""
-    rows = []
-    for r in range(batch["input_ids"].shape[0]):
-        row = {}
-        for entry, mask_name in MASK_OF.items():
-            if batch.get(entry) is not None:
-                ids, mask = batch[entry][r].cpu(), batch.get(mask_name)
-                row[entry] = ids if mask is None else ids[mask[r].cpu().bool()]
-        rows.append(row)
-    return rows
 
 
 # -- running -------------------------------------------------------------------------------------------------------

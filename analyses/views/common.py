@@ -40,6 +40,7 @@ class _View:
     """One interactive view: ``data`` (what the page embeds), ``html`` (a fragment), ``save(path)`` (a page)."""
 
     kind = ""
+    assets = ("view.css", "view.js")  # its style and script, inline (assets/)
 
     def __init__(self, data: dict):
         self.data = data
@@ -50,11 +51,11 @@ class _View:
         payload = _no_surrogates(json.dumps(self.data, ensure_ascii=False, separators=(",", ":")))
         payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         return (f'<div class="interp-view" data-view="{self.kind}">'
-                f'<style>{_asset("view.css")}</style>'
+                f'<style>{_asset(self.assets[0])}</style>'
                 f'<script type="application/json" class="iv-data">{payload}</script>'
                 '<p class="iv-fallback">This view is drawn by JavaScript. In a notebook, run the cell again (or trust '
                 'the notebook); or save it with <code>view.save("view.html")</code> and open the file.</p>'
-                f'<script>{_asset("view.js")}</script></div>')
+                f'<script>{_asset(self.assets[1])}</script></div>')
 
     def _repr_html_(self) -> str:
         return self.html

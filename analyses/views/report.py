@@ -41,6 +41,7 @@ from ..atlas.class_ablation import class_ablation  # noqa: E402
 from .report_sinks import sinks_apply, sinks_section  # noqa: E402
 from .report_story import findings, head_name, model_name, model_size, site_lines  # noqa: E402
 from .report_streaming import check_streaming, streaming_section  # noqa: E402
+from .report_circuit import edge_circuit  # noqa: E402
 from .report_studies import _MANY_HEADS, _ablation, _circuits, _pruning, circuit_task, pruning_step  # noqa: E402
 from .runs import _Run  # noqa: E402
 from .study_plots import head_score_grid  # noqa: E402
@@ -156,6 +157,7 @@ def _write_report(model, out: Path, prompts, seed, n_prompts, progress, study_pr
     if task is not None:
         timed("circuits")
         circuits = _circuits(model, task, figures, out, grid_size)
+        circuits["edge_circuit"] = edge_circuit(model, task, figures)
 
     timed("classes")
     by_class = class_ablation(model, heads, seed=seed)

@@ -13,6 +13,7 @@ import pandas as pd
 from ..heads import registry
 from ..heads.labels import NO_CLASS
 from ..data.stability import UNSTABLE_OVERLAP, UNSTABLE_SPEARMAN
+from .report_circuit import edge_circuit_html
 from .report_story import head_name
 from .report_streaming import streaming_html
 
@@ -282,7 +283,8 @@ were then patched exactly (<b>activation patching</b>):</p>
 <p><b>Direct logit attribution</b> of {esc(c.get('answer', ''))}: each component's direct
 contribution to the correct token's logit ({c['dla_logit']:.2f}; what the split leaves out:
 {c['dla_remainder']:.1e}; <a href="dla.csv"><code>dla.csv</code></a>).</p>
-{figures.img('dla', 'direct logit attribution bars')}"""
+{figures.img('dla', 'direct logit attribution bars')}
+{edge_circuit_html(c.get("edge_circuit"), figures, c.get("name", "the induction task"))}"""
 
 
 def _better(higher_is_better) -> str:

@@ -15,6 +15,7 @@ from interp.attention.sites import one_site_per_layer
 from ..atlas.class_ablation import PROPERTY as _PROPERTY, own_task
 from ..heads.labels import LABEL_ORDER
 from .report_sinks import sinks_finding
+from .report_circuit import edge_circuit_finding
 from .report_streaming import streaming_finding
 
 __all__ = ["findings", "head_name", "model_name", "model_size", "site_lines"]
@@ -142,6 +143,9 @@ def findings(summary: dict, heads) -> list[str]:
         lines.append(f"On {esc(circuits['name'])}, patching head {esc(head_name(best))}'s clean output alone moves "
                      f"the model {best['effect'] * 100:.0f}% of the way from corrupted to clean "
                      '<a href="#circuits">evidence</a>')
+        edge = edge_circuit_finding(circuits.get("edge_circuit"), circuits["name"])
+        if edge:
+            lines.append(edge)
     pruning = {r["order"]: r for r in summary.get("pruning", [])}
     if "importance" in pruning and "random" in pruning:
         better = summary.get("higher_is_better")

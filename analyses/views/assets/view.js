@@ -400,7 +400,7 @@
   }
 
   function init(root) {
-    if (root.dataset.ready) return;
+    if (root.dataset.ready || !["head", "grid"].includes(root.dataset.view)) return;  // another view's script draws it
     const d = JSON.parse(root.querySelector("script.iv-data").textContent);
     (root.dataset.view === "grid" ? grid : headView)(root, d);
     root.dataset.ready = "true";
