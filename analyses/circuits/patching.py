@@ -120,7 +120,8 @@ class _Patcher:
         first = node_output(self.source, self.index.nodes[0])
         shapes = {tuple(node_output(self.source, u).shape) for u in self.index.nodes[:self.width]}
         if len(shapes) > 1:
-            raise ValueError(f"Edge patching stacks the node outputs, which must share one shape; got {sorted(shapes)}.")
+            raise ValueError("Edge patching stacks the node outputs, which must share one shape; got "
+                             f"{sorted(shapes)}.")
         self.stack = first.new_zeros(copies, self.width, first.numel())
         self.masks = self.masks.to(first.device, first.dtype)
 
