@@ -340,6 +340,29 @@ def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study, family):
     assert_clean(model, weights)
 
 
+def test_the_circuit_command_refines_and_writes_a_line_per_stage_off_a_terminal(tmp_path, capsys, monkeypatch):
+    """--refine prunes the top 2n edges by exact patching (the toy's 20-edge contract from the command line); with
+    stderr a file, each stage and each loop of the command writes lines, as the other verbs do."""
+    import pandas as pd
+
+    from analyses.cli import main
+    from interp.runtime import progress as progress_module
+
+    monkeypatch.delenv("INTERP_PROGRESS", raising=False)
+    out = tmp_path / "refined"
+    assert main(["circuit", "--model", "toy-induction", "--task", "induction", "--edges", "20", "--refine",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "pruned to 20 by exact patching" in printed.out
+    curve = pd.read_csv(out / "faithfulness.csv")
+    last = curve.iloc[-1]
+    assert last["edges"] <= 20 and last["faithfulness"] >= 0.8 and last["random_max"] < last["lo"]
+    lines = printed.err.splitlines()
+    assert any(line.startswith("circuit: eap-ig (stage 2 of 4") for line in lines), lines
+    assert any(line.startswith("eap-ig gradients: 5/5 step, done in") for line in lines), lines
+    assert progress_module._state["on"] is None  # the command's choice does not outlive it
+
+
 def test_the_circuit_command_writes_its_folder_and_refuses_mistakes_in_one_line(tmp_path, capsys):
     import pandas as pd
 
