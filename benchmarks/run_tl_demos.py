@@ -79,8 +79,10 @@ def cell_source(cell: dict) -> str:
 
 
 def install_transformer_lens() -> None:
-    """``import transformer_lens`` (and ``from transformer_lens import utils``) gives interp's names."""
+    """``import transformer_lens`` (and ``from transformer_lens import utils``, ``import transformer_lens.patching``)
+    gives interp's names."""
     import interp
+    from analyses.causal import tl_patching
 
     module = types.ModuleType("transformer_lens")
     module.HookedTransformer, module.utils, module.ActivationCache = interp.HookedTransformer, interp.utils, interp.ModelCache
@@ -93,11 +95,12 @@ def install_transformer_lens() -> None:
     points.HookPoint, points.HookedRootModule = hooks.HookPoint, hooks.HookedRootModule
     root = types.ModuleType("transformer_lens.HookedRootModule")
     root.HookedRootModule = hooks.HookedRootModule
+    module.patching = tl_patching  # transformer_lens.patching: its names and signatures, on the causal engine
     module.__path__ = []  # a package, so that its submodules import
     sys.modules.update({"transformer_lens": module, "transformer_lens.utils": interp.utils,
                         "transformer_lens.utilities": interp.utils, "transformer_lens.model_bridge": bridge,
                         "transformer_lens.hook_points": points,
-                        "transformer_lens.HookedRootModule": root})
+                        "transformer_lens.HookedRootModule": root, "transformer_lens.patching": tl_patching})
 
 
 def _shell_namespace() -> dict:
