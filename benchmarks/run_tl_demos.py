@@ -58,12 +58,19 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
                                      "22 x 2 x 81 = 3564 (GPT-2: 4 x 2 x 144)")),
         37: ("IndexError", _GQA.format("k") + " (direct-path patching into keys)"),
     },
-    "Activation_Patching_in_TL_Demo": {
-        7: ("ModuleNotFoundError", "`transformer_lens.patching` is not mirrored: interp's is "
-                                   "`analyses.activation_patching(model, clean, corrupted, metric)`, another signature"),
-        **{n: ("NameError", "uses `patching` (cell 7)") for n in (13, 14, 15, 16, 17, 18)},
-        **{n: ("NameError", "uses `patching` (cell 7) on a second model, attn-only-2l (loaded as SmolLM2 here)")
-           for n in (22, 24)},
+    "Activation_Patching_in_TL_Demo": {  # its patching on interp's transformer_lens.patching (tl_patching)
+        13: (_CUT[0], _CUT[1].format("`get_act_patch_resid_pre`", "30 layers x 14 positions = 420 (GPT-2: 12 x 15)")),
+        14: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_all_pos`", "30 x 9 = 270 (GPT-2: 144)")),
+        15: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_by_pos`", "270 x 14 = 3780 (GPT-2: 2160)")),
+        16: (_CUT[0], _CUT[1].format("`get_act_patch_block_every`", "3 x 420 = 1260 (GPT-2: 540)")),
+        17: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every`",
+                                     "270 + 270 + 90 + 90 + 270 = 990 (GPT-2: 720)")),
+        18: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_by_pos_every`", "990 x 14 = 13860 (GPT-2: 10800)")),
+        22: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` and `..._by_pos_every` on "
+                                     "attn-only-2l's induction batch (a second model, loaded as SmolLM2 here)",
+                                     "990 + 990 x 41")),
+        24: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` on three corrupted induction batches "
+                                     "(attn-only-2l, loaded as SmolLM2 here)", "3 x 990")),
     },
 }
 COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op
@@ -79,8 +86,10 @@ def cell_source(cell: dict) -> str:
 
 
 def install_transformer_lens() -> None:
-    """``import transformer_lens`` (and ``from transformer_lens import utils``) gives interp's names."""
+    """``import transformer_lens`` (and ``from transformer_lens import utils``, ``import transformer_lens.patching``)
+    gives interp's names."""
     import interp
+    from analyses.causal import tl_patching
 
     module = types.ModuleType("transformer_lens")
     module.HookedTransformer, module.utils, module.ActivationCache = interp.HookedTransformer, interp.utils, interp.ModelCache
@@ -93,11 +102,12 @@ def install_transformer_lens() -> None:
     points.HookPoint, points.HookedRootModule = hooks.HookPoint, hooks.HookedRootModule
     root = types.ModuleType("transformer_lens.HookedRootModule")
     root.HookedRootModule = hooks.HookedRootModule
+    module.patching = tl_patching  # transformer_lens.patching: its names and signatures, on the causal engine
     module.__path__ = []  # a package, so that its submodules import
     sys.modules.update({"transformer_lens": module, "transformer_lens.utils": interp.utils,
                         "transformer_lens.utilities": interp.utils, "transformer_lens.model_bridge": bridge,
                         "transformer_lens.hook_points": points,
-                        "transformer_lens.HookedRootModule": root})
+                        "transformer_lens.HookedRootModule": root, "transformer_lens.patching": tl_patching})
 
 
 def _shell_namespace() -> dict:

@@ -42,6 +42,21 @@ def test_a_missing_notebook_is_one_line_and_exit_2(tmp_path, capsys):
     assert "Main_Demo.ipynb" in err and len(err.strip().splitlines()) == 1
 
 
+def test_transformer_lens_patching_imports_and_runs_as_the_demo_calls_it(tmp_path):
+    run_tl_demos.install_transformer_lens()
+    path = _notebook(tmp_path / "Patching.ipynb", [
+        "import torch\nimport transformer_lens.patching as patching\nfrom transformer_lens import HookedTransformer",
+        'model = HookedTransformer.from_pretrained("gpt2")\nclean = torch.randint(1, 99, (2, 5))\n'
+        "corrupted = torch.randint(1, 99, (2, 5))\n_, clean_cache = model.run_with_cache(clean)\n"
+        "metric = lambda logits: logits[:, -1, 3].mean()",
+        "r = patching.get_act_patch_resid_pre(model, corrupted, clean_cache, metric)\nassert r.shape == (2, 5)",
+        "e = patching.get_act_patch_attn_head_all_pos_every(model, corrupted, clean_cache, metric)\n"
+        "assert e.shape == (5, model.cfg.n_layers, model.cfg.n_heads)",
+    ])
+    results = run_tl_demos.run_notebook(path, tiny_hf("llama"), "cpu", out=lambda line: None)
+    assert [r[1] for r in results] == ["ran"] * 4, results
+
+
 def test_cells_see_a_shell_and_their_output_goes_to_the_log(tmp_path):
     import io
 
