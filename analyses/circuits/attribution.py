@@ -207,7 +207,9 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     node_at = {u: i for i, u in enumerate(nodes)}
     receiver_at = {r: j for j, r in enumerate(receivers)}
     # the senders each receiver can read: nodes are in the order the model computes them
-    reach = {r: 1 + max(node_at[u] for u, v in edges if v == r) for r in receivers}
+    reach: dict[Receiver, int] = {}
+    for u, r in edges:
+        reach[r] = max(reach.get(r, 0), node_at[u] + 1)
     scores = torch.zeros(len(nodes), len(receivers), dtype=torch.float64)
     names, read = _compact_names(model), node_readers(model)
     shape = tuple(corrupted["input_ids"].shape[:2])
