@@ -235,7 +235,7 @@ def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_
     bert = interp.load_model(tiny_model("bert"))
     skipped = edge_circuit(bert, task, figures)
     assert "pre-norm" in skipped["skipped"] and edge_circuit_finding(skipped, "x") is None
-    assert "Not run: Edge circuits need pre-norm" in edge_circuit_html(skipped, figures, "x")
+    assert "Not run: Edge circuits need the residual stream to be a sum" in edge_circuit_html(skipped, figures, "x")
     import analyses.views.report_circuit as part
 
     monkeypatch.setattr(part, "MAX_GRAPH", 100)

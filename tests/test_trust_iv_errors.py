@@ -35,7 +35,7 @@ def worded():
     (lambda m: m.to_single_token(5), TypeError, "string of one token"),  # before: the tokenizer's 300-char message
     (lambda m: m.generate("hi", max_new_tokens=2.5), ValueError, "max_new_tokens"),  # before: TypeError from range
     (lambda m: m.generate("hi", max_new_tokens=-3), ValueError, "max_new_tokens"),  # before: returned the prompt
-    (lambda m: m.hook_dict[m.hook_names[0]].add_hook(lambda x, h: x), TypeError, "model.add_hook"),  # AttributeError
+    # hook_point.add_hook(fn) now adds through the model, as TransformerLens's does (tests/test_transformerlens.py)
 ])
 def test_the_transformerlens_surface_refuses_in_one_line(worded, call, error, words):
     with pytest.raises(error) as caught:

@@ -6,7 +6,7 @@ of another schema, and, given a model, a circuit of another model; ``diff_circui
 
 >>> c = _example()
 >>> c.top(1)["upstream"].tolist(), c.faithfulness_at(2)
-(['blocks.0.attn:1'], 0.5)
+(['blocks.0.attn:1'], 0.625)
 """
 
 from __future__ import annotations
