@@ -205,6 +205,24 @@ def test_eap_on_the_flash_path_equals_the_eager_path_and_ig_with_one_step_is_eap
     assert set(five["input"]) == {"q", "k", "v", "mlp", "logits"}
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
+    """What long inputs switch on (each step contracted as it ends instead of the steps' gradients summed first;
+    positions in several chunks) gives the same scores as the whole at once."""
+    from analyses.circuits import attribution
+
+    model = interp.load_model(tiny_model(family), attn="flash")
+    clean, corrupted = _pair(3, shape=(2, 9))
+    metric = logit_difference(5, 7)
+    whole = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
+    monkeypatch.setattr(attribution, "_SUMMED_ELEMENTS", 0)
+    nodes = whole.drop_duplicates("upstream").shape[0]
+    monkeypatch.setattr(attribution, "_CHUNK_ELEMENTS", nodes * 2 * model.cfg.d_model * 2)  # 2 positions a chunk
+    parts = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
+    assert whole["score"].abs().max() > 0.1
+    assert (whole["score"] - parts["score"]).abs().max() <= 1e-5 * whole["score"].abs().max()
+
+
 def test_toy_induction_circuit_k_edges_from_the_previous_token_head_and_faithfulness_beats_random():
     model = interp.load_model("toy-induction", attn="eager")
     clean, corrupted, metric = induction_task(model, n=16, length=12)

@@ -35,11 +35,16 @@ __all__ = ["METHODS", "edge_attribution"]
 
 METHODS = ("eap", "eap-ig")
 _CHUNK_ELEMENTS = 1 << 25  # elements of one chunk's stacked node differences (128 MiB in fp32)
+_SUMMED_ELEMENTS = 1 << 26  # receivers x tokens x d_model up to which the steps' gradients are summed, then
+                            # contracted once (256 MiB in fp32); above it each step is contracted as it ends
 
 
 def _interpolate(clean_input: torch.Tensor, alpha: float, moved: dict):
     def hook(act, point):  # the corrupted run's input embeddings moved alpha of the way to the clean ones
-        out = (act + alpha * (clean_input.to(act.dtype) - act)).detach().requires_grad_(True)
+        # plus a zero that needs a gradient: the backward starts from the metric, not from a leaf module input
+        # (torch's FlopCounterMode, and module backward hooks, refuse autograd.grad into a leaf a module reads)
+        moved["zero"] = torch.zeros((), dtype=act.dtype, device=act.device, requires_grad=True)
+        out = (act + alpha * (clean_input.to(act.dtype) - act)).detach() + moved["zero"]
         moved["input"] = out
         return out
     return hook
@@ -168,7 +173,8 @@ class _Taps:
                 continue
             g = self._rows(g, rows)
             with torch.enable_grad():
-                xs = x.clone().requires_grad_(True)
+                # x plus a zero that needs a gradient, not a leaf: module hooks (FlopCounterMode's) refuse a leaf
+                xs = x + torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
                 if read.kind == "columns":
                     value, g = read.compute(xs if read.norm is None else read.norm(xs)), g[..., read.cols]
                 elif read.kind == "mlp_input":
@@ -221,7 +227,10 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             del out, cache
         for p in model.hf.parameters():
             p.requires_grad_(False)
-        corrupted_store, moved = {}, {}
+        corrupted_store, moved, summed = {}, {}, {}
+        b, p = shape
+        m = clean_store[names[0]].shape[-1]
+        small = len(receivers) * b * p * m <= _SUMMED_ELEMENTS
         for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
             taps = _Taps(model, receivers, shape)
             hooks = [(hook_name("resid_pre", 0), _interpolate(clean_store[names[0]], k / steps, moved))]
@@ -237,7 +246,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                     raise TypeError(f"edge_attribution differentiates the metric; {metric.name} returned a value "
                                     "without a gradient. Use a metric from analyses.data.metrics or one returning a "
                                     "tensor computed from the model's output.")
-                torch.autograd.grad(value, [moved["input"]], allow_unused=True)
+                torch.autograd.grad(value, [moved["zero"]], allow_unused=True)
             if k == 0:
                 with torch.no_grad():
                     corrupted_value = metric(out, corrupted)
@@ -247,8 +256,18 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                 raise ValueError(f"edge_attribution scores edges by the metric's gradient at each input of the graph; "
                                  f"{metric.name}'s gradient is 0 at every one (it does not depend on the model's "
                                  "heads, MLPs or input). Use a metric computed from the logits the graph feeds.")
-            _contract(model, taps, nodes, (clean_store, corrupted_store), read, receiver_at, reach, scores, steps)
+            if small:  # the steps' stream gradients summed: one contraction at the end, as many products as EAP's
+                for key in taps.groups:
+                    receivers_of, g = taps.stream_gradients(key, slice(None))
+                    if g is not None:
+                        summed[key] = (receivers_of, g / steps + (summed[key][1] if key in summed else 0.0))
+            else:
+                _contract(model, taps.groups, lambda key, rows: taps.stream_gradients(key, rows), nodes,
+                          (clean_store, corrupted_store), read, receiver_at, reach, scores, shape, steps)
             del taps
+        if small:
+            _contract(model, summed, lambda key, rows: (summed[key][0], summed[key][1][:, :, rows]), nodes,
+                      (clean_store, corrupted_store), read, receiver_at, reach, scores, shape, 1)
     df = edge_frame(edges)
     df["score"] = [float(scores[node_at[u], receiver_at[r]]) for u, r in edges]
     df["abs_score"] = df["score"].abs()
@@ -256,11 +275,12 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     return df
 
 
-def _contract(model, taps: _Taps, nodes, stores, read, receiver_at, reach, scores, steps: int) -> None:
+def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, scores, shape, steps: int) -> None:
     """``scores[u, v] += (a_u(clean) - a_u(corrupted)) . d metric / d x_v / steps``, summed over the batch and
     positions, a chunk of positions at a time (a chunk's stacked node outputs stay under ``_CHUNK_ELEMENTS``), each
-    receiver against the senders it can read only."""
-    b, p = taps.shape
+    receiver against the senders it can read only. ``gradients(key, rows)``: the receivers reading stream ``key``
+    and their gradients ``(R, b, c, m)`` at positions ``rows`` (or None)."""
+    b, p = shape
     m = stores[0][hook_name("resid_pre", 0)].shape[-1]
     chunk = max(1, _CHUNK_ELEMENTS // max(1, len(nodes) * b * m))
     with torch.no_grad():
@@ -268,8 +288,8 @@ def _contract(model, taps: _Taps, nodes, stores, read, receiver_at, reach, score
             rows = slice(start, min(p, start + chunk))
             diff = (_node_outputs(model, nodes, stores[0], rows, read)
                     - _node_outputs(model, nodes, stores[1], rows, read)).flatten(1)  # (N, b * c * m)
-            for key in taps.groups:
-                receivers, g = taps.stream_gradients(key, rows)
+            for key in keys:
+                receivers, g = gradients(key, rows)
                 if g is None:
                     continue
                 n = max(reach[r] for r in receivers)
