@@ -29,20 +29,13 @@ import sys
 import time
 from pathlib import Path
 
+from peak import grown_mib, reset_peak, status_bytes  # benchmarks/peak.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("sdpa_fb", "eap")
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(model_name: str, n: int, task: str) -> dict:
-    import ctypes
-
     import torch
 
     import interp
@@ -77,16 +70,11 @@ def child(model_name: str, n: int, task: str) -> dict:
     short = needle_task(model, min(n, 64))  # warm-up: kernels, allocator pools
     if task == "eap":
         edge_attribution(model, *short, method="eap")
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = reset_peak()
     cpu, wall = time.process_time(), time.perf_counter()
     value = run()
     return {"model": model_name, "n": int(clean.shape[1]), "task": task, "value": value,
-            "grew_mib": (_status("VmHWM") - before) / 2**20, "peak_mib": _status("VmHWM") / 2**20,
+            "grew_mib": grown_mib(before), "peak_mib": status_bytes("VmHWM") / 2**20,
             "rss_before_mib": before / 2**20, "cpu_s": time.process_time() - cpu,
             "wall_s": time.perf_counter() - wall,
             "eager_pattern_gib": 2 * model.cfg.n_layers * model.cfg.n_heads * clean.shape[1] ** 2 * 4 / 2**30}

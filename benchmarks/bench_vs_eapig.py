@@ -47,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peak import grown_mib, reset_peak  # benchmarks/peak.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("INTERP_BENCH_EAPIG_VENV", Path.home() / ".cache" / "interp-bench" / "eapig-venv"))
 PINS = ["transformer-lens==2.16.1", "transformers<5", "datasets<3", "pyarrow<17", "matplotlib"]
@@ -89,26 +91,12 @@ def ensure_venv(eap_ig: Path | None) -> Path:
 
 
 # -- what a child runs (both environments: nothing at module level imports our package) --------------------------
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _measured(run):
     """``run()``'s result, its CPU seconds and the growth of peak RSS over the RSS before it (MiB)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = reset_peak()
     cpu = time.process_time()
     result = run()
-    return result, time.process_time() - cpu, (_status("VmHWM") - before) / 2**20
+    return result, time.process_time() - cpu, grown_mib(before)
 
 
 def _metric_value(torch, logits, spec, per_example: bool = False):

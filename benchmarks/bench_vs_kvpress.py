@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from peak import grown_mib, reset_peak, status_bytes  # benchmarks/peak.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("INTERP_BENCH_VENV", Path.home() / ".cache" / "interp-bench" / "kvpress-venv"))
 KVPRESS = "0.5.5"
@@ -82,13 +84,6 @@ def ensure_venv() -> Path:
 
 
 # -- what a child runs (both environments: nothing here imports our package) -------------------------------------
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _cache_bytes(cache) -> int:
     """The bytes of the key/value tensors a transformers cache holds (a StreamingCache's streamed parts included)."""
     names = ("keys", "values", "stream_keys", "stream_values")
@@ -124,18 +119,11 @@ def _needles(hf, prompts, new_cache, prefill_context):
 
 
 def _measure(run) -> dict:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = reset_peak()
     start = time.perf_counter()
     acc, prefill, step, kv = run()
     return {"accuracy": acc, "prefill_cpu_s": prefill, "step_cpu_ms": step * 1e3, "kv_mib": kv / 2**20,
-            "grew_mib": (_status("VmHWM") - before) / 2**20, "peak_mib": _status("VmHWM") / 2**20,
+            "grew_mib": grown_mib(before), "peak_mib": status_bytes("VmHWM") / 2**20,
             "seconds": time.perf_counter() - start}
 
 
