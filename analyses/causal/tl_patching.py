@@ -14,8 +14,10 @@ copies of the corrupted batch share a forward and the blocks before the patched 
   (position, head) slice from the same clean run gives the same result either way.
 - A pattern patch on the flash path runs that layer eagerly for its forward (``interp.attention.paths``).
 
-    >>> from analyses.causal import tl_patching as patching
-    >>> patching.get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric).shape  # (n_layers, pos)
+Use (as TransformerLens's demos do, with ``model``, the corrupted tokens, the clean run's cache and a metric)::
+
+    from analyses.causal import tl_patching as patching
+    patching.get_act_patch_resid_pre(model, corrupted_tokens, clean_cache, metric).shape  # (n_layers, pos)
 """
 
 from __future__ import annotations
