@@ -72,10 +72,11 @@ def _output_weight(model, site) -> torch.Tensor:
     return o.weight.float() if isinstance(o, torch.nn.Linear) else o.weight.float().T  # GPT-2's Conv1D: (h * e, m)
 
 
-def _node_outputs(model, nodes: list[Node], store: dict, rows: slice, read: dict) -> torch.Tensor:
-    """``(N, b, c, m)``: every node's output at positions ``rows``, rebuilt from a run's compact store (a head's:
-    its ``z`` through its columns of the output projection, without the bias, as ``hook_result`` has it), read as
-    ``node_readers`` says (sandwich norms)."""
+def _node_differences(model, nodes: list[Node], stores: tuple[dict, dict], rows: slice, read: dict) -> torch.Tensor:
+    """``(N, b, c, m)``: every node's output in the clean run minus the corrupted run's, at positions ``rows``,
+    rebuilt from the runs' compact stores (a head's: its ``z`` through its columns of the output projection, without
+    the bias, as ``hook_result`` has it), read as ``node_readers`` says (sandwich norms). Where a head's output is
+    linear in its ``z`` (no reader), the difference of the ``z`` goes through the projection once."""
     out: list = [None] * len(nodes)
     sites: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
@@ -83,15 +84,17 @@ def _node_outputs(model, nodes: list[Node], store: dict, rows: slice, read: dict
             sites.setdefault(node.site, []).append(i)
             continue
         name = hook_name("resid_pre", 0) if node.kind == "input" else hook_name("mlp_out", node.layer)
-        value = store[name][:, rows].float()
-        out[i] = read[name](value) if name in read else value
+        clean, corrupted = (store[name][:, rows].float() for store in stores)
+        out[i] = read[name](clean) - read[name](corrupted) if name in read else clean - corrupted
     for site_name, index in sites.items():
-        site = model.sites[site_name]
-        z = store[hook_name("z", site_name)][:, rows].float()  # (b, c, h, e)
-        w = _output_weight(model, site).reshape(-1, site.n_heads, z.shape[-1])  # (m, h, e)
-        result = torch.einsum("bche,mhe->bchm", z, w)
-        name = hook_name("result", site_name)
-        result = read[name](result) if name in read else result
+        site, name = model.sites[site_name], hook_name("result", site_name)
+        clean, corrupted = (store[hook_name("z", site_name)][:, rows].float() for store in stores)  # (b, c, h, e)
+        w = _output_weight(model, site).reshape(-1, site.n_heads, clean.shape[-1])  # (m, h, e)
+        if name in read:
+            result = (read[name](torch.einsum("bche,mhe->bchm", clean, w))
+                      - read[name](torch.einsum("bche,mhe->bchm", corrupted, w)))
+        else:
+            result = torch.einsum("bche,mhe->bchm", clean - corrupted, w)
         for i in index:
             out[i] = result[:, :, nodes[i].head]
     return torch.stack(out)
@@ -159,12 +162,15 @@ class _Taps:
 
     def stream_gradients(self, key, rows: slice) -> tuple[list[Receiver], torch.Tensor | None]:
         """The receivers reading stream ``key`` and ``(R, b, c, m)``: each one's gradient with respect to its own
-        input stream at positions ``rows`` (None where the backward reached none of them)."""
+        input stream at positions ``rows`` (None where the backward reached none of them). A head's columns that are
+        a linear map of the normed stream are carried back by their weight (``g @ W[cols]``), and through the norm
+        together, one batched backward of the norm for the receivers that share it; anything else by autograd
+        through what the receiver computes."""
         receivers, x = self.groups[key], self.x.get(key)
         if x is None:
             return receivers, None
         x = self._rows(x, rows).detach()
-        out = []
+        out, normed, norm = [], [], None
         for r in receivers:
             read = self.reads[r]
             g = self.grad.get((key, id(read.module)))
@@ -172,9 +178,15 @@ class _Taps:
                 out.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
                 continue
             g = self._rows(g, rows)
+            if read.kind == "columns" and read.weight is not None:
+                found = g[..., read.cols].to(read.weight.dtype) @ read.weight  # at the normed stream
+                if read.norm is not None:
+                    normed.append(len(out))
+                    norm = read.norm
+                out.append(found)
+                continue
             with torch.enable_grad():
-                # x plus a zero that needs a gradient, not a leaf: module hooks (FlopCounterMode's) refuse a leaf
-                xs = x + torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
+                xs = _differentiable(x)
                 if read.kind == "columns":
                     value, g = read.compute(xs if read.norm is None else read.norm(xs)), g[..., read.cols]
                 elif read.kind == "mlp_input":
@@ -183,7 +195,20 @@ class _Taps:
                     value = read.module(xs)
                 (found,) = torch.autograd.grad(value, xs, g.to(value.dtype))
             out.append(found.float())
-        return receivers, torch.stack(out)
+        if normed:  # one backward of the shared norm for every receiver reading through it
+            with torch.enable_grad():
+                xs = _differentiable(x.expand(len(normed), *x.shape).reshape(-1, *x.shape[1:]))
+                value = norm(xs)
+                cotangent = torch.cat([out[i].to(value.dtype) for i in normed])
+                (found,) = torch.autograd.grad(value, xs, cotangent)
+            for i, g in zip(normed, found.float().reshape(len(normed), *x.shape)):
+                out[i] = g
+        return receivers, torch.stack([g.float() for g in out])
+
+
+def _differentiable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` plus a zero that needs a gradient, not a leaf: module hooks (FlopCounterMode's) refuse a leaf."""
+    return x + torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
 
 
 def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5) -> pd.DataFrame:
@@ -286,8 +311,7 @@ def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, s
     with torch.no_grad():
         for start in range(0, p, chunk):
             rows = slice(start, min(p, start + chunk))
-            diff = (_node_outputs(model, nodes, stores[0], rows, read)
-                    - _node_outputs(model, nodes, stores[1], rows, read)).flatten(1)  # (N, b * c * m)
+            diff = _node_differences(model, nodes, stores, rows, read).flatten(1)  # (N, b * c * m)
             for key in keys:
                 receivers, g = gradients(key, rows)
                 if g is None:

@@ -257,9 +257,19 @@ def _columns(model, site, which: str, head: int):
     across = [path.rsplit(".", 1)[0] for path, on, width in proj.per_head if on == side and width == d and which != "v"
               and _is_norm(block.get_submodule(path.rsplit(".", 1)[0]))]
     if not across:
-        return getattr(proj, which), cols, lambda y: _head_columns(linear, y, cols)
+        return getattr(proj, which), cols, lambda y: _head_columns(linear, y, cols), _column_weight(linear, cols)
     norm = block.get_submodule(across[0])
-    return across[0], cols, lambda y: norm.forward(linear(y))[..., cols]
+    return across[0], cols, lambda y: norm.forward(linear(y))[..., cols], None
+
+
+def _column_weight(module, cols: slice) -> torch.Tensor | None:
+    """The map from the normed stream to ``module``'s output columns ``cols`` as ``(e, m)`` (a linear layer, or
+    GPT-2's transposed Conv1D), None where the module is neither."""
+    if isinstance(module, torch.nn.Linear):
+        return module.weight[cols]
+    if type(module).__name__ == "Conv1D":
+        return module.weight[:, cols].T
+    return None
 
 
 class Reading(NamedTuple):
@@ -268,8 +278,10 @@ class Reading(NamedTuple):
     the norm before a pre-norm block's MLP, or the MLP itself where it has none), ``"mlp_input"`` (a parallel
     block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or ``"columns"`` (a head's q, k
     or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the stream ``x`` grabbed at the
-    input of ``grab``; ``norm`` None where the attention reads the stream as it is). ``key`` names the grabbed
-    stream (shared by the receivers that read the same one)."""
+    input of ``grab``; ``norm`` None where the attention reads the stream as it is; ``weight``: the columns'
+    linear map ``(e, m)`` from the normed stream where ``compute`` is one, so that a gradient at the columns is
+    carried back as ``g @ weight``, else None). ``key`` names the grabbed stream (shared by the receivers that read
+    the same one)."""
 
     kind: str
     key: object
@@ -278,6 +290,7 @@ class Reading(NamedTuple):
     module: torch.nn.Module
     cols: slice | None = None
     compute: object = None
+    weight: torch.Tensor | None = None
 
 
 def reading(model, r: Receiver) -> Reading:
@@ -294,10 +307,10 @@ def reading(model, r: Receiver) -> Reading:
         return Reading("stream", ("mlp", r.layer), module, None, module)
     site = model.sites[r.site]
     block, proj = model.projections_of(site)
-    path, cols, compute = _columns(model, site, r.input, r.head)
+    path, cols, compute, weight = _columns(model, site, r.input, r.head)
     norm = model.in_norm_of(site)
     grab = norm or block.get_submodule(proj.q)  # no norm: q's projection reads the stream
-    return Reading("columns", site.name, grab, norm, block.get_submodule(path), cols, compute)
+    return Reading("columns", site.name, grab, norm, block.get_submodule(path), cols, compute, weight)
 
 
 def _head_columns(module, y: torch.Tensor, cols: slice) -> torch.Tensor:
