@@ -61,10 +61,45 @@ def main() -> None:
         rows[name] = {"gflop": f / 1e9, "forward_equivalents": f / forward / per, "bound": bound,
                       "cpu_s": s / per, "cpu_s_over_forward": s / forward_s / per}
 
-    scores = {}
-    row("eap", lambda: scores.setdefault("eap", edge_attribution(model, clean, corrupted, metric, method="eap")), 3)
+    scores, parts = {}, {}
+    from analyses.circuits import attribution
+
+    def counted(owner, name, key):  # an inner counter around one function: its FLOPs, also counted by the outer one
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            with FlopCounterMode(display=False) as inner:
+                out = fn(*a, **k)
+            parts[key] = parts.get(key, 0) + inner.get_total_flops()
+            return out
+        return fn, wrapper
+
+    def split(name, fn, bound):
+        """``row`` plus where the FLOPs beyond the model's passes go (each part counted by a counter of its own inside the
+        whole's; the CPU time from a second run without counters)."""
+        parts.clear()
+        originals = [counted(attribution._Taps, "stream_gradients", "receivers"),
+                     counted(attribution, "_contract", "edges")]
+        attribution._Taps.stream_gradients, attribution._contract = originals[0][1], originals[1][1]
+        try:
+            with FlopCounterMode(display=False) as counter:
+                fn()
+        finally:
+            attribution._Taps.stream_gradients, attribution._contract = originals[0][0], originals[1][0]
+        f, receivers, edges = counter.get_total_flops(), parts.get("receivers", 0), parts.get("edges", 0)
+        cpu = time.process_time()
+        fn()
+        s = time.process_time() - cpu
+        rows[name] = {"gflop": f / 1e9, "forward_equivalents": f / forward, "bound": bound, "cpu_s": s,
+                      "cpu_s_over_forward": s / forward_s}
+        rows[f"{name}: the model's passes"] = {"forward_equivalents": (f - receivers - edges) / forward}
+        rows[f"{name}: each receiver's gradient (g @ W[cols])"] = {"forward_equivalents": receivers / forward}
+        rows[f"{name}: node differences and score products (R x senders x tokens x d_model)"] = {
+            "forward_equivalents": edges / forward}
+
+    split("eap", lambda: scores.setdefault("eap", edge_attribution(model, clean, corrupted, metric, method="eap")), 3)
     for s in args.steps:
-        row(f"eap-ig steps={s}", lambda s=s: scores.setdefault(
+        split(f"eap-ig steps={s}", lambda s=s: scores.setdefault(
             "eap-ig", edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=s)), 2 + 2 * s)
     unpatched = 2  # the clean and the corrupted run, once per curve
     row("faithfulness: 2 unpatched runs + 1 point", lambda: faithfulness(
@@ -77,14 +112,6 @@ def main() -> None:
     top = scores["eap"].sort_values("abs_score", ascending=False).head(20)
     row("edge_effects: per edge (top 20 by EAP, 2 unpatched runs included)",
         lambda: edge_effects(model, clean, corrupted, top, metric), per=len(top))
-    # where EAP's FLOPs beyond its three model passes go: each head's output apart (hook_result: the output
-    # projection once more, in the clean run and in the corrupted one) and the score products (2 x edges x b p m)
-    from analyses.circuits.patching import source_outputs
-    with torch.no_grad():
-        per_head, _ = flops(lambda: source_outputs(model, batch, **keep))
-    products = 2 * len(scores["eap"]) * batch["input_ids"].numel() * model.cfg.d_model
-    rows["eap: per-head outputs (2 runs)"] = {"forward_equivalents": 2 * (per_head - forward) / forward}
-    rows["eap: score products"] = {"forward_equivalents": products / forward}
     tokens = list(batch["input_ids"].shape)
     print(f"{args.model}, {args.task}: {tokens[0]} x {tokens[1]} tokens, {len(scores['eap'])} edges; plain forward "
           f"{forward / 1e9:.2f} GFLOP in {forward_s:.3f} CPU s; {torch.get_num_threads()} thread; "

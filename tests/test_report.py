@@ -197,7 +197,7 @@ def test_report_writes_vector_figures_for_papers(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_report_on_smollm2(tmp_path):
-    """The report on a 30-layer real model (about 80 s): a short table of each class's strongest heads, the
+    """The report on a 30-layer real model (about 2 min): a short table of each class's strongest heads, the
     induction map on repeated tokens, a scan of all 270 heads on 4 prompts (`python -m pytest -m slow`)."""
     assert main(["report", "--model", "smollm2", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -207,6 +207,8 @@ def test_report_on_smollm2(tmp_path):
     assert summary["attention_maps"][0] == {"class": "induction", "layer": 18, "head": 6,
                                             "prompt": "repeated random tokens"}
     assert len(pd.read_csv(tmp_path / "ablation.csv")) == 270 and "first 4" in summary["study_inputs"]
+    edge = summary["circuits"]["edge_circuit"]  # the report's edge circuit runs on SmolLM2's whole graph
+    assert "skipped" not in edge and edge["total"] == 70_651 and [r["size"] for r in edge["curve"]] == [10, 20, 40]
 
 
 def test_importing_the_report_leaves_the_matplotlib_backend_alone(tmp_path):
