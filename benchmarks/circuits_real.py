@@ -42,6 +42,52 @@ def _heads_of(frame) -> list[str]:
                    zip(frame["down_site"], frame["down_head"], frame["input"]) if i == "q"})
 
 
+def _saturation(name: str, inputs) -> dict[tuple[str, int], float]:
+    """``{(site, query head): mean over rows of the largest attention weight}`` in the run of ``inputs`` (the corrupted
+    prompts, where EAP takes its gradient), over the rows that see at least 4 real keys (a row with one key is 1.0
+    whatever the softmax does); an eager copy of the model gives the patterns."""
+    model = interp.load_model(name, attn="eager")
+    batch = inputs if isinstance(inputs, dict) else {"input_ids": inputs}
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+    rows = (mask.cumsum(1) >= 4) & mask.bool()  # (b, p)
+    names = [f"{s.name}.hook_pattern" for s in model.cfg.sites]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(batch["input_ids"], names=names, attention_mask=mask)
+    out = {}
+    for site, name in zip(model.cfg.sites, names):
+        top = cache[name].amax(-1)  # (b, h, q)
+        for h in range(site.n_heads):
+            out[(site.name, h)] = float(top[:, h][rows].mean())
+    return out
+
+
+def _saturated_split(model, frames, chosen, exact, saturation, high: float, low: float) -> dict:
+    """EAP-IG against EAP on the q and k edges of ``chosen`` whose receiver's softmax saturates (mean largest weight
+    >= ``high``; a k input: the mean over the query heads of its group) and on those where it does not (< ``low``)."""
+    ig = frames["eap_ig"]
+    level = []
+    for i in chosen:
+        site, head, which = ig.at[i, "down_site"], int(ig.at[i, "down_head"]), ig.at[i, "input"]
+        if which == "q":
+            level.append(saturation[(site, head)])
+        elif which == "k":
+            s = model.sites[site]
+            group = s.n_heads // s.n_kv_heads
+            level.append(float(np.mean([saturation[(site, h)] for h in range(head * group, (head + 1) * group)])))
+        else:
+            level.append(float("nan"))
+    level = np.array(level)
+    out = {}
+    for part, keep in (("saturated", level >= high), ("soft", level < low)):
+        out[f"{part}_edges"] = int(keep.sum())
+        for name, frame in frames.items():
+            est = frame.loc[chosen, "score"].to_numpy()[keep]
+            if keep.sum() >= 3:
+                out[f"{part}_spearman_{name}"] = float(spearmanr(est, exact[keep])[0])
+                out[f"{part}_abs_error_{name}_median"] = float(np.median(np.abs(est - exact[keep])))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
@@ -55,6 +101,10 @@ def main() -> None:
     p.add_argument("--n-random-circuits", type=int, default=3)
     p.add_argument("--refine", type=int, default=0, help="also refine_circuit at this size (0: not)")
     p.add_argument("--atlas", default=None, help="a saved atlas JSON whose labels the circuit's heads are read with")
+    p.add_argument("--saturation", type=float, nargs=2, default=None, metavar=("HIGH", "LOW"),
+                   help="also split the q/k edges by their receiver's largest attention weight in the corrupted run "
+                        "(>= HIGH: saturated; < LOW: soft) and compare EAP-IG with EAP on each")
+    p.add_argument("--skip-curve", action="store_true", help="no faithfulness curve (the estimates only)")
     args = p.parse_args()
     torch.set_num_threads(1)
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg(),
@@ -83,9 +133,16 @@ def main() -> None:
         for part, sl in (("top", slice(0, len(top))), ("random", slice(len(top), None)), ("all", slice(None))):
             out[f"spearman_{name}_{part}"] = float(spearmanr(est[sl], exact[sl])[0])
         out[f"abs_error_{name}_median_top"] = float(np.median(np.abs(est[:len(top)] - exact[:len(top)])))
+    if args.saturation:
+        out["saturation"] = _saturated_split(model, {"eap_ig": ig, "eap": eap}, chosen, exact,
+                                             _saturation(args.model, corrupted), *args.saturation)
     out["exact_top10"] = [[ig.at[i, "upstream"], ig.at[i, "downstream"], round(float(e), 4),
                            round(float(ig.at[i, "score"]), 4), round(float(eap.at[i, "score"]), 4)]
                           for i, e in zip(chosen[:10], exact[:10])]
+    if args.skip_curve:
+        out["load_after"] = os.getloadavg()
+        print(json.dumps(out))
+        return
     cpu = time.process_time()
     curve = faithfulness(model, clean, corrupted, metric, ig, sizes=args.sizes, n_random=args.n_random_circuits)
     out["faithfulness_cpu_s"] = time.process_time() - cpu
