@@ -16,6 +16,10 @@ residual-sized tensors per layer (the heads' ``z`` differences, the MLPs' output
 the projections' output gradients), never a tensor per edge or per receiver for the whole sequence; on the flash path
 the backward runs through the kernels' logsumexp and no ``n x n`` matrix is held: the memory of a forward and backward
 of the model, plus O(n) per layer.
+
+Post-norm blocks (``analyses.circuits.postnorm``): ``a_u`` is ``u``'s contribution to the stream ``v`` reads (its
+output carried through the norms between, with the clean run's scales for ``a_u(clean)`` and the corrupted run's for
+``a_u(corrupted)``), the chunk's node outputs carried stream by stream as the contraction walks the norms.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
 from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading
+from .postnorm import carried_differences, recording_scales
 
 __all__ = ["METHODS", "edge_attribution"]
 
@@ -101,7 +106,7 @@ def _node_outputs(model, nodes: list[Node], store: dict, rows: slice, read: dict
 class _Taps:
     """Hooks of one run that keep, for each stream a receiver reads (``reading``), that stream and the gradient where
     the receiver's reading of it goes on: the output columns of its q, k or v, the output of the norm (or MLP) it
-    reads through, or a parallel block's MLP input. Each receiver's gradient with respect to its own input stream is
+    reads through, a parallel block's MLP input, or (post-norm, the metric) the stream itself at the last norm. Each receiver's gradient with respect to its own input stream is
     then that gradient carried back through what it reads the stream with, a chunk of positions at a time."""
 
     def __init__(self, model, receivers: list[Receiver], shape):
@@ -172,6 +177,9 @@ class _Taps:
                 out.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
                 continue
             g = self._rows(g, rows)
+            if read.kind == "output":  # the stream itself (a post-norm model's last norm's output)
+                out.append(g.float())
+                continue
             with torch.enable_grad():
                 # x plus a zero that needs a gradient, not a leaf: module hooks (FlopCounterMode's) refuse a leaf
                 xs = x + torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
@@ -222,8 +230,9 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     with model.studying():
         with torch.no_grad():
             args, kwargs = _arguments(clean)
-            out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
-            clean_value, clean_store = metric(out, clean), {name: cache[name] for name in names}
+            with recording_scales(model, {}) as clean_scales:  # post-norm: each norm's scale, to carry the nodes
+                out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
+            clean_value, clean_store = metric(out, clean), {**{name: cache[name] for name in names}, **clean_scales}
             del out, cache
         for p in model.hf.parameters():
             p.requires_grad_(False)
@@ -237,7 +246,8 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
                 hooks.append((names[1:], _keeping(corrupted_store)))
             with torch.enable_grad():
-                with model.hooks(hooks), taps, _contiguous_output_layer(model):
+                with model.hooks(hooks), taps, _contiguous_output_layer(model), \
+                        recording_scales(model, corrupted_store, enabled=k == 0):
                     out = _run(model, corrupted, **keep)
                     if k == 0:
                         corrupted_store[names[0]] = moved["input"].detach()
@@ -286,12 +296,13 @@ def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, s
     with torch.no_grad():
         for start in range(0, p, chunk):
             rows = slice(start, min(p, start + chunk))
-            diff = (_node_outputs(model, nodes, stores[0], rows, read)
-                    - _node_outputs(model, nodes, stores[1], rows, read)).flatten(1)  # (N, b * c * m)
-            for key in keys:
-                receivers, g = gradients(key, rows)
-                if g is None:
-                    continue
-                n = max(reach[r] for r in receivers)
-                found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
-                scores[:n, [receiver_at[r] for r in receivers]] += found
+            outputs = [_node_outputs(model, nodes, store, rows, read) for store in stores]
+            # (N, b * c * m) at the stream the keys read (post-norm: the nodes carried there with each run's scales)
+            for here, diff in carried_differences(model, nodes, outputs, stores, rows, keys):
+                for key in here:
+                    receivers, g = gradients(key, rows)
+                    if g is None:
+                        continue
+                    n = max(reach[r] for r in receivers)
+                    found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
+                    scores[:n, [receiver_at[r] for r in receivers]] += found
