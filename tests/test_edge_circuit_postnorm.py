@@ -13,7 +13,7 @@ import torch
 from transformers import BertForSequenceClassification
 
 import interp
-from analyses import edge_attribution, edge_effects, edge_patching, graph_edges
+from analyses import edge_attribution, edge_effects, edge_patching, faithfulness, graph_edges, logit_difference
 from tests.tiny import tiny_model
 
 TOL = 1e-5
@@ -214,3 +214,29 @@ def test_eap_is_the_gradient_at_the_receiver_times_the_carried_difference(attn):
         delta = _contribution(model, traces["clean"], up, k) - _contribution(model, traces["corrupted"], up, k)
         want = float((_gradient(model, corrupted, down) * delta).sum().detach())
         assert abs(at[(up, down)] - want) <= 1e-4 * max(1.0, abs(want)), (up, down, at[(up, down)], want)
+
+
+def test_eap_ig_on_long_inputs_gives_the_scores_of_short_ones(monkeypatch):
+    """Each step contracted as it ends and positions in chunks of 2 (the norms' scales sliced alike) give the scores
+    of the steps' gradients summed and every position at once."""
+    from analyses.circuits import attribution
+
+    model = _load(True, attn="flash")
+    clean, corrupted = _batches(5)
+    whole = edge_attribution(model, clean, corrupted, _pooled, method="eap-ig", steps=3)
+    monkeypatch.setattr(attribution, "_SUMMED_ELEMENTS", 0)
+    nodes = whole.drop_duplicates("upstream").shape[0]
+    monkeypatch.setattr(attribution, "_CHUNK_ELEMENTS", nodes * 2 * model.cfg.d_model * 2)  # 2 positions a chunk
+    parts = edge_attribution(model, clean, corrupted, _pooled, method="eap-ig", steps=3)
+    assert whole["score"].abs().max() > 0.1
+    assert (whole["score"] - parts["score"]).abs().max() <= 1e-5 * whole["score"].abs().max()
+
+
+def test_faithfulness_of_every_edge_is_one_on_a_masked_token_metric():
+    model = _load(False)
+    clean, corrupted = _batches(6)
+    metric = logit_difference(5, 7, position=3)  # a masked-LM metric at one token
+    scores = edge_attribution(model, clean, corrupted, metric, method="eap")
+    curve = faithfulness(model, clean, corrupted, metric, scores, sizes=(10, len(scores)), n_random=1, n_bootstrap=20)
+    assert abs(curve["faithfulness"].iloc[-1] - 1) <= 1e-4 and abs(curve["complement"].iloc[-1]) <= 1e-4
+    assert curve["faithfulness"].iloc[0] != curve["random"].iloc[0]
