@@ -128,7 +128,7 @@ def test_one_edge_equals_a_recomputation_by_hand_on_every_kind_of_block(family, 
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-@pytest.mark.parametrize("family", [*KINDS, "gemma2", "cohere", "opt"])
+@pytest.mark.parametrize("family", [*KINDS, "gemma2", "cohere", "opt", "roberta", "distilbert", "electra"])
 def test_every_edge_gives_the_other_run_and_none_the_run_on_every_kind_of_block(family, attn):
     model = _load(family, attn=attn)
     clean, corrupted = _pair(1)

@@ -203,7 +203,7 @@ def test_eap_on_the_flash_path_equals_the_eager_path_and_ig_with_one_step_is_eap
     assert set(five["input"]) == {"q", "k", "v", "mlp", "logits"}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "bert"])  # bert: the norms' scales sliced alike
 def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
     """What long inputs switch on (each step contracted as it ends instead of the steps' gradients summed first;
     positions in several chunks) gives the same scores as the whole at once."""
