@@ -106,8 +106,9 @@ def _node_outputs(model, nodes: list[Node], store: dict, rows: slice, read: dict
 class _Taps:
     """Hooks of one run that keep, for each stream a receiver reads (``reading``), that stream and the gradient where
     the receiver's reading of it goes on: the output columns of its q, k or v, the output of the norm (or MLP) it
-    reads through, a parallel block's MLP input, or (post-norm, the metric) the stream itself at the last norm. Each receiver's gradient with respect to its own input stream is
-    then that gradient carried back through what it reads the stream with, a chunk of positions at a time."""
+    reads through, a parallel block's MLP input, or (post-norm, the metric) the stream itself at the last norm. Each
+    receiver's gradient with respect to its own input stream is then that gradient carried back through what it
+    reads the stream with, a chunk of positions at a time."""
 
     def __init__(self, model, receivers: list[Receiver], shape):
         self.model, self.shape, self.x, self.grad, self.handles = model, shape, {}, {}, []
