@@ -212,3 +212,16 @@ def test_faithfulness_of_every_edge_is_one_on_a_masked_token_metric():
     curve = faithfulness(model, clean, corrupted, metric, scores, sizes=(10, len(scores)), n_random=1, n_bootstrap=20)
     assert abs(curve["faithfulness"].iloc[-1] - 1) <= 1e-4 and abs(curve["complement"].iloc[-1]) <= 1e-4
     assert curve["faithfulness"].iloc[0] != curve["random"].iloc[0]
+
+
+def test_a_post_norm_block_of_another_form_is_refused_in_one_line():
+    import types
+
+    hf = tiny_model("bert")
+    for layer in hf.bert.encoder.layer:  # the residual doubled before the norm: N1 no longer reads x + attention
+        out = layer.attention.output
+        out.forward = types.MethodType(lambda self, h, x: self.LayerNorm(self.dense(h) + 2 * x), out)
+    model = interp.load_model(hf)
+    with pytest.raises(ValueError, match="block 0 of BertForMaskedLM does not have that form .*not supported") as err:
+        graph_edges(model)
+    assert "\n" not in str(err.value)
