@@ -136,9 +136,10 @@ def _by_hand(model, base, other, up, down):
         handle.remove()
 
 
+@pytest.mark.parametrize("attn", ["eager", "flash"])
 @pytest.mark.parametrize("pooled", [True, False])
-def test_one_edge_equals_a_recomputation_by_hand_from_the_hf_modules(pooled):
-    model = _load(pooled)
+def test_one_edge_equals_a_recomputation_by_hand_from_the_hf_modules(pooled, attn):
+    model = _load(pooled, attn=attn)
     clean, corrupted = _batches()
     with torch.no_grad():
         plain = {"clean": model.hf(**clean).logits, "corrupted": model.hf(**corrupted).logits}
