@@ -25,11 +25,11 @@ reads and where what it reads goes on (a head's q/k/v columns of a projection's 
 block's MLP input), for the patched runs and for the gradients of edge attribution alike.
 
 - **post-norm blocks** (BERT, MiniLM, RoBERTa, DistilBERT: a norm after each residual add; see
-  ``analyses.circuits.postnorm``): a node's output is carried through every later norm with that run's own centring and scale, and the constants
-  (the output projection's bias, the norms' betas) belong to the input node, so that the stream a receiver reads is
-  exactly the sum of its upstream nodes' carried contributions in each run. q, k and v read the block's input as
-  it is, an MLP the normed stream after attention (at its first module), the metric the last block's output (no
-  final norm).
+  ``analyses.circuits.postnorm``): a node's output is carried through every later norm with that run's own
+  centring and scale, and the constants (the output projection's bias, the norms' betas) belong to the input node,
+  so that the stream a receiver reads is exactly the sum of its upstream nodes' carried contributions in each run.
+  q, k and v read the block's input as it is, an MLP the normed stream after attention (at its first module), the
+  metric the last block's output (no final norm).
 
 Refused in one line (``check_graph``): encoder-decoder models.
 """
@@ -274,9 +274,8 @@ class Reading(NamedTuple):
     it. ``kind``: ``"stream"`` (the input of ``module``, which is what the receiver reads through: the final norm,
     the norm before a pre-norm block's MLP, the MLP itself where it has none, a post-norm block's MLP's first
     module), ``"output"`` (the output of ``module``: a post-norm model's last norm, which the metric reads),
-    ``"mlp_input"`` (a parallel
-    block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or ``"columns"`` (a head's q, k
-    or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the stream ``x`` grabbed at the
+    ``"mlp_input"`` (a parallel block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or
+    ``"columns"`` (a head's q, k or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the stream ``x`` grabbed at the
     input of ``grab``; ``norm`` None where the attention reads the stream as it is). ``key`` names the grabbed
     stream (shared by the receivers that read the same one)."""
 
