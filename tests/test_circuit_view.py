@@ -232,10 +232,10 @@ def test_the_reports_edge_circuit_on_the_toy_model_and_its_note_where_the_graph_
     assert f"{c['faithfulness'] * 100:.0f}%" in finding and "random circuits of that size" in finding
     page = edge_circuit_html(c, figures, task["name"])
     assert page.count("<img") == 2 and "&lt;b&gt;" in page
-    bert = interp.load_model(tiny_model("bert"))
-    skipped = edge_circuit(bert, task, figures)
-    assert "pre-norm" in skipped["skipped"] and edge_circuit_finding(skipped, "x") is None
-    assert "Not run: Edge circuits need the residual stream to be a sum" in edge_circuit_html(skipped, figures, "x")
+    latent = interp.load_model(tiny_model("deepseek_v3"))  # latent attention: q is not a linear map per head
+    skipped = edge_circuit(latent, task, figures)
+    assert "q_a_layernorm" in skipped["skipped"] and edge_circuit_finding(skipped, "x") is None
+    assert "Not run: Edge circuits patch each head&#x27;s q, k and v input" in edge_circuit_html(skipped, figures, "x")
     import analyses.views.report_circuit as part
 
     monkeypatch.setattr(part, "MAX_GRAPH", 100)

@@ -1,9 +1,9 @@
 """Edge circuits on every kind of block (issue 48, item 6): sandwich norms (Gemma 2/3, OLMo2: a norm on each
 sublayer's output before the residual add), parallel blocks (GPT-NeoX, Phi: attention and MLP read the same input),
-OLMo2's norm over every head's q and k together. One edge patched either way equals a recomputation by hand from the
-HF modules themselves; every edge gives the other run and none the run itself, on both attention paths. Kinds the
-graph does not cover are refused in one line, and bad input gets one line (the model left as it was after a
-metric raises: tests/test_edge_circuits.py, on these kinds too)."""
+OLMo2's norm over every head's q and k together (post-norm encoders: tests/test_edge_circuit_postnorm.py). One edge
+patched either way equals a recomputation by hand from the HF modules themselves; every edge gives the other run and
+none the run itself, on both attention paths. Kinds the graph does not cover are refused in one line, and bad input
+gets one line (the model left as it was after a metric raises: tests/test_edge_circuits.py, on these kinds too)."""
 
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def test_one_edge_equals_a_recomputation_by_hand_on_every_kind_of_block(family, 
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-@pytest.mark.parametrize("family", [*KINDS, "gemma2", "cohere", "opt"])
+@pytest.mark.parametrize("family", [*KINDS, "gemma2", "cohere", "opt", "roberta", "distilbert", "electra"])
 def test_every_edge_gives_the_other_run_and_none_the_run_on_every_kind_of_block(family, attn):
     model = _load(family, attn=attn)
     clean, corrupted = _pair(1)
@@ -156,14 +156,15 @@ def test_a_parallel_blocks_heads_do_not_feed_its_own_mlp(family):
 def test_models_the_graph_does_not_cover_are_refused_in_one_line_naming_why():
     from test_seq2seq import _tiny as tiny_seq2seq
 
-    for model, why in ((interp.load_model(tiny_model("bert")), "post-norm .*rescales everything upstream"),
-                       (interp.load_model(tiny_model("deepseek_v3")), "q, k and v input at its projection.*q_a_layernorm"),
+    for model, why in ((interp.load_model(tiny_model("deepseek_v3")), "q, k and v input at its projection.*q_a_layernorm"),
                        (interp.load_model(tiny_seq2seq("t5")), "encoder-decoder models .*not supported yet"),
                        (interp.load_model(tiny_model("gemma3_text", attention_bias=True)),
                         "output projection adds a bias before the norm")):
         with pytest.raises(ValueError, match=why) as err:
             graph_edges(model)
         assert "\n" not in str(err.value)
+    # post-norm encoders are covered (tests/test_edge_circuit_postnorm.py): BERT is no longer refused
+    assert len(graph_edges(interp.load_model(tiny_model("bert")))) == 110
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi"])

@@ -5,6 +5,8 @@
   input; the logits), as a DataFrame with one row per edge.
 - ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
   downstream input recomputed through the receiver's own norm.
+- ``postnorm``: post-norm blocks (BERT, MiniLM, RoBERTa, DistilBERT): each node's output carried through every
+  later norm with the run's own scale, the constants in the input node, so that the stream is a sum of nodes.
 - ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
 - ``evaluation``: circuits chosen from the scores (top-n, threshold, pruned to what reaches the metric), their
   faithfulness curve by exact patching with bootstrap intervals, MIB's CPR and CMD, random circuits of each size.

@@ -16,6 +16,10 @@ residual-sized tensors per layer (the heads' ``z`` differences, the MLPs' output
 the projections' output gradients), never a tensor per edge or per receiver for the whole sequence; on the flash path
 the backward runs through the kernels' logsumexp and no ``n x n`` matrix is held: the memory of a forward and backward
 of the model, plus O(n) per layer.
+
+Post-norm blocks (``analyses.circuits.postnorm``): ``a_u`` is ``u``'s contribution to the stream ``v`` reads (its
+output carried through the norms between, with the clean run's scales for ``a_u(clean)`` and the corrupted run's for
+``a_u(corrupted)``), the chunk's node outputs carried stream by stream as the contraction walks the norms.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
 from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading
+from .postnorm import carried_differences, norm_steps, recording_scales
 
 __all__ = ["METHODS", "edge_attribution"]
 
@@ -72,29 +77,32 @@ def _output_weight(model, site) -> torch.Tensor:
     return o.weight.float() if isinstance(o, torch.nn.Linear) else o.weight.float().T  # GPT-2's Conv1D: (h * e, m)
 
 
-def _node_differences(model, nodes: list[Node], stores: tuple[dict, dict], rows: slice, read: dict) -> torch.Tensor:
-    """``(N, b, c, m)``: every node's output in the clean run minus the corrupted run's, at positions ``rows``,
-    rebuilt from the runs' compact stores (a head's: its ``z`` through its columns of the output projection, without
-    the bias, as ``hook_result`` has it), read as ``node_readers`` says (sandwich norms). Where a head's output is
-    linear in its ``z`` (no reader), the difference of the ``z`` goes through the projection once."""
+def _node_values(model, nodes: list[Node], stores: tuple, weights: tuple, rows: slice, read: dict) -> torch.Tensor:
+    """``(N, b, c, m)``: every node's output at positions ``rows``, rebuilt from runs' compact stores (a head's: its
+    ``z`` through its columns of the output projection, without the bias, as ``hook_result`` has it), read as
+    ``node_readers`` says (sandwich norms), and summed over the runs with ``weights`` (``(1,)``: one run's outputs;
+    ``(1, -1)``: the clean less the corrupted). Where a head's output is linear in its ``z`` (no reader), the
+    weighted ``z`` goes through the projection once."""
     out: list = [None] * len(nodes)
     sites: dict[str, list[int]] = {}
+
+    def combined(values, fn):
+        return sum(w * fn(v) for w, v in zip(weights, values))
+
     for i, node in enumerate(nodes):
         if node.kind == "head":
             sites.setdefault(node.site, []).append(i)
             continue
         name = hook_name("resid_pre", 0) if node.kind == "input" else hook_name("mlp_out", node.layer)
-        clean, corrupted = (store[name][:, rows].float() for store in stores)
-        out[i] = read[name](clean) - read[name](corrupted) if name in read else clean - corrupted
+        out[i] = combined([store[name][:, rows].float() for store in stores], read.get(name, lambda v: v))
     for site_name, index in sites.items():
         site, name = model.sites[site_name], hook_name("result", site_name)
-        clean, corrupted = (store[hook_name("z", site_name)][:, rows].float() for store in stores)  # (b, c, h, e)
-        w = _output_weight(model, site).reshape(-1, site.n_heads, clean.shape[-1])  # (m, h, e)
+        zs = [store[hook_name("z", site_name)][:, rows].float() for store in stores]  # (b, c, h, e)
+        w = _output_weight(model, site).reshape(-1, site.n_heads, zs[0].shape[-1])  # (m, h, e)
         if name in read:
-            result = (read[name](torch.einsum("bche,mhe->bchm", clean, w))
-                      - read[name](torch.einsum("bche,mhe->bchm", corrupted, w)))
+            result = combined(zs, lambda z: read[name](torch.einsum("bche,mhe->bchm", z, w)))
         else:
-            result = torch.einsum("bche,mhe->bchm", clean - corrupted, w)
+            result = torch.einsum("bche,mhe->bchm", combined(zs, lambda z: z), w)
         for i in index:
             out[i] = result[:, :, nodes[i].head]
     return torch.stack(out)
@@ -104,8 +112,9 @@ def _node_differences(model, nodes: list[Node], stores: tuple[dict, dict], rows:
 class _Taps:
     """Hooks of one run that keep, for each stream a receiver reads (``reading``), that stream and the gradient where
     the receiver's reading of it goes on: the output columns of its q, k or v, the output of the norm (or MLP) it
-    reads through, or a parallel block's MLP input. Each receiver's gradient with respect to its own input stream is
-    then that gradient carried back through what it reads the stream with, a chunk of positions at a time."""
+    reads through, a parallel block's MLP input, or (post-norm, the metric) the stream itself at the last norm. Each
+    receiver's gradient with respect to its own input stream is then that gradient carried back through what it
+    reads the stream with, a chunk of positions at a time."""
 
     def __init__(self, model, receivers: list[Receiver], shape):
         self.model, self.shape, self.x, self.grad, self.handles = model, shape, {}, {}, []
@@ -178,6 +187,9 @@ class _Taps:
                 out.append(torch.zeros(x.shape, dtype=torch.float32, device=x.device))
                 continue
             g = self._rows(g, rows)
+            if read.kind == "output":  # the stream itself (a post-norm model's last norm's output)
+                out.append(g.float())
+                continue
             if read.kind == "columns" and read.weight is not None:
                 found = g[..., read.cols].to(read.weight.dtype) @ read.weight  # at the normed stream
                 if read.norm is not None:
@@ -247,8 +259,9 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     with model.studying():
         with torch.no_grad():
             args, kwargs = _arguments(clean)
-            out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
-            clean_value, clean_store = metric(out, clean), {name: cache[name] for name in names}
+            with recording_scales(model, {}) as clean_scales:  # post-norm: each norm's scale, to carry the nodes
+                out, cache = model.run_with_cache(*args, names=names, **kwargs, **keep)
+            clean_value, clean_store = metric(out, clean), {**{name: cache[name] for name in names}, **clean_scales}
             del out, cache
         for p in model.hf.parameters():
             p.requires_grad_(False)
@@ -262,7 +275,8 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
                 hooks.append((names[1:], _keeping(corrupted_store)))
             with torch.enable_grad():
-                with model.hooks(hooks), taps, _contiguous_output_layer(model):
+                with model.hooks(hooks), taps, _contiguous_output_layer(model), \
+                        recording_scales(model, corrupted_store, enabled=k == 0):
                     out = _run(model, corrupted, **keep)
                     if k == 0:
                         corrupted_store[names[0]] = moved["input"].detach()
@@ -311,11 +325,16 @@ def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, s
     with torch.no_grad():
         for start in range(0, p, chunk):
             rows = slice(start, min(p, start + chunk))
-            diff = _node_differences(model, nodes, stores, rows, read).flatten(1)  # (N, b * c * m)
-            for key in keys:
-                receivers, g = gradients(key, rows)
-                if g is None:
-                    continue
-                n = max(reach[r] for r in receivers)
-                found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
-                scores[:n, [receiver_at[r] for r in receivers]] += found
+            if norm_steps(model):  # post-norm: each run's node outputs carried to each stream with its own scales
+                outputs = [_node_values(model, nodes, (store,), (1.0,), rows, read) for store in stores]
+                pairs = carried_differences(model, nodes, outputs, stores, rows, keys)
+            else:
+                pairs = [(list(keys), _node_values(model, nodes, stores, (1.0, -1.0), rows, read).flatten(1))]
+            for here, diff in pairs:  # (N, b * c * m) at the stream the keys read
+                for key in here:
+                    receivers, g = gradients(key, rows)
+                    if g is None:
+                        continue
+                    n = max(reach[r] for r in receivers)
+                    found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
+                    scores[:n, [receiver_at[r] for r in receivers]] += found

@@ -24,8 +24,14 @@ Where each receiver reads the stream (``reading``): the one place that says whic
 reads and where what it reads goes on (a head's q/k/v columns of a projection's output, a norm's output, a parallel
 block's MLP input), for the patched runs and for the gradients of edge attribution alike.
 
-Refused in one line (``check_graph``): post-norm blocks (BERT, MiniLM: the norm after each residual add rescales
-every upstream node by the run's own scale, so the stream is not a sum of node outputs) and encoder-decoder models.
+- **post-norm blocks** (BERT, MiniLM, RoBERTa, DistilBERT: a norm after each residual add; see
+  ``analyses.circuits.postnorm``): a node's output is carried through every later norm with that run's own
+  centring and scale, and the constants (the output projection's bias, the norms' betas) belong to the input node,
+  so that the stream a receiver reads is exactly the sum of its upstream nodes' carried contributions in each run.
+  q, k and v read the block's input as it is, an MLP the normed stream after attention (at its first module), the
+  metric the last block's output (no final norm).
+
+Refused in one line (``check_graph``): encoder-decoder models.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from hooks.names import hook_name
 from interp.attention.sites import is_layered
 from interp.structure.norms import norm_centres, norm_scale, norm_weight
 from interp.structure.probe import _is_norm
+
+from .postnorm import last_norm, mlp_input, post_norm_layout
 
 __all__ = ["Node", "Reading", "Receiver", "as_edges", "check_graph", "edge_frame", "graph_edges", "mlp_norm", "node_of",
            "node_readers", "reading", "receiver_of", "upstream"]
@@ -85,12 +93,9 @@ def check_graph(model) -> None:
         raise ValueError("Edge circuits need a model with one residual stream (a decoder, or an encoder such as "
                          "BERT); encoder-decoder models (T5, BART), whose cross-attention reads a second stream, are "
                          "not supported yet.")
-    if s.kind == "post-norm":
-        raise ValueError("Edge circuits need the residual stream to be a sum of the blocks' outputs; this model's blocks "
-                         "are post-norm (BERT, MiniLM: a norm after each residual add rescales everything upstream by "
-                         "the run's own scale). Supported: pre-norm, sandwich-norm and parallel blocks.")
-    if s.kind not in ("pre-norm", "parallel"):
-        raise ValueError(f"Edge circuits need pre-norm or parallel blocks; this model's blocks are {s.kind}.")
+    if s.kind not in ("pre-norm", "parallel", "post-norm"):
+        raise ValueError(f"Edge circuits need pre-norm, post-norm or parallel blocks; this model's blocks are "
+                         f"{s.kind}.")
     for l, site in enumerate(model.cfg.sites):
         if s.post_attn_norm[l] is not None and getattr(model.o_proj_of(site), "bias", None) is not None:
             raise ValueError(f"Edge circuits split a normed attention output among its heads; {site.name}'s output "
@@ -104,7 +109,9 @@ def check_graph(model) -> None:
         elif s.mlp[l] is not None and s.resid_mid[l] is None:
             raise ValueError(f"Edge circuits patch an MLP's input on the stream after attention; interp found no "
                              f"module reading that stream in block {l}, not supported.")
-    if model.final_norm() is None:
+    if s.kind == "post-norm":
+        post_norm_layout(model)  # or the one line saying which block is not N2(N1(x + attention) + MLP)
+    elif model.final_norm() is None:
         raise ValueError("Edge circuits read the logits' input at the final norm; this model has no final norm, not "
                          "supported.")
 
@@ -275,13 +282,14 @@ def _column_weight(module, cols: slice) -> torch.Tensor | None:
 class Reading(NamedTuple):
     """Where a receiver reads the residual stream, for the runs that patch it and the backward that differentiates
     it. ``kind``: ``"stream"`` (the input of ``module``, which is what the receiver reads through: the final norm,
-    the norm before a pre-norm block's MLP, or the MLP itself where it has none), ``"mlp_input"`` (a parallel
-    block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or ``"columns"`` (a head's q, k
-    or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the stream ``x`` grabbed at the
-    input of ``grab``; ``norm`` None where the attention reads the stream as it is; ``weight``: the columns'
-    linear map ``(e, m)`` from the normed stream where ``compute`` is one, so that a gradient at the columns is
-    carried back as ``g @ weight``, else None). ``key`` names the grabbed stream (shared by the receivers that read
-    the same one)."""
+    the norm before a pre-norm block's MLP, the MLP itself where it has none, a post-norm block's MLP's first
+    module), ``"output"`` (the output of ``module``: a post-norm model's last norm, which the metric reads),
+    ``"mlp_input"`` (a parallel block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or
+    ``"columns"`` (a head's q, k or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the
+    stream ``x`` grabbed at the input of ``grab``; ``norm`` None where the attention reads the stream as it is;
+    ``weight``: the columns' linear map ``(e, m)`` from the normed stream where ``compute`` is one, so that a gradient
+    at the columns is carried back as ``g @ weight``, else None). ``key`` names the grabbed stream (shared by the
+    receivers that read the same one)."""
 
     kind: str
     key: object
@@ -295,6 +303,13 @@ class Reading(NamedTuple):
 
 def reading(model, r: Receiver) -> Reading:
     """Where receiver ``r`` reads the stream (``Reading``)."""
+    post = model.structure.kind == "post-norm"
+    if r.input == "logits" and post:  # the last block's output, read where its norm writes it
+        norm = last_norm(model)
+        return Reading("output", "final", norm, None, norm)
+    if r.input == "mlp" and post:  # the normed stream after attention, at the module the MLP reads it through
+        module = mlp_input(model, r.layer)
+        return Reading("stream", ("mlp", r.layer), module, None, module)
     if r.input == "logits":
         norm = model.final_norm()
         return Reading("stream", "final", norm, None, norm)

@@ -27,6 +27,7 @@ from interp.runtime.progress import progress
 from ..causal.engine import Prefix, _arguments, _run, _same_output, copies_per_forward, kept_logits, slice_output
 from ..causal.patching import paired_batches, scalar_metric
 from .graph import Node, Receiver, as_edges, edge_frame, graph_edges, node_readers, reading
+from .postnorm import Carrier, recording_scales, replayable_blocks
 
 __all__ = ["EdgeIndex", "circuits_per_forward", "edge_effects", "edge_patching", "node_hook", "node_names",
            "node_output", "patched_run", "patched_runs"]
@@ -97,12 +98,14 @@ class _Patcher:
     that blocks replayed instead of recomputed still count). A receiver's patched input is its stream plus the
     matrix product of its row of the 0/1 mask over senders with ``D``: one product per receiver, whatever the number
     of edges. Where the model norms a sublayer's output (sandwich norms), a node's output is read as
-    ``node_readers`` has it, as it is computed."""
+    ``node_readers`` has it, as it is computed. Post-norm blocks: the senders' contributions in this run and in the
+    source run are each carried through the norms as the run passes them (``postnorm.Carrier``), and the stack is
+    their difference at the stream the run is at."""
 
     def __init__(self, model, source: dict | None, masks: torch.Tensor | None = None, index: EdgeIndex | None = None,
                  base: dict | None = None):
         self.model, self.source, self.base, self.index = model, source, base, index
-        self.x, self.stack, self.read = {}, None, node_readers(model)
+        self.x, self.stack, self.read, self.carrier = {}, None, node_readers(model), None
         self.rows: dict[Receiver, int] = {}
         self.reach = {}
         if masks is not None and bool(masks.any()):
@@ -122,20 +125,29 @@ class _Patcher:
         if len(shapes) > 1:
             raise ValueError("Edge patching stacks the node outputs, which must share one shape; got "
                              f"{sorted(shapes)}.")
-        self.stack = first.new_zeros(copies, self.width, first.numel())
         self.masks = self.masks.to(first.device, first.dtype)
+        self.dtype = first.dtype
+        if self.model.structure.kind == "post-norm":
+            self.carrier = Carrier(self.model, self.index.nodes, self.source, self.base)
+            self.carrier.allocate(copies, self.width, first)
+        else:
+            self.stack = first.new_zeros(copies, self.width, first.numel())
 
     def _fill(self, act: torch.Tensor, hook: str, nodes: list[tuple[int, Node]], copies: int):
         """``source_u - run_u`` for the ``nodes`` that ``hook`` carries, from its value ``act`` ``(copies * b, ...)``
         (``copies`` 1: the same for every copy)."""
         for i, u in nodes:
-            run = node_output({hook: act}, u).reshape(copies, -1).to(self.stack.dtype)
-            self.stack[:, i] = node_output(self.source, u).to(self.stack.dtype).reshape(1, -1) - run
+            run = node_output({hook: act}, u).reshape(copies, -1).to(self.dtype)
+            source = node_output(self.source, u).to(self.dtype).reshape(1, -1)
+            if self.carrier is None:
+                self.stack[:, i] = source - run
+            else:
+                self.carrier.fill(i, run, source)
 
     def _keep(self, nodes):
         def hook(act, point):
             read = self.read.get(point.name)
-            self._fill(act if read is None else read(act), point.name, nodes, self.stack.shape[0])
+            self._fill(act if read is None else read(act), point.name, nodes, self.copies)
         return hook
 
     def deltas(self, receivers: list[Receiver], like: torch.Tensor) -> list[torch.Tensor | float]:
@@ -146,7 +158,8 @@ class _Patcher:
             reach = max(self.reach[receivers[j]] for j in patched)
             rows = torch.tensor([self.rows[receivers[j]] for j in patched])
             mask = self.masks[:, rows, :reach]  # (c, r, n)
-            moved = torch.bmm(mask, self.stack[:, :reach])  # (c, r, b * p * m)
+            stack = self.stack if self.carrier is None else self.carrier.difference()
+            moved = torch.bmm(mask, stack[:, :reach])  # (c, r, b * p * m)
             for k, j in enumerate(patched):
                 out[j] = moved[:, k].reshape(like.shape)
         return out
@@ -155,6 +168,11 @@ class _Patcher:
         def pre(module, args):
             return (args[0] + self.deltas([receiver], args[0])[0], *args[1:])
         return pre
+
+    def _output(self, receiver: Receiver):
+        def post(module, args, out):
+            return out + self.deltas([receiver], out)[0]
+        return post
 
     def _grab(self, key):
         def pre(module, args):
@@ -208,13 +226,15 @@ class _Patcher:
                     for hook, nodes in senders.items():
                         self._fill(self.base[hook], hook, nodes, 1)
                 stack.enter_context(model.hooks([([h], self._keep(n)) for h, n in senders.items()]))
-            handles = []
+            handles = [] if self.carrier is None else [m.register_forward_pre_hook(h)
+                                                             for m, h in self.carrier.hooks(model._blocks)]
             by_module: dict = {}
             grabbed = {}
             for r in self.receivers:
                 read = reading(model, r)
-                if read.kind == "stream":
-                    handles.append(read.module.register_forward_pre_hook(self._stream(r)))
+                if read.kind in ("stream", "output"):
+                    handles.append(read.module.register_forward_pre_hook(self._stream(r)) if read.kind == "stream"
+                                   else read.module.register_forward_hook(self._output(r)))
                     continue
                 grabbed.setdefault(read.key, read.grab)
                 if read.kind == "mlp_input":
@@ -241,15 +261,17 @@ class _Patcher:
                         module.__dict__.pop("forward", None)
                     else:
                         module.forward = forward
-                self.stack = None
+                self.stack = self.carrier = None
 
 
 def source_outputs(model, batch, **keep) -> tuple[object, dict]:
-    """A run's output and every node's output (the hooks of ``node_names``)."""
+    """A run's output and every node's output (the hooks of ``node_names``; post-norm: and its norms' scales)."""
     args, kwargs = _arguments(batch)
-    output, cache = model.run_with_cache(*args, names=node_names(model), **kwargs, **keep)
+    with recording_scales(model, {}) as scales:
+        output, cache = model.run_with_cache(*args, names=node_names(model), **kwargs, **keep)
     read = node_readers(model)
-    return output, {name: read[name](cache[name]) if name in read else cache[name] for name in node_names(model)}
+    outputs = {name: read[name](cache[name]) if name in read else cache[name] for name in node_names(model)}
+    return output, {**outputs, **scales}
 
 
 def patched_runs(model, batch, source: dict, chosen: torch.Tensor, index: EdgeIndex, **keep):
@@ -274,6 +296,7 @@ def circuits_per_forward(model, batch, index: EdgeIndex, memory_budget: float | 
         memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
     ids = batch["input_ids"]
     stack = len(index.nodes) * ids.numel() * model.cfg.d_model * torch.finfo(model.dtype).bits // 8
+    stack *= 2 if model.structure.kind == "post-norm" else 1  # the run's carried contributions and the difference
     activations = memory_budget / copies_per_forward(model, batch, memory_budget, kept)
     return max(1, int(memory_budget // (activations + stack)))
 
@@ -319,7 +342,8 @@ def edge_effects(model, clean, corrupted, edges, metric, run: str = "corrupted",
     metric = scalar_metric(metric)
     keep = kept_logits(model, metric, base)
     per = circuits_per_forward(model, base, index, memory_budget, keep.get("logits_to_keep"))
-    layers = [index.receivers[int(index.receiver_of[e])].layer for e in positions]
+    last = replayable_blocks(model)  # post-norm: the metric reads the last block's own norm, which must run
+    layers = [min(index.receivers[int(index.receiver_of[e])].layer, last) for e in positions]
     order = sorted(range(len(positions)), key=lambda j: -layers[j])  # late receivers first: most blocks replayed
     chunks = [order[i:i + per] for i in range(0, len(order), per)]
     effects, b, blocks, checked = [float("nan")] * len(positions), base["input_ids"].shape[0], 0, False
