@@ -76,9 +76,17 @@ def test_nothing_compressed_keeps_the_circuits_faithfulness_and_the_whole_graph_
     whole = compression_table(llama, clean, corrupted, metric, edge_frame(graph_edges(llama)), {"none": []},
                               methods=["prune"], n_bootstrap=50)
     assert abs(whole["faithfulness"].iloc[0] - 1) <= 1e-4 and abs(whole["kept"].iloc[0] - 1) <= 1e-4
+    # every head streaming with every key in its window (12 tokens <= 4 sinks + 8 recent): nothing cut, nothing lost
+    heads = [(l, h) for l in range(2) for h in range(4)]
+    wide = compression_table(llama, clean, corrupted, metric, circuit, {"all": heads}, methods=["stream"], sink=4,
+                             window=8, n_bootstrap=50).iloc[0]
+    assert wide["edges_cut"] == 0 and abs(wide["kept"] - df["faithfulness"].iloc[0]) <= 1e-9
+    assert abs(wide["metric"] - df.attrs["clean"]) <= TOL
 
 
-def test_every_head_compressed_keeps_what_patching_the_circuit_less_its_cut_edges_gives(llama):
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_every_head_compressed_keeps_what_patching_the_circuit_less_its_cut_edges_gives(attn):
+    llama = interp.load_model(tiny_model("llama"), attn=attn)
     clean, corrupted = _pair(1)
     metric = logit_difference(5, 7)
     circuit = _circuit(llama, every=2)
