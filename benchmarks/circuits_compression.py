@@ -22,6 +22,7 @@ import warnings
 
 import pandas as pd
 import torch
+from scipy.stats import spearmanr
 
 import interp
 from analyses import (compression_table, edge_attribution, induction_task, ioi_task, needle_task, select_circuit)
@@ -63,7 +64,14 @@ def main() -> None:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--bootstrap", type=int, default=200)
+    p.add_argument("--reprint", default=None, help="print the tables again from a saved output of this script")
     a = p.parse_args()
+    if a.reprint:
+        with open(a.reprint) as f:
+            lines = [json.loads(line) for line in f if line.startswith('{"task"')]
+        tables = [pd.DataFrame(line["rows"]) for line in lines]
+        _markdown(pd.concat(tables), None)
+        return
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", KVHeadsNote)
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg(),
@@ -102,7 +110,7 @@ def _markdown(df: pd.DataFrame, n_heads: int) -> None:
     df = df.copy()
     df["order"], df["share"] = zip(*[(s.split("@")[0], s.split("@")[1]) for s in df["set"]])
     df["order"] = df["order"].str.replace(r"random\d+", "random", regex=True)
-    print(f"\n| task | method | share (heads of {n_heads}) | order | edges cut / n | partial | faithfulness kept "
+    print(f"\n| task | method | share (heads{'' if n_heads is None else f' of {n_heads}'}) | order | edges cut / n | partial | faithfulness kept "
           "[95%; random: min, max of the draws] (whole circuit) | metric kept [random: min, max] |")
     print("|---|---|---|---|---|---|---|---|")
     for (task, method, share, order), g in df.groupby(["task", "method", "share", "order"], sort=False):
@@ -116,6 +124,11 @@ def _markdown(df: pd.DataFrame, n_heads: int) -> None:
                      f"{g.kept.mean():.3f} [{g.kept.min():.3f}, {g.kept.max():.3f}] ({g.faithfulness.iloc[0]:.3f})",
                      f"{g.metric_kept.mean():.3f} [{g.metric_kept.min():.3f}, {g.metric_kept.max():.3f}]")
         print(f"| {task} | {method} | {share} ({g.heads.iloc[0]}) | {order} | " + " | ".join(cells) + " |")
+    print("\n| task | method | Spearman over head sets: faithfulness kept vs metric kept | edges cut vs metric kept |")
+    print("|---|---|---|---|")
+    for (task, method), g in df.groupby(["task", "method"], sort=False):
+        kept, cut = spearmanr(g["kept"], g["metric_kept"])[0], spearmanr(g["edges_cut"], g["metric_kept"])[0]
+        print(f"| {task} | {method} | {kept:.2f} | {cut:.2f} |")
 
 
 if __name__ == "__main__":
