@@ -35,6 +35,7 @@ import pandas as pd
 import torch
 
 from interp.attention.sites import check_heads
+from interp.runtime.progress import progress
 from interp.streaming import KVHeadsNote, stream_heads
 
 from ..causal.ablation import ablate_heads
@@ -155,7 +156,7 @@ def compression_table(model, clean, corrupted, metric, circuit, sets: dict, meth
         tokens = _tokens(ev.clean)
         inside = ev.inside(edge_frame(as_edges(model, circuit)))
         masks.append(~inside)
-        for name, heads in sets.items():
+        for name, heads in progress(list(sets.items()), desc="compressed runs", unit="set"):
             for method in methods:
                 cuts = compression_cuts(model, circuit, heads, method, tokens, sink, window)
                 cut, either = ev.inside(cuts[cuts["cut"]]), ev.inside(cuts[cuts["cut"] | cuts["partial"]])
