@@ -61,6 +61,7 @@ _LAZY = {
     "greater_than_task": "circuits.tasks",
     "needle_task": "circuits.tasks",
     **dict.fromkeys(["Circuit", "circuit_of", "diff_circuits", "load_circuit"], "circuits.saved"),  # with provenance
+    **dict.fromkeys(["compression_cuts", "compression_table"], "circuits.compression"),  # what streaming/pruning cuts
     # views/: every name of analyses/views/ (save_figure, long_view, ...)
     **{name: f"views.{module}" for name, module in _VIEWS.items()},
 }

@@ -13,6 +13,8 @@
 - ``saved``: a circuit with its provenance (digests of weights, tokenizer and prompts; versions; method, steps,
   metric; the faithfulness curve) as JSON, loaded back exactly and refused for another model or an edited file;
   the diff of two.
+- ``compression``: the circuit edges that streaming or pruning a set of heads cuts, the faithfulness the circuit
+  keeps without them, beside the task metric under the compression itself.
 
 May import ``hooks``, ``interp`` and the study rooms of ``analyses`` (engine, batches, metrics, patching); nothing
 here imports the views or the CLI. Not ``interp.lens.circuits`` (low-rank OV/QK circuits of weights, another meaning).
