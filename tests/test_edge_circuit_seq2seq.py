@@ -28,13 +28,17 @@ def _pair(seed=0, src=7, tgt=5):
     return make(), make()
 
 
-def _t5(attn="flash", attention_only=False):
-    hf = tiny_seq2seq("t5")
-    if attention_only:  # no MLP carries a sender's effect another way
-        with torch.no_grad():
-            for block in [*hf.encoder.block, *hf.decoder.block]:
-                block.layer[-1].DenseReluDense.wo.weight.zero_()
-    return interp.load_model(hf, attn=attn)
+def _t5(attn="flash", attention_only=False, family="t5"):
+    model = interp.load_model(tiny_seq2seq(family), attn=attn)
+    if attention_only:  # no MLP carries a sender's effect another way: each MLP's last linear map zeroed
+        for stack in ("encoder", "decoder"):
+            for block, path in zip(model._blocks[stack], model.stack_structure.mlp[stack]):
+                last = [m for m in block.get_submodule(path).modules() if getattr(m, "weight", None) is not None][-1]
+                with torch.no_grad():
+                    last.weight.zero_()
+                    if last.bias is not None:
+                        last.bias.zero_()
+    return model
 
 
 def _attention(hf, site: str):
@@ -155,8 +159,9 @@ def test_the_graph_has_two_streams_and_cross_attention_keys_read_the_encoder():
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-def test_every_edge_gives_the_other_run_and_none_the_run(attn):
-    model = _t5(attn)
+@pytest.mark.parametrize("family", ["t5", "mbart"])  # mBART: pre-norm too, with biases and LayerNorms
+def test_every_edge_gives_the_other_run_and_none_the_run(family, attn):
+    model = _t5(attn, family=family)
     clean, corrupted = _pair(1, src=9, tgt=4)  # source and target of different lengths
     every = [(u.name, r.name) for u, r in graph_edges(model)]
     logits = {"clean": _hf_run(model, clean), "corrupted": _hf_run(model, corrupted)}
@@ -303,3 +308,65 @@ def test_the_t5_model_is_left_as_it_was_also_when_the_metric_raises(study):
     assert model.hf.training
     assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
     assert_clean(model, weights)
+
+
+def test_a_t5_circuit_is_saved_and_loaded_back(tmp_path):
+    from analyses.circuits.saved import circuit_of, load_circuit
+
+    model = _t5()
+    clean, corrupted = _pair(5)
+    scores = edge_attribution(model, clean, corrupted, logit_difference(5, 7), method="eap")
+    circuit = circuit_of(model, scores, clean, corrupted, edges=30)
+    assert circuit.provenance["graph"]["mlp"] == ["encoder.mlp.0", "encoder.mlp.1", "decoder.mlp.0", "decoder.mlp.1"]
+    back = load_circuit(circuit.save(tmp_path / "t5.json"), model)
+    assert list(back.edges["upstream"]) == list(circuit.edges["upstream"])
+    assert list(back.edges["downstream"]) == list(circuit.edges["downstream"])
+
+
+@pytest.mark.parametrize("family", ["t5", "bart", "mbart", "marian"])
+def test_every_seq2seq_family_has_per_head_results_and_mlp_outputs(family):
+    """hook_result: each head's share of the output projection (they sum to the attention output less its bias, and an
+    edit reaches the model); hook_mlp_out: what the block's MLP adds (T5, mBART: the block's output minus the stream
+    before the MLP; BART, Marian: the final norm's input minus it)."""
+    model = interp.load_model(tiny_seq2seq(family))
+    batch, _ = _pair(6)
+    sites = model.cfg.sites
+    names = [f"{s.name}.hook_result" for s in sites] + [f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"
+                                                        for s in sites]
+    names += [f"{stack}.blocks.{l}.hook_{kind}" for stack in ("encoder", "decoder") for l in range(2)
+              for kind in ("mlp_out", "resid_pre", "resid_post")]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(batch, names=names)
+    for s in sites:
+        o = model.o_proj_of(s)
+        out = cache[f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"]
+        bias = 0 if o.bias is None else o.bias
+        assert (cache[f"{s.name}.hook_result"].sum(2) + bias - out).abs().max() <= 1e-5, s.name
+    for stack in ("encoder", "decoder"):
+        for l in range(2):
+            mlp = cache[f"{stack}.blocks.{l}.hook_mlp_out"]
+            assert mlp.abs().max() > 1e-3
+            if model.stack_structure.kind == "pre-norm":  # the block adds its sublayers' outputs, the MLP's last
+                added = cache[f"{stack}.blocks.{l}.hook_resid_post"] - cache[f"{stack}.blocks.{l}.hook_resid_pre"]
+                added -= sum(cache[f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"]
+                             for s in sites if s.stack == stack and s.block == l)
+                assert (added - mlp).abs().max() <= 1e-5, (stack, l)
+    site = sites[-1]  # the last cross-attention: zeroing head 1's result = zeroing its z
+    zero_result = lambda act, hook: act.index_fill(2, torch.tensor([1]), 0.0)  # noqa: E731
+    with torch.no_grad():
+        a = model.run_with_hooks(batch, fwd_hooks=[(f"{site.name}.hook_result", zero_result)]).logits
+        b = model.run_with_hooks(batch, fwd_hooks=[(f"{site.name}.hook_z", zero_result)]).logits
+        plain = model(batch).logits
+    assert (a - plain).abs().max() > 1e-4 and (a - b).abs().max() <= 1e-5
+    # hook_mlp_out is what the MLP adds: zeroing it equals a block whose MLP adds nothing
+    block = model._blocks["decoder"][1]
+    mlp = block.get_submodule(model.stack_structure.mlp["decoder"][1])
+    handle = mlp.register_forward_hook(lambda m, args, out: torch.zeros_like(out))
+    try:
+        with torch.no_grad():
+            want = model(batch).logits
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        got = model.run_with_hooks(batch, fwd_hooks=[("decoder.blocks.1.hook_mlp_out", lambda a, h: a * 0)]).logits
+    assert (got - plain).abs().max() > 1e-4 and torch.equal(got, want)
