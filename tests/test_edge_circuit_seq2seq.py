@@ -15,7 +15,7 @@ import torch
 import interp
 from analyses import (edge_attribution, edge_patching, faithfulness, graph_edges, logit_difference, path_patching,
                       select_circuit)
-from test_ablation import _weights, assert_clean
+from test_edge_circuits import left_as_it_was
 from test_seq2seq import _tiny as tiny_seq2seq
 
 TOL = 1e-5
@@ -281,33 +281,7 @@ def test_the_t5_model_is_left_as_it_was_also_when_the_metric_raises(study):
     model = _t5()
     model.hf.train()
     model.hf.decoder.block[0].layer[1].EncDecAttention.k.weight.requires_grad_(False)
-    weights, grads = _weights(model), {n: p.requires_grad for n, p in model.hf.named_parameters()}
-    clean, corrupted = _pair(7)
-    good = logit_difference(5, 7)
-    scores = edge_attribution(model, clean, corrupted, good, method="eap")
-    calls = {"n": 0}
-
-    def broken(output, inputs):
-        calls["n"] += 1
-        if calls["n"] > 2:
-            raise RuntimeError("the metric broke")
-        return good(output, inputs)
-
-    torch.manual_seed(11)
-    state = torch.get_rng_state()
-    with pytest.raises(RuntimeError, match="the metric broke"):
-        if study == "attribution":
-            calls["n"] = 1
-            edge_attribution(model, clean, corrupted, broken, method="eap-ig", steps=2)
-        elif study == "patching":
-            calls["n"] = 2
-            edge_patching(model, clean, corrupted, [("encoder.input", "decoder.blocks.0.cross_attn:0.k")], broken)
-        else:
-            faithfulness(model, clean, corrupted, broken, scores, sizes=(3,), n_random=1)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert model.hf.training
-    assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
-    assert_clean(model, weights)
+    left_as_it_was(model, *_pair(7), study, ("encoder.input", "decoder.blocks.0.cross_attn:0.k"))
 
 
 def test_a_t5_circuit_is_saved_and_loaded_back(tmp_path):
