@@ -19,13 +19,24 @@ Where a node's output is read (``node_readers``):
   patched value is its contribution in the source run, not its output rescaled by the receiving run.
 - **parallel blocks** (GPT-NeoX, Phi, Cohere): attention and MLP read the same block input, so a block's MLP
   reads its input (through the MLP's own norm) and the heads of that block are not upstream of it.
+- **pre-norm encoder-decoders** (T5, mBART; ``analyses.circuits.stacks``): two streams, each the sum of its own
+  nodes. Nodes ``"encoder.input"``, ``"decoder.input"``, every head ``(site, head)`` of the encoder's
+  self-attention and the decoder's self- and cross-attention, ``"encoder.mlp.{l}"``, ``"decoder.mlp.{l}"``
+  (``Node.stack``). Encoder q/k/v and MLPs read the encoder's stream; decoder self-attention q/k/v,
+  cross-attention **q**, decoder MLPs read the decoder's (in a decoder block: self-attention, then
+  cross-attention, then the MLP); cross-attention **k and v** read the encoder's final stream through the
+  encoder's final norm (recomputed when an edge is patched), so every encoder node and no decoder node feeds
+  them; the logits read the decoder's final stream through its final norm. T5's relative position bias is left
+  as the model computes it. Patching and attribution keep one stack of node differences per stream (the source
+  and the target have their own lengths).
 
 Where each receiver reads the stream (``reading``): the one place that says which module's input is the stream it
 reads and where what it reads goes on (a head's q/k/v columns of a projection's output, a norm's output, a parallel
 block's MLP input), for the patched runs and for the gradients of edge attribution alike.
 
-Refused in one line (``check_graph``): post-norm blocks (BERT, MiniLM: the norm after each residual add rescales
-every upstream node by the run's own scale, so the stream is not a sum of node outputs) and encoder-decoder models.
+Refused in one line (``check_graph``): post-norm blocks (BERT, MiniLM, and the encoder-decoders BART and Marian:
+the norm after each residual add rescales every upstream node by the run's own scale, so the stream is not a sum
+of node outputs).
 """
 
 from __future__ import annotations
