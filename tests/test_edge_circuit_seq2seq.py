@@ -349,3 +349,16 @@ def test_every_seq2seq_family_has_per_head_results_and_mlp_outputs(family):
     with torch.no_grad():
         got = model.run_with_hooks(batch, fwd_hooks=[("decoder.blocks.1.hook_mlp_out", lambda a, h: a * 0)]).logits
     assert (got - plain).abs().max() > 1e-4 and torch.equal(got, want)
+
+
+def test_edge_effects_batch_t5_edges_as_copies_and_equal_one_edge_at_a_time():
+    from analyses.circuits.patching import edge_effects
+
+    model = _t5()
+    clean, corrupted = _pair(5)
+    metric = logit_difference(5, 7)
+    df = edge_effects(model, clean, corrupted, EDGES, metric)  # several edges per forward, copies of the batch
+    assert df.attrs["forwards"] < len(EDGES)
+    for (up, down), effect in zip(EDGES, df["effect"]):
+        one = edge_patching(model, clean, corrupted, [(up, down)], metric, run="corrupted") - df.attrs["run"]
+        assert abs(effect - one) <= TOL, (up, down, effect, one)
