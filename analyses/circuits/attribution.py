@@ -157,7 +157,7 @@ class _Taps:
     def _rows(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
         """``t`` as ``(b, p, ...)`` (a module run on ``(b * p, m)``, OPT's MLP, reshaped) at positions ``rows``."""
         if t.ndim == 2:
-            t = t.reshape(*self.shape, t.shape[-1])
+            t = t.reshape(self.shape[0], -1, t.shape[-1])  # its own stream's positions (an encoder-decoder's two)
         return t[:, rows]
 
     def stream_gradients(self, key, rows: slice) -> tuple[list[Receiver], torch.Tensor | None]:
