@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import interp
+from hooks.names import hook_name
 from analyses import (edge_attribution, edge_patching, faithfulness, graph_edges, logit_difference, path_patching,
                       select_circuit)
 from test_edge_circuits import left_as_it_was
@@ -310,15 +311,15 @@ def test_every_seq2seq_family_has_per_head_results_and_mlp_outputs(family):
     model = interp.load_model(tiny_seq2seq(family))
     batch, _ = _pair(6)
     sites = model.cfg.sites
-    names = [f"{s.name}.hook_result" for s in sites] + [f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"
-                                                        for s in sites]
+    out_name = lambda s: hook_name("cross_attn_out" if s.kind == "cross" else "attn_out", s.block, s.stack)  # noqa: E731
+    names = [f"{s.name}.hook_result" for s in sites] + [out_name(s) for s in sites]
     names += [f"{stack}.blocks.{l}.hook_{kind}" for stack in ("encoder", "decoder") for l in range(2)
               for kind in ("mlp_out", "resid_pre", "resid_post")]
     with torch.no_grad():
         _, cache = model.run_with_cache(batch, names=names)
     for s in sites:
         o = model.o_proj_of(s)
-        out = cache[f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"]
+        out = cache[out_name(s)]
         bias = 0 if o.bias is None else o.bias
         assert (cache[f"{s.name}.hook_result"].sum(2) + bias - out).abs().max() <= 1e-5, s.name
     for stack in ("encoder", "decoder"):
@@ -327,8 +328,7 @@ def test_every_seq2seq_family_has_per_head_results_and_mlp_outputs(family):
             assert mlp.abs().max() > 1e-3
             if model.stack_structure.kind == "pre-norm":  # the block adds its sublayers' outputs, the MLP's last
                 added = cache[f"{stack}.blocks.{l}.hook_resid_post"] - cache[f"{stack}.blocks.{l}.hook_resid_pre"]
-                added -= sum(cache[f"{s.name.rsplit('.', 1)[0]}.hook_{'cross_' if s.kind == 'cross' else ''}attn_out"]
-                             for s in sites if s.stack == stack and s.block == l)
+                added -= sum(cache[out_name(s)] for s in sites if s.stack == stack and s.block == l)
                 assert (added - mlp).abs().max() <= 1e-5, (stack, l)
     site = sites[-1]  # the last cross-attention: zeroing head 1's result = zeroing its z
     zero_result = lambda act, hook: act.index_fill(2, torch.tensor([1]), 0.0)  # noqa: E731

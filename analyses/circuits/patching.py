@@ -99,8 +99,9 @@ class _Patcher:
     """The hooks of one run over ``c`` copies of a batch, copy ``i`` patching the edges of ``masks[i]``.
 
     Node outputs are written as they are computed into one stack per residual stream ``D: (c, nodes, b * p * m)``
-    (an encoder-decoder model's encoder and decoder have two, of their own lengths) holding ``source_u - run_u`` (prefilled with ``source_u - base_u`` from ``base``, the run's own node outputs where it has them, so
-    that blocks replayed instead of recomputed still count). A receiver's patched input is its stream plus the
+    (an encoder-decoder model's encoder and decoder have two, of their own lengths) holding ``source_u - run_u``
+    (prefilled with ``source_u - base_u`` from ``base``, the run's own node outputs where it has them, so that
+    blocks replayed instead of recomputed still count). A receiver's patched input is its stream plus the
     matrix product of its row of the 0/1 mask over senders with ``D``: one product per receiver, whatever the number
     of edges. Where the model norms a sublayer's output (sandwich norms), a node's output is read as
     ``node_readers`` has it, as it is computed."""

@@ -43,7 +43,8 @@ class Circuit:
     """A circuit: ``edges`` (one row per edge, ``edge_attribution``'s columns, highest ``|score|`` first; its attrs:
     method, steps, metric, clean and corrupted values), ``provenance`` (model, versions, prompts, method, steps,
     metric, task, the graph's sites ``[name, layer, heads, key/value heads]`` and MLP layers (an encoder-decoder
-    model's MLP nodes by name, ``"decoder.mlp.1"``), total edges scored, when), ``curve`` (``faithfulness``'s table, its attrs CPR and CMD), or None."""
+    model's MLP nodes by name, ``"decoder.mlp.1"``), total edges scored, when), ``curve`` (``faithfulness``'s table,
+    its attrs CPR and CMD), or None."""
 
     edges: pd.DataFrame
     provenance: dict = field(default_factory=dict)

@@ -159,8 +159,7 @@ class ModelCache(ActivationCache):
         name = f"{prefix}.{layer}.hook_{kind}"
         if name not in self._store:
             why = (" (parallel blocks have no resid_mid; post-norm ones have it after their norm)" if kind == "resid_mid"
-                   else " (an encoder-decoder model's are named encoder.blocks.N.hook_mlp_out, decoder.blocks.N...)"
-                   if kind == "mlp_out" else "")
+                   else " (an encoder-decoder's: {encoder,decoder}.blocks.N.hook_mlp_out)" if kind == "mlp_out" else "")
             raise KeyError(f"{name} is not in this cache{why}.")
         return self._store[name]
 
