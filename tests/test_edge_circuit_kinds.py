@@ -157,7 +157,7 @@ def test_models_the_graph_does_not_cover_are_refused_in_one_line_naming_why():
     from test_seq2seq import _tiny as tiny_seq2seq
 
     for model, why in ((interp.load_model(tiny_model("deepseek_v3")), "q, k and v input at its projection.*q_a_layernorm"),
-                       (interp.load_model(tiny_seq2seq("t5")), "encoder-decoder models .*not supported yet"),
+                       (interp.load_model(tiny_seq2seq("bart")), "BartForConditionalGeneration's blocks are post-norm"),
                        (interp.load_model(tiny_model("gemma3_text", attention_bias=True)),
                         "output projection adds a bias before the norm")):
         with pytest.raises(ValueError, match=why) as err:
@@ -165,6 +165,7 @@ def test_models_the_graph_does_not_cover_are_refused_in_one_line_naming_why():
         assert "\n" not in str(err.value)
     # post-norm encoders are covered (tests/test_edge_circuit_postnorm.py): BERT is no longer refused
     assert len(graph_edges(interp.load_model(tiny_model("bert")))) == 110
+    assert graph_edges(interp.load_model(tiny_seq2seq("t5")))  # a pre-norm encoder-decoder has a graph (test_edge_circuit_seq2seq)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi"])

@@ -149,8 +149,8 @@ def test_bad_edges_and_unsupported_models_get_one_line():
         edge_patching(model, clean, corrupted, [("input", "blocks.1.attn:3.k")])
     with pytest.raises(ValueError, match="No upstream node 'mlp.7'"):
         edge_patching(model, clean, corrupted, [("mlp.7", "logits")])
-    with pytest.raises(ValueError, match="encoder-decoder models .* are not supported yet"):
-        graph_edges(interp.load_model(tiny_seq2seq("t5")))
+    with pytest.raises(ValueError, match="post-norm .*BART"):  # T5 (pre-norm): test_edge_circuit_seq2seq.py
+        graph_edges(interp.load_model(tiny_seq2seq("bart")))
 
 
 def _linear_one_layer():
@@ -322,13 +322,19 @@ def test_greater_than_task_is_built_from_the_tokenizer_and_refused_where_it_spli
 @pytest.mark.parametrize("study", ["attribution", "patching", "faithfulness"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi", "olmo2"])  # pre-norm, sandwich, parallel, no in-norm
 def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study, family):
-    from test_ablation import _weights, assert_clean
-
     model = interp.load_model(tiny_model(family))
     model.hf.train()
     model.hf.model.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+    left_as_it_was(model, *_pair(7), study, ("input", "logits"))
+
+
+def left_as_it_was(model, clean, corrupted, study: str, edge) -> None:
+    """``study`` (attribution, patching of ``edge``, faithfulness) with a metric that raises on its third call leaves
+    the model's weights, hooks, training mode, gradient flags and the RNG as they were."""
+    from test_ablation import _weights, assert_clean
+
     weights, grads = _weights(model), {n: p.requires_grad for n, p in model.hf.named_parameters()}
-    clean, corrupted = _pair(7)
+    training = model.hf.training
     good = logit_difference(5, 7)
     scores = edge_attribution(model, clean, corrupted, good, method="eap")
     calls = {"n": 0}
@@ -347,11 +353,11 @@ def test_the_model_is_left_as_it_was_also_when_the_metric_raises(study, family):
             edge_attribution(model, clean, corrupted, broken, method="eap-ig", steps=2)
         elif study == "patching":
             calls["n"] = 2
-            edge_patching(model, clean, corrupted, [("input", "logits")], broken)
+            edge_patching(model, clean, corrupted, [edge], broken)
         else:
             faithfulness(model, clean, corrupted, broken, scores, sizes=(3,), n_random=1)
     assert torch.equal(torch.get_rng_state(), state)
-    assert model.hf.training
+    assert model.hf.training == training
     assert {n: p.requires_grad for n, p in model.hf.named_parameters()} == grads
     assert_clean(model, weights)
 

@@ -2,7 +2,8 @@
 
 - ``graph``: the nodes (the input, each head's output as ``(site, head)``, each MLP's output) and the edges into
   each downstream input (a head's q, k or v input, under GQA k and v belonging to the key/value head; an MLP's
-  input; the logits), as a DataFrame with one row per edge.
+  input; the logits), as a DataFrame with one row per edge; ``nodes`` holds their data types and ``stacks`` the
+  graph of a pre-norm encoder-decoder (T5: two streams, cross-attention's k and v reading the encoder's).
 - ``patching``: exact edge patching: a run in which chosen edges carry another run's sender outputs, every
   downstream input recomputed through the receiver's own norm.
 - ``postnorm``: post-norm blocks (BERT, MiniLM, RoBERTa, DistilBERT): each node's output carried through every

@@ -33,7 +33,8 @@ from interp.runtime.progress import progress
 from ..causal.attribution import _contiguous_output_layer
 from ..causal.engine import _arguments, _run, kept_logits
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading
+from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading, senders
+from .patching import node_hook
 from .postnorm import carried_differences, norm_steps, recording_scales
 
 __all__ = ["METHODS", "edge_attribution"]
@@ -48,18 +49,20 @@ def _interpolate(clean_input: torch.Tensor, alpha: float, moved: dict):
     def hook(act, point):  # the corrupted run's input embeddings moved alpha of the way to the clean ones
         # plus a zero that needs a gradient: the backward starts from the metric, not from a leaf module input
         # (torch's FlopCounterMode, and module backward hooks, refuse autograd.grad into a leaf a module reads)
-        moved["zero"] = torch.zeros((), dtype=act.dtype, device=act.device, requires_grad=True)
-        out = (act + alpha * (clean_input.to(act.dtype) - act)).detach() + moved["zero"]
-        moved["input"] = out
+        zero = torch.zeros((), dtype=act.dtype, device=act.device, requires_grad=True)
+        out = (act + alpha * (clean_input.to(act.dtype) - act)).detach() + zero
+        moved[point.name] = (zero, out)  # per input (an encoder-decoder model has two)
         return out
     return hook
 
 
 # -- every node's output, kept compactly --------------------------------------------------------------------------
-def _compact_names(model) -> list[str]:
-    """What a run keeps to rebuild every node's output: the first block's input, each site's z, each MLP's output."""
-    names = [hook_name("resid_pre", 0)] + [hook_name("z", s.name) for s in model.cfg.sites]
-    return names + [hook_name("mlp_out", l) for l in range(len(model.cfg.sites)) if model.structure.mlp[l]]
+def _compact_names(model) -> tuple[list[str], list[str]]:
+    """What a run keeps to rebuild every node's output: the inputs (the first block's input, of each stack in an
+    encoder-decoder model), then each site's z and each MLP's output."""
+    nodes = senders(model)
+    names = [hook_name("z", s.name) for s in model.cfg.sites] + [node_hook(u) for u in nodes if u.kind == "mlp"]
+    return [node_hook(u) for u in nodes if u.kind == "input"], names
 
 
 def _keeping(store: dict):
@@ -93,7 +96,7 @@ def _node_values(model, nodes: list[Node], stores: tuple, weights: tuple, rows: 
         if node.kind == "head":
             sites.setdefault(node.site, []).append(i)
             continue
-        name = hook_name("resid_pre", 0) if node.kind == "input" else hook_name("mlp_out", node.layer)
+        name = node_hook(node)
         out[i] = combined([store[name][:, rows].float() for store in stores], read.get(name, lambda v: v))
     for site_name, index in sites.items():
         site, name = model.sites[site_name], hook_name("result", site_name)
@@ -166,7 +169,7 @@ class _Taps:
     def _rows(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
         """``t`` as ``(b, p, ...)`` (a module run on ``(b * p, m)``, OPT's MLP, reshaped) at positions ``rows``."""
         if t.ndim == 2:
-            t = t.reshape(*self.shape, t.shape[-1])
+            t = t.reshape(self.shape[0], -1, t.shape[-1])  # its own stream's positions (an encoder-decoder's two)
         return t[:, rows]
 
     def stream_gradients(self, key, rows: slice) -> tuple[list[Receiver], torch.Tensor | None]:
@@ -246,16 +249,20 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     clean, corrupted = paired_batches(model, clean, corrupted)
     keep = kept_logits(model, metric, corrupted)
     receivers = list(dict.fromkeys(r for _, r in edges))
-    nodes = list(dict.fromkeys(u for u, _ in edges))
+    nodes = senders(model, edges)
     node_at = {u: i for i, u in enumerate(nodes)}
+    spans: dict[str, list] = {}  # per residual stream (an encoder-decoder's two): its nodes' span and its keys
+    for i, u in enumerate(nodes):
+        spans.setdefault(u.stack, [i, i, {}])[1] = i + 1
+    stream_of = {r: u.stack for u, r in edges}
     receiver_at = {r: j for j, r in enumerate(receivers)}
     # the senders each receiver can read: nodes are in the order the model computes them
     reach: dict[Receiver, int] = {}
     for u, r in edges:
         reach[r] = max(reach.get(r, 0), node_at[u] + 1)
     scores = torch.zeros(len(nodes), len(receivers), dtype=torch.float64)
-    names, read = _compact_names(model), node_readers(model)
-    shape = tuple(corrupted["input_ids"].shape[:2])
+    (inputs, rest), read = _compact_names(model), node_readers(model)
+    names, shape = inputs + rest, tuple(corrupted["input_ids"].shape[:2])
     with model.studying():
         with torch.no_grad():
             args, kwargs = _arguments(clean)
@@ -266,26 +273,27 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
         for p in model.hf.parameters():
             p.requires_grad_(False)
         corrupted_store, moved, summed = {}, {}, {}
-        b, p = shape
-        m = clean_store[names[0]].shape[-1]
+        b, p, m = max((clean_store[name].shape for name in inputs), key=lambda shape: shape[1])
         small = len(receivers) * b * p * m <= _SUMMED_ELEMENTS
         for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
             taps = _Taps(model, receivers, shape)
-            hooks = [(hook_name("resid_pre", 0), _interpolate(clean_store[names[0]], k / steps, moved))]
+            for key, receivers_of in taps.groups.items():
+                spans[stream_of[receivers_of[0]]][2][key] = True
+            hooks = [(name, _interpolate(clean_store[name], k / steps, moved)) for name in inputs]
             if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
-                hooks.append((names[1:], _keeping(corrupted_store)))
+                hooks.append((rest, _keeping(corrupted_store)))
             with torch.enable_grad():
                 with model.hooks(hooks), taps, _contiguous_output_layer(model), \
                         recording_scales(model, corrupted_store, enabled=k == 0):
                     out = _run(model, corrupted, **keep)
                     if k == 0:
-                        corrupted_store[names[0]] = moved["input"].detach()
+                        corrupted_store.update({name: moved[name][1].detach() for name in inputs})
                 value = metric.per_example(out, corrupted).float().mean()
                 if not value.requires_grad:
                     raise TypeError(f"edge_attribution differentiates the metric; {metric.name} returned a value "
                                     "without a gradient. Use a metric from analyses.data.metrics or one returning a "
                                     "tensor computed from the model's output.")
-                torch.autograd.grad(value, [moved["zero"]], allow_unused=True)
+                torch.autograd.grad(value, [zero for zero, _ in moved.values()], allow_unused=True)
             if k == 0:
                 with torch.no_grad():
                     corrupted_value = metric(out, corrupted)
@@ -302,11 +310,11 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                         summed[key] = (receivers_of, g / steps + (summed[key][1] if key in summed else 0.0))
             else:
                 _contract(model, taps.groups, lambda key, rows: taps.stream_gradients(key, rows), nodes,
-                          (clean_store, corrupted_store), read, receiver_at, reach, scores, shape, steps)
+                          (clean_store, corrupted_store), read, receiver_at, reach, scores, spans, steps)
             del taps
         if small:
             _contract(model, summed, lambda key, rows: (summed[key][0], summed[key][1][:, :, rows]), nodes,
-                      (clean_store, corrupted_store), read, receiver_at, reach, scores, shape, 1)
+                      (clean_store, corrupted_store), read, receiver_at, reach, scores, spans, 1)
     df = edge_frame(edges)
     df["score"] = [float(scores[node_at[u], receiver_at[r]]) for u, r in edges]
     df["abs_score"] = df["score"].abs()
@@ -314,27 +322,29 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     return df
 
 
-def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, scores, shape, steps: int) -> None:
+def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, scores, spans, steps: int) -> None:
     """``scores[u, v] += (a_u(clean) - a_u(corrupted)) . d metric / d x_v / steps``, summed over the batch and
     positions, a chunk of positions at a time (a chunk's stacked node outputs stay under ``_CHUNK_ELEMENTS``), each
     receiver against the senders it can read only. ``gradients(key, rows)``: the receivers reading stream ``key``
-    and their gradients ``(R, b, c, m)`` at positions ``rows`` (or None)."""
-    b, p = shape
-    m = stores[0][hook_name("resid_pre", 0)].shape[-1]
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, len(nodes) * b * m))
+    and their gradients ``(R, b, c, m)`` at positions ``rows`` (or None). ``spans``: per residual stream (an
+    encoder-decoder model's encoder and decoder have their own lengths) ``[first node, end, {keys reading it}]``."""
     with torch.no_grad():
-        for start in range(0, p, chunk):
-            rows = slice(start, min(p, start + chunk))
-            if norm_steps(model):  # post-norm: each run's node outputs carried to each stream with its own scales
-                outputs = [_node_values(model, nodes, (store,), (1.0,), rows, read) for store in stores]
-                pairs = carried_differences(model, nodes, outputs, stores, rows, keys)
-            else:
-                pairs = [(list(keys), _node_values(model, nodes, stores, (1.0, -1.0), rows, read).flatten(1))]
-            for here, diff in pairs:  # (N, b * c * m) at the stream the keys read
-                for key in here:
-                    receivers, g = gradients(key, rows)
-                    if g is None:
-                        continue
-                    n = max(reach[r] for r in receivers)
-                    found = (g.flatten(1) @ diff[:n].T).double().T / steps  # (n, R)
-                    scores[:n, [receiver_at[r] for r in receivers]] += found
+        for first, end, reading_it in spans.values():
+            b, p, m = stores[0][node_hook(nodes[first])].shape
+            chunk = max(1, _CHUNK_ELEMENTS // max(1, (end - first) * b * m))
+            for start in range(0, p, chunk):
+                rows = slice(start, min(p, start + chunk))
+                here = nodes[first:end]
+                if norm_steps(model):  # post-norm (one stream): each run's outputs carried with its own scales
+                    outputs = [_node_values(model, here, (store,), (1.0,), rows, read) for store in stores]
+                    pairs = carried_differences(model, here, outputs, stores, rows, keys)
+                else:
+                    pairs = [(list(keys), _node_values(model, here, stores, (1.0, -1.0), rows, read).flatten(1))]
+                for read_here, diff in pairs:  # (N, b * c * m) at the stream the keys read
+                    for key in (key for key in read_here if key in reading_it):
+                        receivers, g = gradients(key, rows)
+                        if g is None:
+                            continue
+                        n = max(reach[r] for r in receivers)
+                        found = (g.flatten(1) @ diff[:n - first].T).double().T / steps  # (n, R)
+                        scores[first:n, [receiver_at[r] for r in receivers]] += found

@@ -32,8 +32,8 @@ def _owners(model, row) -> list[str]:
     """The upstream node names a receiver's input feeds (k, v: every query head of the key/value head's group)."""
     if row.input == "logits":
         return ["logits"]
-    if row.input == "mlp":
-        return [f"mlp.{row.down_layer}"]
+    if row.input == "mlp":  # the MLP node has its input's name ("mlp.1", an encoder-decoder's "decoder.mlp.1")
+        return [row.downstream]
     if row.input == "q":
         return [f"{row.down_site}:{row.down_head}"]
     site = model.sites[row.down_site]

@@ -19,6 +19,16 @@ Where a node's output is read (``node_readers``):
   patched value is its contribution in the source run, not its output rescaled by the receiving run.
 - **parallel blocks** (GPT-NeoX, Phi, Cohere): attention and MLP read the same block input, so a block's MLP
   reads its input (through the MLP's own norm) and the heads of that block are not upstream of it.
+- **pre-norm encoder-decoders** (T5, mBART; ``analyses.circuits.stacks``): two streams, each the sum of its own
+  nodes. Nodes ``"encoder.input"``, ``"decoder.input"``, every head ``(site, head)`` of the encoder's
+  self-attention and the decoder's self- and cross-attention, ``"encoder.mlp.{l}"``, ``"decoder.mlp.{l}"``
+  (``Node.stack``). Encoder q/k/v and MLPs read the encoder's stream; decoder self-attention q/k/v,
+  cross-attention **q**, decoder MLPs read the decoder's (in a decoder block: self-attention, then
+  cross-attention, then the MLP); cross-attention **k and v** read the encoder's final stream through the
+  encoder's final norm (recomputed when an edge is patched), so every encoder node and no decoder node feeds
+  them; the logits read the decoder's final stream through its final norm. T5's relative position bias is left
+  as the model computes it. Patching and attribution keep one stack of node differences per stream (the source
+  and the target have their own lengths).
 
 Where each receiver reads the stream (``reading``): the one place that says which module's input is the stream it
 reads and where what it reads goes on (a head's q/k/v columns of a projection's output, a norm's output, a parallel
@@ -30,14 +40,14 @@ block's MLP input), for the patched runs and for the gradients of edge attributi
   so that the stream a receiver reads is exactly the sum of its upstream nodes' carried contributions in each run.
   q, k and v read the block's input as it is, an MLP the normed stream after attention (at its first module), the
   metric the last block's output (no final norm).
+- **encoder-decoders** (T5, mBART: pre-norm; ``analyses.circuits.stacks``): two streams; cross-attention's k and v
+  read the encoder's final stream through its final norm.
 
-Refused in one line (``check_graph``): encoder-decoder models.
+Refused in one line (``check_graph``): the post-norm encoder-decoders (BART, Marian), whose norms rescale two
+streams.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -47,52 +57,21 @@ from interp.attention.sites import is_layered
 from interp.structure.norms import norm_centres, norm_scale, norm_weight
 from interp.structure.probe import _is_norm
 
-from .postnorm import last_norm, mlp_input, post_norm_layout
+from .nodes import Node, Reading, Receiver
+from .postnorm import is_post_norm, last_norm, mlp_input, post_norm_layout
+from .stacks import check_stacks, encoder_output, stack_nodes, stack_reading, stack_receivers, stack_upstream
 
 __all__ = ["Node", "Reading", "Receiver", "as_edges", "check_graph", "edge_frame", "graph_edges", "mlp_norm", "node_of",
-           "node_readers", "reading", "receiver_of", "upstream"]
+           "node_readers", "reading", "receiver_of", "senders", "upstream"]
 
 INPUTS = ("q", "k", "v", "mlp", "logits")
-
-
-@dataclass(frozen=True, order=True)
-class Node:
-    """An upstream node: ``kind`` ``"input"``, ``"head"`` (``site``, ``head``) or ``"mlp"`` (``layer``)."""
-
-    kind: str
-    layer: int = -1  # the block it sits in (-1: the input)
-    site: str = ""
-    head: int = -1
-
-    @property
-    def name(self) -> str:
-        return {"input": "input", "head": f"{self.site}:{self.head}", "mlp": f"mlp.{self.layer}"}[self.kind]
-
-
-@dataclass(frozen=True, order=True)
-class Receiver:
-    """A downstream input: ``input`` in q/k/v (``site``, ``head``; k and v: the key/value head), ``"mlp"`` (``layer``)
-    or ``"logits"``."""
-
-    input: str
-    layer: int = -1
-    site: str = ""
-    head: int = -1
-
-    @property
-    def name(self) -> str:
-        if self.input in ("q", "k", "v"):
-            return f"{self.site}:{self.head}.{self.input}"
-        return f"mlp.{self.layer}" if self.input == "mlp" else "logits"
 
 
 def check_graph(model) -> None:
     """Refuse, in one line, a model whose residual stream is not the sum of the graph's nodes."""
     s = model.structure
     if not is_layered(model):
-        raise ValueError("Edge circuits need a model with one residual stream (a decoder, or an encoder such as "
-                         "BERT); encoder-decoder models (T5, BART), whose cross-attention reads a second stream, are "
-                         "not supported yet.")
+        return check_stacks(model)
     if s.kind not in ("pre-norm", "parallel", "post-norm"):
         raise ValueError(f"Edge circuits need pre-norm, post-norm or parallel blocks; this model's blocks are "
                          f"{s.kind}.")
@@ -136,6 +115,8 @@ def node_readers(model) -> dict:
     norm on a sublayer's output (sandwich norms), each head's result times that run's post-norm scale
     (``(b, p, h, m)``) and the MLP's normed output."""
     s, read = model.structure, {}
+    if s is None:  # an encoder-decoder model's pre-norm stacks: the hooks carry the nodes' outputs
+        return read
     for l, site in enumerate(model.cfg.sites):
         block = model._blocks[l]
         if s.post_attn_norm[l] is not None:
@@ -159,6 +140,8 @@ def _scaled_heads(norm, d_model: int):
 
 
 def _nodes(model) -> list[Node]:
+    if not is_layered(model):
+        return stack_nodes(model)
     nodes = [Node("input")]
     for site in model.cfg.sites:
         nodes += [Node("head", site.block, site.name, h) for h in range(site.n_heads)]
@@ -168,6 +151,8 @@ def _nodes(model) -> list[Node]:
 
 
 def _receivers(model) -> list[Receiver]:
+    if not is_layered(model):
+        return stack_receivers(model)
     out = []
     for site in model.cfg.sites:
         for which in ("q", "k", "v"):
@@ -191,8 +176,24 @@ def upstream(node: Node, receiver: Receiver, parallel: bool = False) -> bool:
 def graph_edges(model) -> list[tuple[Node, Receiver]]:
     """Every edge of the model's graph, in the order of the receivers (site order, q then k then v, MLPs, logits)."""
     check_graph(model)
-    nodes, parallel = _nodes(model), model.structure.kind == "parallel"
-    return [(u, r) for r in _receivers(model) for u in nodes if upstream(u, r, parallel)]
+    nodes, feeds = _nodes(model), _feeds(model)
+    return [(u, r) for r in _receivers(model) for u in nodes if feeds(u, r)]
+
+
+def _feeds(model):
+    """``fn(node, receiver) -> bool``: ``upstream`` for this model (``stack_upstream`` for an encoder-decoder)."""
+    if not is_layered(model):
+        return lambda u, r: stack_upstream(model, u, r)
+    parallel = model.structure.kind == "parallel"
+    return lambda u, r: upstream(u, r, parallel)
+
+
+def senders(model, edges=None) -> list[Node]:
+    """The upstream nodes of ``edges`` (default: every node), each once, in the order the model computes them (so
+    that the nodes an input reads are one span of them: an encoder-decoder model's encoder nodes, then its
+    decoder's)."""
+    used = None if edges is None else {u for u, _ in edges}
+    return [u for u in _nodes(model) if used is None or u in used]
 
 
 def edge_frame(edges) -> pd.DataFrame:
@@ -214,14 +215,16 @@ def _named(found, name: str, what: str, hint: str):
 
 def node_of(model, name: str) -> Node:
     """The upstream node named ``name`` (``"input"``, ``"blocks.0.attn:2"``, ``"mlp.1"``), or a clear error."""
-    return _named(_nodes(model), name, "upstream node", f"nodes are 'input', '<site>:<head>' (e.g. "
-                  f"'{model.cfg.sites[0].name}:0') and 'mlp.<layer>'")
+    stack = "" if is_layered(model) else "<stack>."
+    return _named(_nodes(model), name, "upstream node", f"nodes are '{stack}input', '<site>:<head>' (e.g. "
+                  f"'{model.cfg.sites[0].name}:0') and '{stack}mlp.<layer>'")
 
 
 def receiver_of(model, name: str) -> Receiver:
     """The downstream input named ``name`` (``"blocks.1.attn:0.k"``, ``"mlp.1"``, ``"logits"``), or a clear error."""
+    stack = "" if is_layered(model) else "<stack>."
     return _named(_receivers(model), name, "downstream input", "inputs are '<site>:<head>.q' (k, v: the key/value "
-                  f"head, e.g. '{model.cfg.sites[0].name}:0.k'), 'mlp.<layer>' and 'logits'")
+                  f"head, e.g. '{model.cfg.sites[0].name}:0.k'), '{stack}mlp.<layer>' and 'logits'")
 
 
 def as_edges(model, edges) -> list[tuple[Node, Receiver]]:
@@ -229,14 +232,15 @@ def as_edges(model, edges) -> list[tuple[Node, Receiver]]:
     check_graph(model)
     if isinstance(edges, pd.DataFrame):
         edges = list(zip(edges["upstream"], edges["downstream"]))
-    out = []
+    out, feeds = [], _feeds(model)
     for u, r in edges:
         u = u if isinstance(u, Node) else node_of(model, u)
         r = r if isinstance(r, Receiver) else receiver_of(model, r)
-        if not upstream(u, r, model.structure.kind == "parallel"):
+        if not feeds(u, r):
             raise ValueError(f"There is no edge {u.name} -> {r.name}: {u.name} does not feed {r.name}'s input "
-                             "(an edge goes from an earlier node to a later input; in a parallel block the heads do "
-                             "not feed that block's MLP).")
+                             "(an edge goes from an earlier node to a later input of its stream; in a parallel block "
+                             "the heads do not feed that block's MLP; cross-attention's k and v read the encoder's "
+                             "nodes).")
         out.append((u, r))
     return out
 
@@ -279,31 +283,11 @@ def _column_weight(module, cols: slice) -> torch.Tensor | None:
     return None
 
 
-class Reading(NamedTuple):
-    """Where a receiver reads the residual stream, for the runs that patch it and the backward that differentiates
-    it. ``kind``: ``"stream"`` (the input of ``module``, which is what the receiver reads through: the final norm,
-    the norm before a pre-norm block's MLP, the MLP itself where it has none, a post-norm block's MLP's first
-    module), ``"output"`` (the output of ``module``: a post-norm model's last norm, which the metric reads),
-    ``"mlp_input"`` (a parallel block's MLP, whose input is ``norm`` of the block's input, grabbed at ``grab``) or
-    ``"columns"`` (a head's q, k or v: the columns ``cols`` of ``module``'s output, ``compute(norm(x))`` from the
-    stream ``x`` grabbed at the input of ``grab``; ``norm`` None where the attention reads the stream as it is;
-    ``weight``: the columns' linear map ``(e, m)`` from the normed stream where ``compute`` is one, so that a gradient
-    at the columns is carried back as ``g @ weight``, else None). ``key`` names the grabbed stream (shared by the
-    receivers that read the same one)."""
-
-    kind: str
-    key: object
-    grab: torch.nn.Module
-    norm: torch.nn.Module | None
-    module: torch.nn.Module
-    cols: slice | None = None
-    compute: object = None
-    weight: torch.Tensor | None = None
-
-
 def reading(model, r: Receiver) -> Reading:
     """Where receiver ``r`` reads the stream (``Reading``)."""
-    post = model.structure.kind == "post-norm"
+    if r.stack and r.input in ("mlp", "logits"):  # an encoder-decoder model's MLP or logits
+        return stack_reading(model, r)
+    post = is_post_norm(model)
     if r.input == "logits" and post:  # the last block's output, read where its norm writes it
         norm = last_norm(model)
         return Reading("output", "final", norm, None, norm)
@@ -323,9 +307,11 @@ def reading(model, r: Receiver) -> Reading:
     site = model.sites[r.site]
     block, proj = model.projections_of(site)
     path, cols, compute, weight = _columns(model, site, r.input, r.head)
-    norm = model.in_norm_of(site)
+    norm, key = model.in_norm_of(site), site.name
     grab = norm or block.get_submodule(proj.q)  # no norm: q's projection reads the stream
-    return Reading("columns", site.name, grab, norm, block.get_submodule(path), cols, compute, weight)
+    if site.kind == "cross" and r.input != "q":  # keys and values: the encoder's final stream through its norm
+        key, grab, norm = encoder_output(model)
+    return Reading("columns", key, grab, norm, block.get_submodule(path), cols, compute, weight)
 
 
 def _head_columns(module, y: torch.Tensor, cols: slice) -> torch.Tensor:

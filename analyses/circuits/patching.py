@@ -26,24 +26,24 @@ from interp.runtime.progress import progress
 
 from ..causal.engine import Prefix, _arguments, _run, _same_output, copies_per_forward, kept_logits, slice_output
 from ..causal.patching import paired_batches, scalar_metric
-from .graph import Node, Receiver, as_edges, edge_frame, graph_edges, node_readers, reading
-from .postnorm import Carrier, recording_scales, replayable_blocks
+from .graph import Node, Receiver, as_edges, edge_frame, graph_edges, node_readers, reading, senders
+from .postnorm import Carrier, is_post_norm, recording_scales, replayable_blocks
 
 __all__ = ["EdgeIndex", "circuits_per_forward", "edge_effects", "edge_patching", "node_hook", "node_names",
            "node_output", "patched_run", "patched_runs"]
 
 
 def node_names(model) -> list[str]:
-    """The hooks that carry every node's output: the first block's input, each site's per-head result, each MLP's."""
-    names = [hook_name("resid_pre", 0)] + [hook_name("result", s.name) for s in model.cfg.sites]
-    return names + [hook_name("mlp_out", l) for l in range(len(model.cfg.sites)) if model.structure.mlp[l]]
+    """The hooks that carry every node's output: the first block's input (of each stack, in an encoder-decoder
+    model), each site's per-head result, each MLP's."""
+    return list(dict.fromkeys(node_hook(u) for u in senders(model)))
 
 
 def node_hook(node: Node) -> str:
     """The hook (one of ``node_names``) that carries ``node``'s output."""
     if node.kind == "input":
-        return hook_name("resid_pre", 0)
-    return hook_name("mlp_out", node.layer) if node.kind == "mlp" else hook_name("result", node.site)
+        return hook_name("resid_pre", 0, node.stack or None)
+    return hook_name("mlp_out", node.layer, node.stack or None) if node.kind == "mlp" else hook_name("result", node.site)
 
 
 def node_output(store, node: Node) -> torch.Tensor:
@@ -54,12 +54,18 @@ def node_output(store, node: Node) -> torch.Tensor:
 
 class EdgeIndex:
     """The graph's edges as numbers: ``nodes`` (senders, in the order the model computes them), ``receivers``, and
-    for edge ``e`` (``graph_edges``' order) its sender ``node_of[e]`` and receiver ``receiver_of[e]``."""
+    for edge ``e`` (``graph_edges``' order) its sender ``node_of[e]`` and receiver ``receiver_of[e]``. ``streams``:
+    per residual stream (``Node.stack``: ``""``, or an encoder-decoder model's ``"encoder"`` and ``"decoder"``) the
+    span ``(first, end)`` of its nodes; ``stream_of``: the stream each receiver reads."""
 
     def __init__(self, model):
         self.edges = graph_edges(model)
-        self.nodes = list(dict.fromkeys(u for u, _ in self.edges))
+        self.nodes = senders(model, self.edges)
         self.receivers = list(dict.fromkeys(r for _, r in self.edges))
+        self.stream_of = {r: u.stack for u, r in self.edges}
+        self.streams: dict[str, tuple[int, int]] = {}
+        for i, u in enumerate(self.nodes):
+            self.streams[u.stack] = (self.streams.get(u.stack, (i, i))[0], i + 1)
         node_at = {u: i for i, u in enumerate(self.nodes)}
         receiver_at = {r: i for i, r in enumerate(self.receivers)}
         self.node_of = torch.tensor([node_at[u] for u, _ in self.edges], dtype=torch.long)
@@ -93,9 +99,10 @@ class EdgeIndex:
 class _Patcher:
     """The hooks of one run over ``c`` copies of a batch, copy ``i`` patching the edges of ``masks[i]``.
 
-    Node outputs are written as they are computed into one stack ``D: (c, nodes, b * p * m)`` holding ``source_u -
-    run_u`` (prefilled with ``source_u - base_u`` from ``base``, the run's own node outputs where it has them, so
-    that blocks replayed instead of recomputed still count). A receiver's patched input is its stream plus the
+    Node outputs are written as they are computed into one stack per residual stream ``D: (c, nodes, b * p * m)``
+    (an encoder-decoder model's encoder and decoder have two, of their own lengths) holding ``source_u - run_u``
+    (prefilled with ``source_u - base_u`` from ``base``, the run's own node outputs where it has them, so that
+    blocks replayed instead of recomputed still count). A receiver's patched input is its stream plus the
     matrix product of its row of the 0/1 mask over senders with ``D``: one product per receiver, whatever the number
     of edges. Where the model norms a sublayer's output (sandwich norms), a node's output is read as
     ``node_readers`` has it, as it is computed. Post-norm blocks: the senders' contributions in this run and in the
@@ -105,7 +112,7 @@ class _Patcher:
     def __init__(self, model, source: dict | None, masks: torch.Tensor | None = None, index: EdgeIndex | None = None,
                  base: dict | None = None):
         self.model, self.source, self.base, self.index = model, source, base, index
-        self.x, self.stack, self.read, self.carrier = {}, None, node_readers(model), None
+        self.x, self.stacks, self.read, self.carrier = {}, {}, node_readers(model), None
         self.rows: dict[Receiver, int] = {}
         self.reach = {}
         if masks is not None and bool(masks.any()):
@@ -119,28 +126,37 @@ class _Patcher:
         self.receivers = list(self.rows)
 
     def _allocate(self, copies: int):
-        """The stack ``(c, nodes, b * p * m)`` in the source's dtype, every node's output having one shape."""
-        first = node_output(self.source, self.index.nodes[0])
-        shapes = {tuple(node_output(self.source, u).shape) for u in self.index.nodes[:self.width]}
-        if len(shapes) > 1:
-            raise ValueError("Edge patching stacks the node outputs, which must share one shape; got "
-                             f"{sorted(shapes)}.")
-        self.masks = self.masks.to(first.device, first.dtype)
-        self.dtype = first.dtype
-        if self.model.structure.kind == "post-norm":
-            self.carrier = Carrier(self.model, self.index.nodes, self.source, self.base)
-            self.carrier.allocate(copies, self.width, first)
-        else:
-            self.stack = first.new_zeros(copies, self.width, first.numel())
+        """Per stream, ``(its first node, the stack (c, its nodes up to the last one used, b * p * m))`` in the
+        source's dtype, every node's output in a stream having one shape (post-norm: one stream, whose stack the
+        ``Carrier`` keeps)."""
+        one = node_output(self.source, self.index.nodes[0])
+        self.masks, self.dtype = self.masks.to(one.device, one.dtype), one.dtype
+        post = is_post_norm(self.model)
+        for stream, (first, end) in self.index.streams.items():
+            nodes = self.index.nodes[first:min(end, self.width)]
+            if not nodes:
+                continue
+            shapes = {tuple(node_output(self.source, u).shape) for u in nodes}
+            if len(shapes) > 1:
+                raise ValueError("Edge patching stacks the node outputs, which must share one shape; got "
+                                 f"{sorted(shapes)}.")
+            one = node_output(self.source, nodes[0])
+            if post:
+                self.carrier = Carrier(self.model, self.index.nodes, self.source, self.base)
+                self.carrier.allocate(copies, len(nodes), one)
+                self.stacks[stream] = (first, None)
+            else:
+                self.stacks[stream] = (first, one.new_zeros(copies, len(nodes), one.numel()))
 
     def _fill(self, act: torch.Tensor, hook: str, nodes: list[tuple[int, Node]], copies: int):
         """``source_u - run_u`` for the ``nodes`` that ``hook`` carries, from its value ``act`` ``(copies * b, ...)``
         (``copies`` 1: the same for every copy)."""
         for i, u in nodes:
+            first, stack = self.stacks[u.stack]
             run = node_output({hook: act}, u).reshape(copies, -1).to(self.dtype)
             source = node_output(self.source, u).to(self.dtype).reshape(1, -1)
             if self.carrier is None:
-                self.stack[:, i] = source - run
+                stack[:, i - first] = source - run
             else:
                 self.carrier.fill(i, run, source)
 
@@ -157,9 +173,10 @@ class _Patcher:
         if patched:
             reach = max(self.reach[receivers[j]] for j in patched)
             rows = torch.tensor([self.rows[receivers[j]] for j in patched])
-            mask = self.masks[:, rows, :reach]  # (c, r, n)
-            stack = self.stack if self.carrier is None else self.carrier.difference()
-            moved = torch.bmm(mask, stack[:, :reach])  # (c, r, b * p * m)
+            first, stack = self.stacks[self.index.stream_of[receivers[patched[0]]]]  # one stream: read together
+            stack = stack if self.carrier is None else self.carrier.difference()
+            mask = self.masks[:, rows, first:reach]  # (c, r, n)
+            moved = torch.bmm(mask, stack[:, :reach - first])  # (c, r, b * p * m)
             for k, j in enumerate(patched):
                 out[j] = moved[:, k].reshape(like.shape)
         return out
@@ -261,7 +278,7 @@ class _Patcher:
                         module.__dict__.pop("forward", None)
                     else:
                         module.forward = forward
-                self.stack = self.carrier = None
+                self.stacks, self.carrier = {}, None
 
 
 def source_outputs(model, batch, **keep) -> tuple[object, dict]:
@@ -291,12 +308,15 @@ def patched_run(model, batch, source: dict, edges, **keep):
 
 def circuits_per_forward(model, batch, index: EdgeIndex, memory_budget: float | None = None, kept=None) -> int:
     """How many patched copies of ``batch`` one forward takes within ``memory_budget`` bytes (default as the scans':
-    ``copies_per_forward``): a copy's activations plus its stack of node differences (nodes x tokens x d_model)."""
+    ``copies_per_forward``): a copy's activations plus its stacks of node differences (nodes x tokens x d_model, per
+    stream: an encoder-decoder model's decoder nodes over the target's tokens)."""
     if memory_budget is None:
         memory_budget = 2**30 if model.device.type == "cuda" else 16 * 2**20
-    ids = batch["input_ids"]
-    stack = len(index.nodes) * ids.numel() * model.cfg.d_model * torch.finfo(model.dtype).bits // 8
-    stack *= 2 if model.structure.kind == "post-norm" else 1  # the run's carried contributions and the difference
+    tokens = sum((end - first) * batch["decoder_input_ids" if stream == "decoder" else "input_ids"].numel()
+                 for stream, (first, end) in index.streams.items())
+    stack = tokens * model.cfg.d_model * torch.finfo(model.dtype).bits // 8
+    if is_post_norm(model):
+        stack *= 2  # the run's carried contributions and the difference
     activations = memory_budget / copies_per_forward(model, batch, memory_budget, kept)
     return max(1, int(memory_budget // (activations + stack)))
 

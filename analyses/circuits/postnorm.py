@@ -91,10 +91,15 @@ def mlp_input(model, layer: int) -> torch.nn.Module:
     return model._blocks[layer].get_submodule(post_norm_layout(model)[layer][1])
 
 
+def is_post_norm(model) -> bool:
+    """Whether the model is one stream of post-norm blocks (an encoder-decoder has no ``structure``)."""
+    return model.structure is not None and model.structure.kind == "post-norm"
+
+
 def replayable_blocks(model) -> int:
     """How many blocks may be replayed from a recorded run before a receiver in the last layer: all but the last for a
     post-norm model (the metric reads the last block's own norm), else all."""
-    return len(model._blocks) - (model.structure.kind == "post-norm")
+    return len(model._blocks) - is_post_norm(model)
 
 
 class Step(NamedTuple):
@@ -113,10 +118,9 @@ class Step(NamedTuple):
 
 def norm_steps(model) -> list[Step]:
     """The norms on the stream in run order (``2 * layers``), empty for a model that is not post-norm."""
-    s = model.structure
-    if s.kind != "post-norm":
+    if not is_post_norm(model):
         return []
-    steps = []
+    s, steps = model.structure, []
     for l, (n2, _) in enumerate(post_norm_layout(model)):
         block = model._blocks[l]
         bias = getattr(model.o_proj_of(model.cfg.sites[l]), "bias", None)

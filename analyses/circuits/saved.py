@@ -24,6 +24,7 @@ import pandas as pd
 from interp.runtime.files import atomic_write
 
 from ..data.batches import batch_of
+from .graph import senders
 from ..data.provenance import (batch_digest, identity_changes, model_record, tokenizer_digest, versions,
                                weights_digest)
 
@@ -41,8 +42,9 @@ _AGAIN = "write it again (Circuit.save, or `interp circuit ... --out DIR`)"
 class Circuit:
     """A circuit: ``edges`` (one row per edge, ``edge_attribution``'s columns, highest ``|score|`` first; its attrs:
     method, steps, metric, clean and corrupted values), ``provenance`` (model, versions, prompts, method, steps,
-    metric, task, the graph's sites ``[name, layer, heads, key/value heads]`` and MLP layers, total edges scored,
-    when), ``curve`` (``faithfulness``'s table, its attrs CPR and CMD), or None."""
+    metric, task, the graph's sites ``[name, layer, heads, key/value heads]`` and MLP layers (an encoder-decoder
+    model's MLP nodes by name, ``"decoder.mlp.1"``), total edges scored, when), ``curve`` (``faithfulness``'s table,
+    its attrs CPR and CMD), or None."""
 
     edges: pd.DataFrame
     provenance: dict = field(default_factory=dict)
@@ -102,7 +104,7 @@ def circuit_of(model, scores: pd.DataFrame, clean, corrupted, curve: pd.DataFram
                     "corrupted_sha256": batch_digest(corrupted)},
         "metric_values": {"clean": a.get("clean"), "corrupted": a.get("corrupted")},
         "graph": {"sites": [[s.name, s.block, s.n_heads, s.n_kv_heads] for s in model.cfg.sites],
-                  "mlp": [l for l, m in enumerate(model.structure.mlp) if m is not None]},
+                  "mlp": [u.name if u.stack else u.layer for u in senders(model) if u.kind == "mlp"]},
         "total_edges": len(scores), "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     return Circuit(kept, provenance, curve)

@@ -197,13 +197,12 @@ def direct_logit_attribution(model, inputs, answer, wrong=None, position: int = 
                     through(normed[0], normed[1])
                     stream = normed[2]
         mlp_row = {"component": "mlp", "stack": "decoder", "layer": b}
-        if hook_name("mlp_out", b, stack) in at:
-            parts.append((mlp_row, at[hook_name("mlp_out", b, stack)]))
-        elif post is not None:
-            parts.append((mlp_row, post[1] - stream))
+        mlp = at.get(hook_name("mlp_out", b, stack))  # what the MLP adds; where there is no hook, by difference
+        if post is not None:  # post-norm: the block's last norm comes after the MLP's add, with or without a hook
+            parts.append((mlp_row, post[1] - stream if mlp is None else mlp))
             through(post[0], post[1])
         else:
-            parts.append((mlp_row, at[hook_name("resid_post", b, stack)] - stream))
+            parts.append((mlp_row, at[hook_name("resid_post", b, stack)] - stream if mlp is None else mlp))
         stream = at[hook_name("resid_post", b, stack)]
     if norm is not None:
         with onloaded(norm):

@@ -67,6 +67,10 @@ def circuit_layout(circuit) -> dict:
     ``ends``: per edge of ``circuit.edges``, ``(upstream name, receiving node name, x2, y2)``, the receiving node
     being the head (q) or the first head of the key/value group (k, v)."""
     sites, mlp = _sites(circuit)
+    if any(s[0].startswith(("encoder.", "decoder.")) for s in sites):
+        raise ValueError("The circuit view draws one residual stream, a column per layer; this circuit is of an "
+                         "encoder-decoder model (two stacks, cross-attention reading the encoder), which it does not "
+                         "draw yet: read circuit.edges or circuit.top(n) instead.")
     rows = max((s[2] for s in sites), default=1) + 1
     last = max([s[1] for s in sites] + list(mlp) + [int(circuit.edges["down_layer"].max()) - 1
                                                      if len(circuit.edges) else 0])

@@ -151,7 +151,7 @@ class ModelCache(ActivationCache):
         """The block count of a one-stream cache; an encoder-decoder model's is refused for ``what``."""
         if any(".blocks." in name for name in self._store):
             raise NotImplementedError(f"{what} splits one residual stream into sublayer outputs; an encoder-decoder "
-                                      "model has two and its blocks have no MLP hook. Use accumulated_resid(stack="
+                                      "model has two (and cross-attention). Use accumulated_resid(stack="
                                       "'encoder' or 'decoder') or stack_activation.")
         return self._stack_prefix(None)[1]
 
@@ -159,7 +159,7 @@ class ModelCache(ActivationCache):
         name = f"{prefix}.{layer}.hook_{kind}"
         if name not in self._store:
             why = (" (parallel blocks have no resid_mid; post-norm ones have it after their norm)" if kind == "resid_mid"
-                   else " (an encoder-decoder model's blocks have no MLP hook)" if kind == "mlp_out" else "")
+                   else " (an encoder-decoder's: {encoder,decoder}.blocks.N.hook_mlp_out)" if kind == "mlp_out" else "")
             raise KeyError(f"{name} is not in this cache{why}.")
         return self._store[name]
 

@@ -74,6 +74,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         _hand_back_when_dropped(self)  # HF's own attention again once this wrapper is gone
         layout = kind.build(hf, structure)
         self.structure = layout.structure  # a layered model's (interp.structure.layered); None for an encoder-decoder
+        self.stack_structure = layout.stacks  # an encoder-decoder's MLPs and norms (interp.structure.seq2seq); else None
         self.cfg = layout.cfg
         if isinstance(self.cfg, TLConfigFields):  # cfg.device, cfg.normalization_type ... read this model's settings
             object.__setattr__(self.cfg, "owner", ModelRef(self))

@@ -8,8 +8,10 @@ Three kinds of attention run in an encoder-decoder model, each with its own hook
   (q length = target length, k length = source length).
 
 Each prefix carries the attention hooks of the hook table (``hook_q``, ``hook_k``, ``hook_v``, ``hook_z``,
-``hook_lse``; ``hook_attn_scores`` and ``hook_pattern`` on the eager path) and each block the residual hooks
-``hook_resid_pre``/``hook_resid_post`` and ``hook_attn_out`` (decoder blocks also ``hook_cross_attn_out``).
+``hook_lse``; ``hook_attn_scores`` and ``hook_pattern`` on the eager path; ``hook_result``, each head's share of
+the output projection without its bias, opt-in) and each block the residual hooks ``hook_resid_pre``/``hook_resid_post``,
+``hook_attn_out`` (decoder blocks also ``hook_cross_attn_out``) and ``hook_mlp_out`` (the MLP's output before the
+residual add, and before BART's norm after it; the MLP found as ``interp.structure.seq2seq`` says).
 T5's relative position bias is added to the scores before the mask, as HF does; on the flash path it is
 folded into the additive mask, so the kernel's logsumexp is that of the biased scores.
 
@@ -37,6 +39,7 @@ from ..structure.probe import _is_norm
 from ..structure.seq2seq import _discover
 from ..attention.sites import Site
 from .config import TLConfigFields, tl_facts
+from .layered import _result_hook
 from .wrapper import Kind, Layout, _replace_first
 
 __all__ = ["SEQ2SEQ", "Seq2SeqConfig", "decoder_inputs"]
@@ -112,7 +115,7 @@ def _out_name(site: Site) -> str:
 
 
 def _build(hf, structure=None) -> Layout:
-    sites, enc_path, dec_path, modules, weights = _discover(hf)
+    sites, enc_path, dec_path, modules, weights, stacks = _discover(hf)
     c = hf.config
     record = getattr(c, CONFIG_KEY, None) or {}
     cfg = Seq2SeqConfig(
@@ -137,10 +140,20 @@ def _build(hf, structure=None) -> Layout:
                 points.append(HookPoint(_out_name(site), block))
                 attention = modules[site.name]
                 attach[points[-1].name] = _out_hook(attention.get_submodule(site.o_proj) if site.o_proj else attention)
+                if site.o_proj:  # each head's share of the output projection, as in a layered model
+                    points.append(HookPoint(f"{site.name}.hook_result", block))
+                    attach[points[-1].name] = _result_attacher(attention.get_submodule(site.o_proj), site)
+            if stacks.mlp[stack][block] is not None:
+                points.append(HookPoint(f"{stack}.blocks.{block}.hook_mlp_out", block))
+                attach[points[-1].name] = _out_hook(module.get_submodule(stacks.mlp[stack][block]))
             points.append(HookPoint(f"{stack}.blocks.{block}.hook_resid_post", block))
             attach[points[-1].name] = _out_hook(module)
     weights = {name: (modules[name], proj, norm) for name, (proj, norm) in weights.items()}
-    return Layout(cfg, None, blocks, modules, weights, points, attach)
+    return Layout(cfg, None, blocks, modules, weights, points, attach, stacks)
+
+
+def _result_attacher(o_proj, site: Site):
+    return lambda point: o_proj.register_forward_hook(_result_hook(point, site.n_heads, site.d_head_v))
 
 
 def _first_norm(hf):

@@ -30,7 +30,8 @@ class Layout:
     there are several stacks. modules: site name -> the attention module that calls our attention function.
     weights: site name -> ``(module, Projections or why there are none, in-norm or None)``, where ``module`` is
     what the site's ``o_proj`` and projection paths are relative to. points: every HookPoint in hook-name order.
-    attach: name of a point served by a torch hook on a module -> ``fn(point) -> handle``.
+    attach: name of a point served by a torch hook on a module -> ``fn(point) -> handle``. stacks: an
+    encoder-decoder model's MLPs and norms per stack (``interp.structure.seq2seq.Seq2SeqStructure``), else None.
     """
 
     cfg: object
@@ -40,6 +41,7 @@ class Layout:
     weights: dict
     points: list
     attach: dict
+    stacks: object = None
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,7 @@ def slice_sites(hf: torch.nn.Module, keep: Mapping[str, Sequence[int]]) -> None:
     ``hf.config.interp_pruned_heads`` by site name. Sites are found by the probe (``interp.structure.seq2seq``).
     Raises NotImplementedError, naming the reason, where a model's heads cannot be sliced per site."""
     config = hf.config
-    sites, _, _, modules, layout = _discover(hf)
+    sites, _, _, modules, layout, _ = _discover(hf)
     by_name = {site.name: site for site in sites}
     for site in sites:  # first, whether any site ties heads together (checked on every site: T5 shares them)
         reason = _unsliceable(site, modules[site.name], layout[site.name][0])

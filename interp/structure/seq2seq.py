@@ -1,23 +1,44 @@
 """Where an encoder-decoder model keeps its attention sites, found by one probe forward (``interp.structure.probe``) as for
 decoder-only models: the source and target lengths differ in the probe, so a call whose key length is the source's
-and query length the target's is cross-attention. ``interp.model.seq2seq`` wraps what this finds."""
+and query length the target's is cross-attention. ``interp.model.seq2seq`` wraps what this finds.
+
+Per stack (``Seq2SeqStructure``): whether its blocks are pre-norm (T5: a norm before each sublayer, the residual
+stream a sum of what the sublayers add) or post-norm (BART, Marian: a norm after each residual add), each block's
+MLP (the module whose output is what the MLP branch adds, found by value as in ``interp.structure.layered``), the
+norm the MLP reads the stream through (pre-norm), and the stack's final norm (the norm applied to its last block's
+output: T5's ``final_layer_norm``, through which cross-attention's keys and values and the logits read)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..attention.paths import softmax_upcasts
 from ..runtime.distributed import input_device
-from .probe import _find_blocks, _is_linear, _is_norm, _ModuleLog, probe
+from .probe import _close, _find_blocks, _is_linear, _is_norm, _ModuleLog, probe
 from .projections import Projections
 from ..attention.sites import Site
 
 _SOURCE_LEN, _TARGET_LEN = 7, 5  # probe lengths: different, so that cross-attention shows in its shapes
 
 
-def _discover(hf) -> tuple[list[Site], str, str, dict, dict]:
-    """Probe forward on our eager path: the attention sites, the two block lists, the modules, and per site its
-    weights' layout (``_weights``)."""
+@dataclass(frozen=True)
+class Seq2SeqStructure:
+    """What an encoder-decoder model's stacks add to its sites, per stack (``"encoder"``, ``"decoder"``): ``kind``
+    ``"pre-norm"`` or ``"post-norm"`` (one for the model), ``mlp`` (per block, its path under the block, or None),
+    ``mlp_norm`` (per block, the norm under the block whose output the MLP reads, pre-norm only, or None) and
+    ``final_norm`` (the path from the HF model's root of the norm on the stack's last block's output, or None)."""
+
+    kind: str
+    mlp: dict
+    mlp_norm: dict
+    final_norm: dict
+
+
+def _discover(hf) -> tuple[list[Site], str, str, dict, dict, Seq2SeqStructure]:
+    """Probe forward on our eager path: the attention sites, the two block lists, the modules, per site its
+    weights' layout (``_weights``), and the stacks' MLPs and norms (``Seq2SeqStructure``)."""
     vocab = int(getattr(hf.config, "vocab_size", None) or hf.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(1234)
     device = input_device(hf)
@@ -68,7 +89,53 @@ def _discover(hf) -> tuple[list[Site], str, str, dict, dict]:
         call = groups[(site.stack, site.kind)][site.block]
         by_name[site.name] = call["module"]
         layout[site.name] = _weights(call, log, blocks[site.stack][site.block])
-    return sites, enc_path, dec_path, by_name, layout
+    return sites, enc_path, dec_path, by_name, layout, _stacks(hf, blocks, sites, by_name, log)
+
+
+def _stacks(hf, blocks: dict, sites: list[Site], modules: dict, log: _ModuleLog) -> Seq2SeqStructure:
+    """Each block's MLP and its norm, the stacks' final norms and the block kind, read off the probe."""
+    kinds, mlp, mlp_norm, final = set(), {}, {}, {}
+    for stack, found in blocks.items():
+        parts = [_mlp_of(block, [modules[s.name] for s in sites if s.stack == stack and s.block == l], log)
+                 for l, block in enumerate(found)]
+        kinds |= {kind for kind, _, _ in parts}
+        mlp[stack], mlp_norm[stack] = tuple(p[1] for p in parts), tuple(p[2] for p in parts)
+        last = log.outputs.get(found[-1])
+        final[stack] = next((name for name, m in hf.named_modules() if _is_norm(m) and last is not None
+                             and log.inputs.get(m) is last), None)
+    if len(kinds) != 1:
+        raise NotImplementedError(f"{type(hf).__name__} mixes block kinds {sorted(kinds)}; not supported.")
+    return Seq2SeqStructure(kinds.pop(), mlp, mlp_norm, final)
+
+
+def _mlp_of(block, attentions: list, log: _ModuleLog) -> tuple[str, str | None, str | None]:
+    """``(kind, MLP path, MLP norm path)`` of one block: the MLP is the module, run after the block's last attention,
+    whose output is what the MLP branch adds (pre-norm: the block's output minus the stream the MLP's norm reads;
+    post-norm: the final norm's input minus the stream after attention)."""
+    names = {m: n for n, m in block.named_modules()}
+    inside = {m for a in attentions for m in a.modules()}
+    y = log.outputs.get(block)
+    end = max(log.ended[a] for a in attentions)
+    later = sorted((m for m in block.modules() if m is not block and m not in inside and log.order.get(m, -1) > end),
+                   key=lambda m: log.order[m])
+    post = next((m for m in block.modules() if m is not block and _is_norm(m) and log.outputs.get(m) is y), None)
+    norms = [m for m in later if _is_norm(m) and m is not post]
+    if y is None or not norms:
+        return ("post-norm" if post is not None else "pre-norm"), None, None
+    if post is not None:  # post-norm: the MLP adds to the norm after attention, then the final norm
+        stream, target, norm = log.outputs[norms[0]], log.inputs.get(post), None
+    else:
+        norm = norms[0]
+        stream, target = log.inputs.get(norm), y
+    if stream is None or target is None or stream.shape != target.shape:
+        return ("post-norm" if post is not None else "pre-norm"), None, None
+    added = target.float() - stream.float()
+    tol = 1e-5 * max(float(target.abs().max()), 1e-6)
+    matches = [m for m in later if not _is_norm(m) and _close(log.outputs.get(m), added, tol)]
+    with_params = [m for m in matches if any(True for _ in m.parameters())]
+    mlp = min(with_params, key=lambda m: (names[m].count("."), log.order[m])) if with_params else None
+    return ("post-norm" if post is not None else "pre-norm", None if mlp is None else names[mlp],
+            None if mlp is None or norm is None else names[norm])
 
 
 def _weights(call: dict, log: _ModuleLog, block) -> tuple[Projections | str, torch.nn.Module | None]:
