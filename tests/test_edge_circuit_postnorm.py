@@ -14,6 +14,7 @@ from transformers import BertForSequenceClassification
 
 import interp
 from analyses import edge_attribution, edge_effects, edge_patching, faithfulness, graph_edges, logit_difference
+from test_edge_circuits import each_edge_matches_by_hand
 from tests.tiny import tiny_model
 
 TOL = 1e-5
@@ -143,12 +144,7 @@ def test_one_edge_equals_a_recomputation_by_hand_from_the_hf_modules(pooled, att
     clean, corrupted = _batches()
     with torch.no_grad():
         plain = {"clean": model.hf(**clean).logits, "corrupted": model.hf(**corrupted).logits}
-    for run, (base, other) in (("clean", (clean, corrupted)), ("corrupted", (corrupted, clean))):
-        for up, down in EDGES:
-            got = edge_patching(model, clean, corrupted, [(up, down)], run=run).logits
-            want = _by_hand(model, base, other, up, down)
-            assert (got - plain[run]).abs().max() > 1e-3, (up, down)  # the edge matters
-            assert (got - want).abs().max() <= TOL, (run, up, down, float((got - want).abs().max()))
+    each_edge_matches_by_hand(model, clean, corrupted, EDGES, _by_hand, plain)
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])

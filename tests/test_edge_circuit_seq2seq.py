@@ -16,7 +16,7 @@ import interp
 from hooks.names import hook_name
 from analyses import (edge_attribution, edge_patching, faithfulness, graph_edges, logit_difference, path_patching,
                       select_circuit)
-from test_edge_circuits import left_as_it_was
+from test_edge_circuits import each_edge_matches_by_hand, left_as_it_was
 from test_seq2seq import _tiny as tiny_seq2seq
 
 TOL = 1e-5
@@ -137,12 +137,7 @@ def test_one_edge_equals_a_recomputation_by_hand_from_the_hf_modules(attn):
     model = _t5(attn)
     clean, corrupted = _pair()
     plain = {"clean": _hf_run(model, clean), "corrupted": _hf_run(model, corrupted)}
-    for run, (base, other) in (("clean", (clean, corrupted)), ("corrupted", (corrupted, clean))):
-        for up, down in EDGES:
-            got = edge_patching(model, clean, corrupted, [(up, down)], run=run).logits
-            want = _by_hand(model, base, other, up, down)
-            assert (got - plain[run]).abs().max() > 1e-3, (up, down)  # the edge matters
-            assert (got - want).abs().max() <= TOL, (run, up, down, float((got - want).abs().max()))
+    each_edge_matches_by_hand(model, clean, corrupted, EDGES, _by_hand, plain)
 
 
 def test_the_graph_has_two_streams_and_cross_attention_keys_read_the_encoder():

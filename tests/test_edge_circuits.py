@@ -80,19 +80,25 @@ EDGES = [("input", "blocks.1.attn:3.q"), ("blocks.0.attn:1", "blocks.1.attn:1.k"
          ("blocks.1.attn:2", "mlp.1"), ("blocks.0.attn:0", "mlp.0"), ("mlp.1", "logits"), ("blocks.0.attn:3", "logits")]
 
 
+def each_edge_matches_by_hand(model, clean, corrupted, edges, by_hand, plain: dict, matters: float = 1e-3):
+    """Each edge patched either way (the clean run with it corrupted, the corrupted run with it clean) changes the
+    run's logits ``plain[run]`` by more than ``matters`` and equals ``by_hand(model, base, other, up, down)``."""
+    for run, (base, other) in (("clean", (clean, corrupted)), ("corrupted", (corrupted, clean))):
+        for up, down in edges:
+            got = edge_patching(model, clean, corrupted, [(up, down)], run=run).logits
+            want = by_hand(model, base, other, up, down)
+            assert (got - plain[run]).abs().max() > matters, (up, down)  # the edge matters
+            assert (got - want).abs().max() <= TOL, (run, up, down, float((got - want).abs().max()))
+
+
 @pytest.mark.parametrize("attn", ["eager", "flash"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
 def test_one_edge_equals_a_direct_recomputation(family, attn):
     model = interp.load_model(tiny_model(family), attn=attn)
     clean, corrupted = _pair()
-    for run, (base, other) in (("clean", (clean, corrupted)), ("corrupted", (corrupted, clean))):
-        for up, down in EDGES:
-            got = edge_patching(model, clean, corrupted, [(up, down)], run=run).logits
-            want = _by_hand(model, base, other, up, down)
-            with torch.no_grad():
-                plain = model(base).logits
-            assert (got - plain).abs().max() > 1e-4, (up, down)  # the edge matters
-            assert (got - want).abs().max() <= TOL, (run, up, down, (got - want).abs().max())
+    with torch.no_grad():
+        plain = {"clean": model(clean).logits, "corrupted": model(corrupted).logits}
+    each_edge_matches_by_hand(model, clean, corrupted, EDGES, _by_hand, plain, matters=1e-4)
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
