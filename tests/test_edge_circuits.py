@@ -385,6 +385,8 @@ def test_the_circuit_command_refines_and_writes_a_line_per_stage_off_a_terminal(
     curve = pd.read_csv(out / "faithfulness.csv")
     last = curve.iloc[-1]
     assert last["edges"] <= 20 and last["faithfulness"] >= 0.8 and last["random_max"] < last["lo"]
+    edges = pd.read_csv(out / "edges.csv")
+    assert edges["in_circuit"].sum() == last["edges"]  # the curve's refined circuit, not another refinement's
     lines = printed.err.splitlines()
     assert any(line.startswith("circuit: eap-ig (stage 2 of 4") for line in lines), lines
     assert any(line.startswith("eap-ig gradients: 5/5 step, done in") for line in lines), lines

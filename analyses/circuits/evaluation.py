@@ -168,16 +168,18 @@ def faithfulness(model, clean, corrupted, metric, scores: pd.DataFrame, sizes=(5
     edges), ``random_max`` and the first draw's interval ``random_lo``/``random_hi``. ``df.attrs``: ``cpr``,
     ``cmd``, ``cpr_random``, ``cmd_random``, ``clean``, ``corrupted``, ``forwards_per_point`` (``2 + n_random``
     patched runs of the batch per size, each one forward plus one mask product per receiver),
-    ``circuits_per_forward`` (the runs batched into one forward, as copies of the batch, within ``memory_budget``).
+    ``circuits_per_forward`` (the runs batched into one forward, as copies of the batch, within ``memory_budget``),
+    ``circuits`` (per size, the index labels in ``scores`` of the circuit's edges).
     The two unpatched runs (clean, corrupted) are made once per curve.
     """
     rng = np.random.default_rng(seed)
     sizes = [int(n) for n in sizes]
     with model.studying():
         ev = _Evaluation(model, clean, corrupted, metric, memory_budget, n_bootstrap, seed)
-        insides = []  # per size: the circuit, then n_random random circuits of as many edges (bool over the edges)
+        insides, chosen = [], {}  # per size: the circuit, then n_random random circuits of as many edges
         for n in sizes:
-            inside = ev.inside(ev.refine(scores, n, 2 * n) if refine else select_circuit(model, scores, edges=n))
+            chosen[n] = ev.refine(scores, n, 2 * n) if refine else select_circuit(model, scores, edges=n)
+            inside = ev.inside(chosen[n])
             draws = [torch.zeros(len(ev.index), dtype=torch.bool) for _ in range(n_random)]
             for draw in draws:
                 draw[torch.as_tensor(rng.choice(len(ev.index), size=int(inside.sum()), replace=False))] = True
@@ -199,5 +201,6 @@ def faithfulness(model, clean, corrupted, metric, scores: pd.DataFrame, sizes=(5
     cpr_r, cmd_r = circuit_areas(df["fraction"], df["random"]) if n_random else (float("nan"), float("nan"))
     df.attrs.update(cpr=cpr, cmd=cmd, cpr_random=cpr_r, cmd_random=cmd_r, clean=float(ev.full.mean()),
                     corrupted=float(ev.empty.mean()), forwards_per_point=step, circuits_per_forward=ev.per,
-                    total_edges=len(ev.index), refined=refine)
+                    total_edges=len(ev.index), refined=refine,
+                    circuits={n: list(frame.index) for n, frame in chosen.items()})
     return df

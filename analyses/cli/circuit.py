@@ -51,7 +51,7 @@ def cmd_circuit(args) -> int:
     if args.diff:
         return _cmd_diff(args.diff)
     from ..circuits.attribution import edge_attribution
-    from ..circuits.evaluation import faithfulness, refine_circuit, select_circuit
+    from ..circuits.evaluation import faithfulness
     from ..circuits.graph import check_graph
     from ..views.circuit_plots import faithfulness_plot
     from ..atlas.atlas import load_atlas
@@ -79,8 +79,7 @@ def cmd_circuit(args) -> int:
         progress("faithfulness")
         curve = faithfulness(model, clean, corrupted, metric, df, sizes=sizes, n_random=args.random,
                              refine=args.refine)
-        chosen = (refine_circuit(model, clean, corrupted, metric, df, edges=args.edges) if args.refine
-                  else select_circuit(model, df, edges=args.edges))
+        chosen = df.loc[curve.attrs["circuits"][sizes[-1]]]  # the largest size's circuit (refined: not twice)
         progress("write")
         out.mkdir(parents=True, exist_ok=True)
         df["in_circuit"] = df.index.isin(chosen.index)
