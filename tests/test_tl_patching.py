@@ -115,6 +115,26 @@ def test_copies_per_forward_do_not_change_the_values(setup):
     torch.testing.assert_close(many, one, atol=ATOL, rtol=0)
 
 
+EVERY = ["get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every", "get_act_patch_block_every"]
+
+
+@pytest.mark.parametrize("function", [*CASES, *EVERY])
+def test_several_indices_per_forward_equal_one_index_per_forward(setup, function):
+    """Each function, with several patched copies of the corrupted batch in one forward, gives what one forward per
+    index gives (TransformerLens's way) within 1e-6, in fewer forwards."""
+    model, _, corrupted, cache = setup
+    forwards = []
+    handle = model.hf.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        one = getattr(patching, function)(model, corrupted, cache, metric, per_forward=1)
+        n_one = len(forwards)
+        many = getattr(patching, function)(model, corrupted, cache, metric, per_forward=6)
+    finally:
+        handle.remove()
+    assert many.shape == one.shape and len(forwards) - n_one < n_one
+    torch.testing.assert_close(many, one, atol=1e-6, rtol=0)
+
+
 def test_last_resid_pre_patch_at_every_position_is_the_clean_run(setup):
     model, clean, corrupted, cache = setup
     df = pd.DataFrame({"layer": [0], "pos": [0]})
