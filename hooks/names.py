@@ -172,8 +172,9 @@ def unknown_name_error(name: str, valid: list[str]) -> ValueError:
         return ValueError(
             f"This model has no hook {name!r}: interp makes a norm's hook_scale/hook_normalized only where a norm "
             f"reads the residual stream: ln1 before attention (pre-norm and parallel blocks), ln2 before the MLP "
-            f"(pre-norm blocks), ln_final before the output layer; post-norm blocks (BERT) normalise after each "
-            f"sublayer. This model's: {[n for n in valid if _NORM_RE.search(n)][:6] or 'none'}."
+            f"(pre-norm blocks), ln_final before the output layer, in decoder-only and encoder-only models (none yet "
+            f"in encoder-decoder ones); post-norm blocks (BERT) normalise after each sublayer. This model's: "
+            f"{[n for n in valid if _NORM_RE.search(n)][:6] or 'none'}."
         )
     close = suggest_names(name, valid)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""

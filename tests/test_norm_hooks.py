@@ -177,6 +177,11 @@ def test_a_bad_edit_and_a_norm_the_model_lacks_get_one_line():
     with pytest.raises(ValueError, match="post-norm blocks .BERT.") as error:
         bert.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[("blocks.0.ln1.hook_scale", lambda s, hook: s)])
     assert "\n" not in str(error.value)
+    from test_seq2seq import _tiny
+
+    t5 = interp.load_model(_tiny("t5"))  # encoder-decoder models: none yet, said in the same line
+    with pytest.raises(ValueError, match="none yet in encoder-decoder ones"):
+        t5.add_hook("encoder.blocks.0.ln1.hook_scale", lambda s, hook: None)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
