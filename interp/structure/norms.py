@@ -79,7 +79,10 @@ def norm_scale(norm, x: torch.Tensor, eps: float | None = None, centres: bool | 
     ``eps``/``centres``: ``norm_eps``/``norm_centres`` when already read (they call the module)."""
     eps = norm_eps(norm, x.shape[-1]) if eps is None else eps
     centres = norm_centres(norm, x.shape[-1]) if centres is None else centres
-    return torch.sqrt(_centred(x, centres).pow(2).mean(-1, keepdim=True) + eps)
+    x = x.float()
+    if centres:
+        return torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def norm_divide(x: torch.Tensor, scale: torch.Tensor, centres: bool) -> torch.Tensor:
