@@ -285,11 +285,11 @@ class _Block:
         self.attn = _Attention(model, layer)
 
     @property
-    def ln1(self) -> _Named:
+    def ln1(self) -> _Named | None:
         """The norm the attention reads the stream through (the HF module), with its ``hook_scale`` and
-        ``hook_normalized`` points."""
-        return _norm_named(self._model, self._model.in_norm_of(self._model.cfg.sites[self._layer]),
-                           f"blocks.{self._layer}.ln1")
+        ``hook_normalized`` points; None where there is none (ModernBERT's first block)."""
+        norm = self._model.in_norm_of(self._model.cfg.sites[self._layer])
+        return None if norm is None else _norm_named(self._model, norm, f"blocks.{self._layer}.ln1")
 
     @property
     def ln2(self) -> _Named:
