@@ -196,3 +196,28 @@ def test_no_hook_is_left_and_bad_arguments_get_one_line(setup):
     with pytest.raises(ValueError, match="index of 2 entries"):
         patching.generic_activation_patch(model, corrupted, cache, metric, patching.layer_pos_patch_setter,
                                           "resid_pre", index_axis_names=("layer", "pos", "head"))
+
+
+def test_an_interrupt_while_the_blocks_are_set_to_replay_leaves_the_model_whole(setup, monkeypatch):
+    """Ctrl-C (or run_tl_demos' CPU-time signal) can land while a scan sets the blocks before the patched layer to
+    replay the recorded output: afterwards the model runs whole. Before, such a block kept returning the stale
+    output, and the next run on other tokens failed in its rotary embedding (the demo's cell 20 after cell 18)."""
+    from analyses.causal import engine
+
+    model, _, corrupted, cache = setup
+    longer = torch.randint(1, 99, (B, P + 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = model(longer).logits
+
+    class Interrupt:  # an interrupt raised while block 0's hook tables are being emptied for the replay
+        def __init__(self, *args):
+            raise KeyboardInterrupt
+
+    marker = Interrupt.__new__(Interrupt)
+    monkeypatch.setattr(engine, "_HOOK_TABLES", (*engine._HOOK_TABLES, "_interp_interrupt"))
+    monkeypatch.setattr(model._blocks[0], "_interp_interrupt", marker, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        patching.get_act_patch_resid_pre(model, corrupted, cache, metric, per_forward=1)
+    assert "forward" not in vars(model._blocks[0]) and model._blocks[0]._interp_interrupt is marker
+    with torch.no_grad():
+        torch.testing.assert_close(model(longer).logits, before, atol=0, rtol=0)
