@@ -31,6 +31,16 @@ LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|T
 # A failure whose error does not start so is reported as not explained.
 _CUT = ("CellLimit", "{}: {} forwards of SmolLM2 on the CPU; stopped at the run's CPU-time limit with no error until "
                      "then")
+# CPU seconds one patched forward of SmolLM2 takes, averaged over the 30 layers it starts from (the blocks before
+# are replayed), one thread: the IOI batch (8 x 14 tokens) and the induction batch (4 x 41); measured by
+# benchmarks/bench_tl_patching.py 2026-11-28 14:05 UTC, load 6.5, OMP_NUM_THREADS=1
+_IOI, _INDUCTION = 0.29, 0.40
+
+
+def _needs(forwards: int, rate: float) -> str:
+    return f" (at {rate} s of CPU a forward: about {forwards * rate:.0f} s of CPU to finish)"
+
+
 _GQA = "GPT-2's head numbers on `hook_{}`: SmolLM2 has 3 key/value heads (per key/value head in TransformerLens 4.3 too)"
 REASONS: dict[str, dict[int, tuple[str, str]]] = {
     "Main_Demo": {
@@ -59,18 +69,24 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
         37: ("IndexError", _GQA.format("k") + " (direct-path patching into keys)"),
     },
     "Activation_Patching_in_TL_Demo": {  # its patching on interp's transformer_lens.patching (tl_patching)
-        13: (_CUT[0], _CUT[1].format("`get_act_patch_resid_pre`", "30 layers x 14 positions = 420 (GPT-2: 12 x 15)")),
-        14: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_all_pos`", "30 x 9 = 270 (GPT-2: 144)")),
-        15: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_by_pos`", "270 x 14 = 3780 (GPT-2: 2160)")),
-        16: (_CUT[0], _CUT[1].format("`get_act_patch_block_every`", "3 x 420 = 1260 (GPT-2: 540)")),
+        13: (_CUT[0], _CUT[1].format("`get_act_patch_resid_pre`", "30 layers x 14 positions = 420 (GPT-2: 12 x 15)")
+             + _needs(420, _IOI)),
+        14: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_all_pos`", "30 x 9 = 270 (GPT-2: 144)")
+             + _needs(270, _IOI)),
+        15: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_by_pos`", "270 x 14 = 3780 (GPT-2: 2160)")
+             + _needs(3780, _IOI)),
+        16: (_CUT[0], _CUT[1].format("`get_act_patch_block_every`", "3 x 420 = 1260 (GPT-2: 540)")
+             + _needs(1260, _IOI)),
         17: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every`",
-                                     "270 + 270 + 90 + 90 + 270 = 990 (GPT-2: 720)")),
-        18: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_by_pos_every`", "990 x 14 = 13860 (GPT-2: 10800)")),
+                                     "270 + 270 + 90 + 90 + 270 = 990 (GPT-2: 720)") + _needs(990, _IOI)),
+        18: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_by_pos_every`", "990 x 14 = 13860 (GPT-2: 10800)")
+             + _needs(13860, _IOI)),
         22: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` and `..._by_pos_every` on "
                                      "attn-only-2l's induction batch (a second model, loaded as SmolLM2 here)",
-                                     "990 + 990 x 41")),
+                                     "990 + 990 x 41") + _needs(990 * 42, _INDUCTION)),
         24: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` on three corrupted induction batches "
-                                     "(attn-only-2l, loaded as SmolLM2 here)", "3 x 990")),
+                                     "(attn-only-2l, loaded as SmolLM2 here)", "3 x 990")
+             + _needs(3 * 990, _INDUCTION)),
     },
 }
 COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op

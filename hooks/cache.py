@@ -12,7 +12,7 @@ from .names import _ALIASES, HOOK_TABLE, get_act_name, unknown_name_error
 
 __all__ = ["ActivationCache", "AttentionMeta"]
 
-_SHORT = {spec.short: spec for spec in HOOK_TABLE}
+_SHORT = {spec.short: spec for spec in HOOK_TABLE if spec.norm is None}  # norms: cache["scale", l, "ln1"] (get_act_name)
 
 
 @dataclass

@@ -19,6 +19,9 @@ __all__ = ["HookSpec", "HOOK_TABLE", "attn_site", "expand_names", "get_act_name"
            "unknown_name_error"]
 
 
+_NORM_RE = re.compile(r"(?:^|\.)(ln1|ln2|ln_final)\.hook_")
+
+
 @dataclass(frozen=True)
 class HookSpec:
     """One row of the hook table.
@@ -40,6 +43,12 @@ class HookSpec:
     @property
     def per_layer(self) -> bool:
         return "{l}" in self.template
+
+    @property
+    def norm(self) -> str | None:
+        """``"ln1"``, ``"ln2"`` or ``"ln_final"`` for a norm's hook (``blocks.{l}.ln1.hook_scale``), else None."""
+        found = _NORM_RE.search(self.template)
+        return found.group(1) if found else None
 
     @property
     def short(self) -> str:
@@ -110,6 +119,17 @@ HOOK_TABLE: tuple[HookSpec, ...] = (
         opt_in=True,
         optional=True,
     ),
+    *(HookSpec(f"{where}.hook_{kind}", shape, f"{what}: {meaning}", opt_in=True, optional=True)
+      for where, what in (("blocks.{l}.ln1", "the norm attention reads the stream through (pre-norm and parallel "
+                                               "blocks)"),
+                          ("blocks.{l}.ln2", "the norm the MLP reads hook_resid_mid through (pre-norm blocks)"),
+                          ("ln_final", "the norm before the output layer"))
+      for kind, shape, meaning in (
+          ("scale", "(b, p, 1)", "the scale it divides by: the standard deviation (LayerNorm) or root mean square "
+                                 "(RMSNorm) with its epsilon, in the stream's dtype (TransformerLens: float32); an "
+                                 "edit changes the norm's output (centred x / scale * w + b)"),
+          ("normalized", "(b, p, m)", "the stream centred (LayerNorm) and divided by hook_scale, before the "
+                                      "norm's weight and bias (TransformerLens's); an edit changes the norm's output"))),
 )
 
 _BY_TEMPLATE = {spec.template: spec for spec in HOOK_TABLE}
@@ -133,11 +153,12 @@ def expand_names(n_layers: int, skip_optional: tuple[str, ...] = ()) -> list[str
 
     ``skip_optional`` lists the optional templates the model's family does not have.
     """
-    names = [spec.template for spec in HOOK_TABLE if not spec.per_layer]
+    names = [spec.template for spec in HOOK_TABLE if not spec.per_layer and spec.norm is None]
     layer_specs = [s for s in HOOK_TABLE if s.per_layer and s.template not in skip_optional]
     for layer in range(n_layers):
         names.extend(spec.name(layer) for spec in layer_specs)
-    return names
+    return names + [s.template for s in HOOK_TABLE if not s.per_layer and s.norm is not None  # ln_final: last
+                    and s.template not in skip_optional]
 
 
 def suggest_names(name: str, valid: list[str], n: int = 3) -> list[str]:
@@ -146,6 +167,15 @@ def suggest_names(name: str, valid: list[str], n: int = 3) -> list[str]:
 
 
 def unknown_name_error(name: str, valid: list[str]) -> ValueError:
+    norm = _NORM_RE.search(name)
+    if norm is not None and name.endswith((".hook_scale", ".hook_normalized")):
+        return ValueError(
+            f"This model has no hook {name!r}: interp makes a norm's hook_scale/hook_normalized only where a norm "
+            f"reads the residual stream: ln1 before attention (pre-norm and parallel blocks), ln2 before the MLP "
+            f"(pre-norm blocks), ln_final before the output layer, in decoder-only and encoder-only models (none yet "
+            f"in encoder-decoder ones); post-norm blocks (BERT) normalise after each sublayer. This model's: "
+            f"{[n for n in valid if _NORM_RE.search(n)][:6] or 'none'}."
+        )
     close = suggest_names(name, valid)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     layers = sorted({int(m) for v in valid for m in _LAYER_RE.findall(v)})
@@ -161,7 +191,7 @@ _ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query"
             "in": "resid_pre", "out": "resid_post"}
 _SUBLAYERS = {None, "", "a", "attn", "attention", "b", "block", "blocks"}
 _SHORTHAND = re.compile(r"^([a-z_]+?)(\d+)([a-z]*\d?)$")
-_NORM_KINDS = ("scale", "normalized")  # TransformerLens's norm hooks: built on access by interp's cache
+_NORM_KINDS = ("scale", "normalized")  # TransformerLens's norm hooks (blocks.{l}.ln1.hook_scale, ...)
 
 
 def get_act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
@@ -171,7 +201,7 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
     (``attn`` for ``pattern``, ``attn_logits`` for ``attn_scores``, ``key``/``query``/``value``; TransformerLens 4's
     block ``in``/``out``: ``resid_pre``/``resid_post``) too. A full name
     comes back as it is. Kinds interp has no hook for (MLP neurons ``pre``/``post``) are refused;
-    the norms' ``scale``/``normalized`` (``ln_final.hook_scale``, ``blocks.4.ln1.hook_scale``) are built by the cache on access.
+    the norms' ``scale``/``normalized`` are ``ln_final.hook_scale``, ``blocks.4.ln1.hook_scale`` (layer_type ln1/ln2).
 
     >>> get_act_name("attn", 2, "attn"), get_act_name("v1")
     ('blocks.2.attn.hook_pattern', 'blocks.1.attn.hook_v')

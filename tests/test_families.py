@@ -144,7 +144,7 @@ def test_every_hook_fires_once_with_its_documented_shape(family, hf, attn):
         _run(model, ids, mask)
     c = model.cfg
     dims = {"b": 3, "p": N_POS, "q": N_POS, "k": N_POS, "h": c.n_heads, "g": c.n_kv_heads, "d": c.d_head,
-            "e": c.d_head_v, "m": c.d_model}
+            "e": c.d_head_v, "m": c.d_model, "1": 1}
     assert sorted(fired) == sorted(names)
     for name, shapes in fired.items():
         expected = tuple(dims[a.strip()] for a in spec_for(name).shape.strip("()").split(","))

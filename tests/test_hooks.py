@@ -22,7 +22,7 @@ def _model(family, attn):
 def _dims(model, ids):
     b, p = ids.shape
     c = model.cfg
-    return {"b": b, "p": p, "q": p, "k": p, "h": c.n_heads, "g": c.n_kv_heads, "d": c.d_head, "e": c.d_head_v, "m": c.d_model}
+    return {"b": b, "p": p, "q": p, "k": p, "h": c.n_heads, "g": c.n_kv_heads, "d": c.d_head, "e": c.d_head_v, "m": c.d_model, "1": 1}
 
 
 def _expected_shape(spec, dims):

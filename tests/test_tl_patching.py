@@ -115,6 +115,26 @@ def test_copies_per_forward_do_not_change_the_values(setup):
     torch.testing.assert_close(many, one, atol=ATOL, rtol=0)
 
 
+EVERY = ["get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every", "get_act_patch_block_every"]
+
+
+@pytest.mark.parametrize("function", [*CASES, *EVERY])
+def test_several_indices_per_forward_equal_one_index_per_forward(setup, function):
+    """Each function, with several patched copies of the corrupted batch in one forward, gives what one forward per
+    index gives (TransformerLens's way) within 1e-6, in fewer forwards."""
+    model, _, corrupted, cache = setup
+    forwards = []
+    handle = model.hf.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        one = getattr(patching, function)(model, corrupted, cache, metric, per_forward=1)
+        n_one = len(forwards)
+        many = getattr(patching, function)(model, corrupted, cache, metric, per_forward=6)
+    finally:
+        handle.remove()
+    assert many.shape == one.shape and len(forwards) - n_one < n_one
+    torch.testing.assert_close(many, one, atol=1e-6, rtol=0)
+
+
 def test_last_resid_pre_patch_at_every_position_is_the_clean_run(setup):
     model, clean, corrupted, cache = setup
     df = pd.DataFrame({"layer": [0], "pos": [0]})
@@ -176,3 +196,28 @@ def test_no_hook_is_left_and_bad_arguments_get_one_line(setup):
     with pytest.raises(ValueError, match="index of 2 entries"):
         patching.generic_activation_patch(model, corrupted, cache, metric, patching.layer_pos_patch_setter,
                                           "resid_pre", index_axis_names=("layer", "pos", "head"))
+
+
+def test_an_interrupt_while_the_blocks_are_set_to_replay_leaves_the_model_whole(setup, monkeypatch):
+    """Ctrl-C (or run_tl_demos' CPU-time signal) can land while a scan sets the blocks before the patched layer to
+    replay the recorded output: afterwards the model runs whole. Before, such a block kept returning the stale
+    output, and the next run on other tokens failed in its rotary embedding (the demo's cell 20 after cell 18)."""
+    from analyses.causal import engine
+
+    model, _, corrupted, cache = setup
+    longer = torch.randint(1, 99, (B, P + 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = model(longer).logits
+
+    class Interrupt:  # an interrupt raised while block 0's hook tables are being emptied for the replay
+        def __init__(self, *args):
+            raise KeyboardInterrupt
+
+    marker = Interrupt.__new__(Interrupt)
+    monkeypatch.setattr(engine, "_HOOK_TABLES", (*engine._HOOK_TABLES, "_interp_interrupt"))
+    monkeypatch.setattr(model._blocks[0], "_interp_interrupt", marker, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        patching.get_act_patch_resid_pre(model, corrupted, cache, metric, per_forward=1)
+    assert "forward" not in vars(model._blocks[0]) and model._blocks[0]._interp_interrupt is marker
+    with torch.no_grad():
+        torch.testing.assert_close(model(longer).logits, before, atol=0, rtol=0)

@@ -177,14 +177,14 @@ class Prefix:
         # a block dispatched by accelerate (device_map) has its own forward on the instance: put it back after
         own = [block.__dict__.get("forward") for block in skipped]
         tables = [{name: getattr(block, name) for name in _HOOK_TABLES if hasattr(block, name)} for block in skipped]
-        if skipped:
-            out = _repeat(self.outputs[first_layer - 1], copies, self.model.device)
-            for block in skipped:
-                block.forward = lambda *args, **kwargs: out
-                for name in _HOOK_TABLES:
-                    if hasattr(block, name):
-                        setattr(block, name, type(getattr(block, name))())
-        try:
+        try:  # the blocks are changed inside the try: an interrupt while they are (Ctrl-C, a time limit's signal)
+            if skipped:  # must not leave a block replaying a stale output in the user's model
+                out = _repeat(self.outputs[first_layer - 1], copies, self.model.device)
+                for block in skipped:
+                    block.forward = lambda *args, **kwargs: out
+                    for name in _HOOK_TABLES:
+                        if hasattr(block, name):
+                            setattr(block, name, type(getattr(block, name))())
             yield
         finally:
             for block, forward, table in zip(skipped, own, tables):

@@ -242,36 +242,41 @@ def _pad_heads(results: torch.Tensor, n_heads: int) -> torch.Tensor:
     return torch.nn.functional.pad(results, (0, n_heads - results.shape[-1]))
 
 
-def _every_head(args: tuple, out, q, k, v, pattern) -> torch.Tensor:
+def _every_head(args: tuple, per_forward: int | None, out, q, k, v, pattern) -> torch.Tensor:
     """The five head patches stacked (TransformerLens's order: output, query, key, value, pattern), key and value
     padded with zeros to n_heads on the last axis (they are per key/value head under GQA), as TransformerLens 4.3."""
-    out, q, k, v, pattern = (f(*args) for f in (out, q, k, v, pattern))
+    out, q, k, v, pattern = (f(*args, per_forward=per_forward) for f in (out, q, k, v, pattern))
     return torch.stack([out, q, _pad_heads(k, q.shape[-1]), _pad_heads(v, q.shape[-1]), pattern], dim=0)
 
 
-def get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric) -> torch.Tensor:
+def get_act_patch_attn_head_all_pos_every(model, corrupted_tokens, clean_cache, metric,
+                                          per_forward: int | None = None) -> torch.Tensor:
     """Every head patched at every position at once, for output, query, key, value and pattern: shape [5, n_layers,
-    n_heads] (key and value per key/value head, padded with zeros to n_heads, as TransformerLens 4.3)."""
-    return _every_head((model, corrupted_tokens, clean_cache, metric), get_act_patch_attn_head_out_all_pos,
+    n_heads] (key and value per key/value head, padded with zeros to n_heads, as TransformerLens 4.3).
+    ``per_forward``: as ``generic_activation_patch``'s."""
+    return _every_head((model, corrupted_tokens, clean_cache, metric), per_forward, get_act_patch_attn_head_out_all_pos,
                        get_act_patch_attn_head_q_all_pos, get_act_patch_attn_head_k_all_pos,
                        get_act_patch_attn_head_v_all_pos, get_act_patch_attn_head_pattern_all_pos)
 
 
-def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, metric) -> torch.Tensor:
+def get_act_patch_attn_head_by_pos_every(model, corrupted_tokens, clean_cache, metric,
+                                         per_forward: int | None = None) -> torch.Tensor:
     """Every head at each position, for output, query, key, value and pattern (by destination position): shape [5,
-    n_layers, pos, n_heads] (key and value padded to n_heads, as TransformerLens 4.3)."""
+    n_layers, pos, n_heads] (key and value padded to n_heads, as TransformerLens 4.3). ``per_forward``: as
+    ``generic_activation_patch``'s."""
 
-    def pattern(*args):  # (layer, head, dest_pos) -> (layer, pos, head)
-        return get_act_patch_attn_head_pattern_by_pos(*args).transpose(1, 2)
+    def pattern(*args, per_forward=None):  # (layer, head, dest_pos) -> (layer, pos, head)
+        return get_act_patch_attn_head_pattern_by_pos(*args, per_forward=per_forward).transpose(1, 2)
 
-    return _every_head((model, corrupted_tokens, clean_cache, metric), get_act_patch_attn_head_out_by_pos,
+    return _every_head((model, corrupted_tokens, clean_cache, metric), per_forward, get_act_patch_attn_head_out_by_pos,
                        get_act_patch_attn_head_q_by_pos, get_act_patch_attn_head_k_by_pos,
                        get_act_patch_attn_head_v_by_pos, pattern)
 
 
-def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric) -> torch.Tensor:
+def get_act_patch_block_every(model, corrupted_tokens, clean_cache, metric,
+                              per_forward: int | None = None) -> torch.Tensor:
     """The residual stream at each block's start, each attention layer's output and each MLP's output, by
-    position: shape [3, n_layers, pos]."""
+    position: shape [3, n_layers, pos]. ``per_forward``: as ``generic_activation_patch``'s."""
     args = (model, corrupted_tokens, clean_cache, metric)
-    return torch.stack([get_act_patch_resid_pre(*args), get_act_patch_attn_out(*args),
-                        get_act_patch_mlp_out(*args)], dim=0)
+    return torch.stack([f(*args, per_forward=per_forward) for f in (get_act_patch_resid_pre, get_act_patch_attn_out,
+                                                                    get_act_patch_mlp_out)], dim=0)

@@ -54,7 +54,7 @@ def cmd_info(args) -> int:
     from hooks import HOOK_TABLE
 
     for spec in HOOK_TABLE:
-        if spec.per_layer and spec.name(0) not in names:
+        if not any(spec.name(l) in names for l in range(model.cfg.n_layers)):  # no such point here (optional rows)
             continue
         print(f"  {spec.template:<34} {spec.shape:<14} {spec.meaning}")
     return 0

@@ -23,7 +23,7 @@ from hooks import ActivationCache, get_act_name
 
 from .circuits import head_weights
 from .differences import warn_tl_differences
-from ..structure.norms import norm_centres, norm_scale
+from ..structure.norms import norm_centres, norm_divide, norm_scale
 
 __all__ = ["ModelCache"]
 
@@ -79,8 +79,10 @@ class ModelCache(ActivationCache):
 
     def _norm_hook(self, layer, which, kind) -> torch.Tensor:
         """TransformerLens's ``blocks.{l}.ln1/ln2.hook_scale``/``hook_normalized`` and ``ln_final``'s, built on
-        access from the stream the norm reads (``interp.structure.norms.norm_scale``): the scale ``(..., 1)`` and
-        the stream centred (LayerNorm) and divided by it, before the norm's weight, as TransformerLens's."""
+        access from the stream the norm reads (``interp.structure.norms.norm_scale``) where the run did not capture
+        them (they are opt-in hook points): the scale ``(..., 1)`` and the stream centred (LayerNorm) and divided by
+        it, before the norm's weight, as TransformerLens's and as the hook points compute them. A run whose hooks
+        edited them: name them in ``run_with_cache(names=...)`` to keep the edited values."""
         model = self.model
         if layer is None:
             x = self["resid_post", -1]
@@ -90,12 +92,8 @@ class ModelCache(ActivationCache):
             norm = model.block_norm(int(layer), mlp_input=which == "ln2")
         if norm is None:
             raise KeyError(f"{model.__class__.__name__} has no final norm, so no ln_final hooks.")
-        scale = norm_scale(norm, x)
-        if kind == "scale":
-            return scale.to(x.dtype)
-        y = x.float()
-        centred = y - y.mean(-1, keepdim=True) if norm_centres(norm, y.shape[-1]) else y
-        return (centred / scale).to(x.dtype)
+        scale = norm_scale(norm, x).to(x.dtype)  # as the hook point computes it (interp.model.norm_hooks)
+        return scale if kind == "scale" else norm_divide(x, scale, norm_centres(norm, x.shape[-1]))
 
     def to(self, device, dtype=None) -> ModelCache:
         moved = super().to(device, dtype)

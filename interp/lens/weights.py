@@ -20,7 +20,7 @@ import torch
 
 from .circuits import LowRank, head_biases, head_weights
 from ..tokens.inputs import position_limit
-from ..structure.norms import norm_bias, norm_centres, norm_scale, norm_weight
+from ..structure.norms import norm_bias, norm_centres, norm_modules, norm_scale, norm_weight
 from ..attention.sites import is_layered
 
 __all__ = ["WeightsMixin"]
@@ -139,8 +139,7 @@ class WeightsMixin:
         if not mlp_input:
             norm = self.in_norm_of(self.cfg.sites[layer])
         else:
-            mid = self.structure.resid_mid[layer] if self.cfg.block == "pre-norm" else None
-            norm = self._blocks[layer].get_submodule(mid[0]) if mid is not None and mid[1] == "input" else None
+            norm = norm_modules(self.structure, self._blocks, self.hf).get(f"blocks.{layer}.ln2")
         if norm is None:
             raise NotImplementedError(f"Block {layer}'s {'MLP' if mlp_input else 'attention'} reads the stream "
                                       f"through no norm interp found ({self.cfg.block} blocks).")
@@ -217,7 +216,7 @@ class WeightsMixin:
                 return norm(x)
             centred = x.float() - x.float().mean(-1, keepdim=True) if norm_centres(norm, x.shape[-1]) else x.float()
             return (centred / norm_scale(norm, x)).to(x.dtype)
-        return _Named(norm, call=call)
+        return _norm_named(self, norm, "ln_final", call)
 
     def tl_named_parameters(self):
         """``(TransformerLens name, tensor)`` pairs: ``embed.W_E``, ``pos_embed.W_pos`` (learned positions),
@@ -271,6 +270,13 @@ class _Named:
         return getattr(self._module, name)
 
 
+def _norm_named(model, norm, where: str, call=None) -> _Named:
+    """A norm module under its TransformerLens name: ``.hook_scale``/``.hook_normalized`` are the model's hook points
+    (``interp.model.norm_hooks``; one line where the model has none), any other attribute the module's."""
+    return _Named(norm, call, **{kind: (lambda kind=kind: model._registry[f"{where}.{kind}"])
+                                 for kind in ("hook_scale", "hook_normalized")})
+
+
 class _Block:
     """One block as TransformerLens shows it (``model.blocks[l]``)."""
 
@@ -279,12 +285,16 @@ class _Block:
         self.attn = _Attention(model, layer)
 
     @property
-    def ln1(self):
-        return self._model.in_norm_of(self._model.cfg.sites[self._layer])
+    def ln1(self) -> _Named | None:
+        """The norm the attention reads the stream through (the HF module), with its ``hook_scale`` and
+        ``hook_normalized`` points; None where there is none (ModernBERT's first block)."""
+        norm = self._model.in_norm_of(self._model.cfg.sites[self._layer])
+        return None if norm is None else _norm_named(self._model, norm, f"blocks.{self._layer}.ln1")
 
     @property
-    def ln2(self):
-        return self._model.block_norm(self._layer, mlp_input=True)
+    def ln2(self) -> _Named:
+        """The norm the MLP reads ``hook_resid_mid`` through, with its hook points."""
+        return _norm_named(self._model, self._model.block_norm(self._layer, mlp_input=True), f"blocks.{self._layer}.ln2")
 
     @property
     def mlp(self):

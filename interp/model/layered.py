@@ -19,6 +19,8 @@ from ..runtime.distributed import onloaded
 from ..tokens.inputs import padded_positions
 from ..structure.head_slicing import check_head_counts
 from ..structure.layered import discover
+from ..structure.norms import norm_modules
+from .norm_hooks import NormHooks
 from .wrapper import Kind, Layout, _Handles, _replace_first
 
 __all__ = ["LAYERED", "spec_name"]
@@ -42,11 +44,12 @@ def _build(hf, structure) -> Layout:
                for l, (site, block) in enumerate(zip(cfg.sites, blocks))}
     points = [HookPoint("hook_embed")]
     attach = {"hook_embed": lambda point: hf.get_input_embeddings().register_forward_hook(lambda m, i, out: point(out))}
+    norms = norm_modules(s, blocks, hf)  # ln1, ln2, ln_final where the model has them
     for layer in range(cfg.n_layers):
         has = {"resid_mid": s.resid_mid[layer] is not None, "mlp_out": s.mlp[layer] is not None,
                "result": s.o_proj[layer] is not None}  # parallel blocks have no resid_mid; result needs an o_proj
         for spec in HOOK_TABLE:
-            if not spec.per_layer or not has.get(spec.short, True):
+            if not spec.per_layer or not has.get(spec.short, True) or spec.norm is not None:
                 continue
             read_only = None
             if spec.short == "resid_mid" and s.resid_mid[layer][1] == "input":
@@ -57,7 +60,20 @@ def _build(hf, structure) -> Layout:
             points.append(HookPoint(spec.name(layer), layer, read_only))
             if spec.short in _MODULE_KINDS:
                 attach[spec.name(layer)] = _attacher(blocks[layer], s, layer, spec.short, cfg)
+        for where in (f"blocks.{layer}.ln1", f"blocks.{layer}.ln2"):
+            _norm_points(norms, where, layer, blocks[layer], points, attach)
+    _norm_points(norms, "ln_final", None, None, points, attach)
     return Layout(cfg, s, blocks, modules, weights, points, attach)
+
+
+def _norm_points(norms: dict, where: str, layer: int | None, block, points: list, attach: dict) -> None:
+    """``{where}.hook_scale`` and ``{where}.hook_normalized``, served by one ``NormHooks``, if the model has that norm."""
+    if where not in norms:
+        return
+    scale, normalized = HookPoint(f"{where}.hook_scale", layer), HookPoint(f"{where}.hook_normalized", layer)
+    served = NormHooks(norms[where], scale, normalized, block)
+    points += [scale, normalized]
+    attach[scale.name] = attach[normalized.name] = served.attach
 
 
 def _attacher(block, s, layer: int, kind: str, cfg):

@@ -1,12 +1,15 @@
 """A norm module read as numbers: its epsilon, whether it centres (LayerNorm) or only rescales (RMSNorm), its
 effective weight and bias, and the scale it divides a residual stream by. Found by calling the module, not listed
-per family (Gemma's ``1 + w``, T5's ``T5LayerNorm`` that is an RMSNorm, OLMo's hard-coded epsilon)."""
+per family (Gemma's ``1 + w``, T5's ``T5LayerNorm`` that is an RMSNorm, OLMo's hard-coded epsilon). The probes
+call ``norm.forward``, not the module, so that no hook on it (a user's, interp's own norm hooks) fires on them."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["norm_bias", "norm_centres", "norm_eps", "norm_scale", "norm_weight"]
+from .probe import _is_norm
+
+__all__ = ["norm_bias", "norm_centres", "norm_divide", "norm_eps", "norm_modules", "norm_scale", "norm_weight"]
 
 
 def norm_eps(norm, d_model: int) -> float:
@@ -21,8 +24,8 @@ def norm_eps(norm, d_model: int) -> float:
     sign[0, 1::2] = -1.0  # mean 0, mean square 1: LayerNorm and RMSNorm see the same scale
     small = 1e-3
     with torch.no_grad():
-        ratio = float((norm(sign * small).double() - norm(sign * 0).double()).abs().sum()
-                      / (norm(sign).double() - norm(sign * 0).double()).abs().sum()) / small
+        ratio = float((norm.forward(sign * small).double() - norm.forward(sign * 0).double()).abs().sum()
+                      / (norm.forward(sign).double() - norm.forward(sign * 0).double()).abs().sum()) / small
     # ratio = sqrt(1 + eps) / sqrt(small^2 + eps)
     return max(0.0, (1.0 - ratio**2 * small**2) / (ratio**2 - 1.0))
 
@@ -47,7 +50,7 @@ def norm_centres(norm, d_model: int) -> bool:
     x = torch.ones(1, d_model, dtype=dtype, device=device)
     x[0, 1::2] = -1.0
     with torch.no_grad():
-        return bool(torch.allclose(norm(x + 3.0).float(), norm(x).float(), atol=1e-3))
+        return bool(torch.allclose(norm.forward(x + 3.0).float(), norm.forward(x).float(), atol=1e-3))
 
 
 def norm_weight(norm, d_model: int) -> torch.Tensor:
@@ -61,7 +64,7 @@ def norm_weight(norm, d_model: int) -> torch.Tensor:
             return (torch.ones(d_model, dtype=torch.float64, device=device) if weight is None
                     else weight.detach().double())
         ones = torch.ones(1, d_model, dtype=dtype, device=device)
-        return norm(ones).double()[0] * (1.0 + eps) ** 0.5
+        return norm.forward(ones).double()[0] * (1.0 + eps) ** 0.5
 
 
 def norm_bias(norm, d_model: int) -> torch.Tensor | None:
@@ -70,11 +73,45 @@ def norm_bias(norm, d_model: int) -> torch.Tensor | None:
     return None if not isinstance(bias, torch.Tensor) or not norm_centres(norm, d_model) else bias.detach().double()
 
 
-def norm_scale(norm, x: torch.Tensor) -> torch.Tensor:
+def norm_scale(norm, x: torch.Tensor, eps: float | None = None, centres: bool | None = None) -> torch.Tensor:
     """What ``norm`` divides ``x: (..., m)`` by, ``(..., 1)`` (TransformerLens's ``hook_scale``): the standard
-    deviation of a LayerNorm, the root mean square of an RMSNorm, each with the norm's epsilon, in float32."""
-    eps = norm_eps(norm, x.shape[-1])
+    deviation of a LayerNorm, the root mean square of an RMSNorm, each with the norm's epsilon, in float32.
+    ``eps``/``centres``: ``norm_eps``/``norm_centres`` when already read (they call the module)."""
+    eps = norm_eps(norm, x.shape[-1]) if eps is None else eps
+    centres = norm_centres(norm, x.shape[-1]) if centres is None else centres
     x = x.float()
-    if norm_centres(norm, x.shape[-1]):
+    if centres:
         return torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_divide(x: torch.Tensor, scale: torch.Tensor, centres: bool) -> torch.Tensor:
+    """``x`` centred (a LayerNorm's) and divided by ``scale``, in ``x``'s dtype, computed in float32:
+    TransformerLens's ``hook_normalized``, the norm's output before its weight and bias."""
+    return (_centred(x, centres) / scale.float()).to(x.dtype)
+
+
+def _centred(x: torch.Tensor, centres: bool) -> torch.Tensor:
+    x = x.float()
+    return x - x.mean(-1, keepdim=True) if centres else x
+
+
+def norm_modules(structure, blocks, hf) -> dict[str, torch.nn.Module]:
+    """TransformerLens's norm names -> the HF norm module, where the model has one: ``blocks.{l}.ln1`` the norm
+    block ``l``'s attention reads the stream through (pre-norm and parallel blocks), ``blocks.{l}.ln2`` the norm
+    that reads ``hook_resid_mid`` before the MLP (pre-norm blocks), ``ln_final`` the norm before the output
+    layer. Post-norm blocks (BERT) normalise after each sublayer: no ln1/ln2."""
+    found = {}
+    if structure.final_norm is not None:
+        found["ln_final"] = hf.get_submodule(structure.final_norm)
+    if structure.kind == "post-norm":
+        return found
+    for layer, block in enumerate(blocks):
+        if structure.attn_in_norm[layer] is not None:
+            found[f"blocks.{layer}.ln1"] = block.get_submodule(structure.attn_in_norm[layer])
+        mid = structure.resid_mid[layer]
+        if structure.kind == "pre-norm" and mid is not None and mid[1] == "input":
+            module = block.get_submodule(mid[0])
+            if _is_norm(module):
+                found[f"blocks.{layer}.ln2"] = module
+    return found
