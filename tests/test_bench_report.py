@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_report  # noqa: E402
 
@@ -26,6 +28,7 @@ def test_flops_per_stage_add_up(capsys):
     assert re.search(r"plain forward \(4 x 64 tokens\): [\d.]+ GFLOP in [\d.]+ CPU s = [\d.]+ GFLOP/s on 1 thread", out)
 
 
+@pytest.mark.slow  # about 45 s, a report in a child process: `python -m pytest -m slow tests/test_bench_report.py`
 def test_the_timed_report_gives_every_stage_and_the_forward_for_scale():
     r = bench_report.run_report(Path(__file__).resolve().parents[1], "toy-induction", threads=1)
     assert {"load", "heads", "ablation", "pruning"} <= set(r["stages"])

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about 80 s on the CPU VM: `python -m pytest -m slow tests/test_gpu_suite.py`
 def test_gpu_suite_rehearses_every_part_on_the_cpu(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--part", "all", "--device",
                            "cpu", "--quick", "--out", str(tmp_path)], capture_output=True, text=True)
