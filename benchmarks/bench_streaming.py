@@ -24,33 +24,16 @@ wall-clock time.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import interp
 from analyses.data.needles import needle_prompts
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status("VmRSS")
+from peak import reset_peak, status_bytes  # benchmarks/peak.py, beside this script
 
 
 def streaming_heads(model, fraction: float, seed: int = 0) -> list[tuple[int, int]]:
@@ -69,7 +52,7 @@ def streaming_heads(model, fraction: float, seed: int = 0) -> list[tuple[int, in
 
 
 def run_one(model, ids, heads, new: int, sink: int, window: int) -> dict:
-    before = _reset_peak()
+    before = reset_peak()
     with interp.stream_heads(model, heads, sink=sink, window=window) as s, torch.no_grad():
         cache = s.new_cache() if heads else None
         start, cpu = time.perf_counter(), time.process_time()
@@ -84,8 +67,8 @@ def run_one(model, ids, heads, new: int, sink: int, window: int) -> dict:
             tokens.append(int(token))
         decode, decode_cpu = (time.perf_counter() - start) / new, (time.process_time() - cpu) / new
         kv = interp.kv_cache_bytes(interp.output_cache(out))
-        peak = _status("VmHWM") - before
-        held = _reset_peak() - before  # freed memory returned first: what the live cache and model state hold
+        peak = status_bytes("VmHWM") - before
+        held = reset_peak() - before  # freed memory returned first: what the live cache and model state hold
         del out
     return {"prefill_s": prefill, "decode_ms": decode * 1e3, "prefill_cpu_s": prefill_cpu,
             "decode_cpu_ms": decode_cpu * 1e3, "kv_bytes": kv, "peak_grew": peak, "held": held,
