@@ -7,7 +7,9 @@ For each model and length, each task runs in a fresh subprocess (the only honest
   metric to the input embeddings (the weights frozen, as attribution has them): what any gradient-based attribution
   at that length needs at least. Logits only where the metric reads them (``logits_to_keep``).
 - ``eap``: ``edge_attribution(model, clean, corrupted, metric, method="eap")`` on our flash path: every edge of the
-  graph scored (a clean and a corrupted forward, one backward).
+  graph scored (a clean and a corrupted forward, one backward); from 4,096 tokens on each block is recomputed in the
+  backward (``recompute``), so the backward holds the block inputs and one block's activations.
+- ``eap_kept``: the same with ``recompute=False``: every block's activations kept for the backward.
 
 The task: ``analyses.needle_task`` (a needle prompt of that length, the needle teacher-forced after the question;
 the metric its tokens' mean loss; the corrupted prompt another needle of as many tokens). Memory: each child loads the
@@ -32,7 +34,7 @@ from pathlib import Path
 from peak import grown_mib, reset_peak, status_bytes  # benchmarks/peak.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ("sdpa_fb", "eap")
+TASKS = ("sdpa_fb", "eap", "eap_kept")
 
 
 def child(model_name: str, n: int, task: str) -> dict:
@@ -65,10 +67,11 @@ def child(model_name: str, n: int, task: str) -> dict:
             return float(loss)
     else:
         def run():
-            frame = edge_attribution(model, clean, corrupted, metric, method="eap")
+            frame = edge_attribution(model, clean, corrupted, metric, method="eap",
+                                     recompute=False if task == "eap_kept" else None)
             return len(frame)
     short = needle_task(model, min(n, 64))  # warm-up: kernels, allocator pools
-    if task == "eap":
+    if task.startswith("eap"):
         edge_attribution(model, *short, method="eap")
     before = reset_peak()
     cpu, wall = time.process_time(), time.perf_counter()
@@ -116,8 +119,8 @@ def main() -> None:
                   f"{r['cpu_s']:.1f} s, wall {r['wall_s']:.1f} s", flush=True)
         base = next((r for r in rows if r["n"] >= n and r["task"] == "sdpa_fb"), None)
         for r in rows:
-            if base and r["task"] == "eap" and r["n"] == base["n"]:
-                print(f"  {args.model} {r['n']}: eap / sdpa_fb growth {r['grew_mib'] / base['grew_mib']:.2f}x, "
+            if base and r["task"].startswith("eap") and r["n"] == base["n"]:
+                print(f"  {args.model} {r['n']}: {r['task']} / sdpa_fb growth {r['grew_mib'] / base['grew_mib']:.2f}x, "
                       f"peak {r['peak_mib'] / base['peak_mib']:.2f}x; HF eager's patterns and their gradients "
                       f"alone: {r['eager_pattern_gib']:.1f} GiB", flush=True)
     print(json.dumps(rows))

@@ -14,6 +14,10 @@ edges into the same inputs.
    memory at any length (``edge_patching`` keeps every node's output of both runs; at 8,192 tokens on SmolLM2 that
    is 10 GiB). With ``--check`` the first edge is also patched by ``edge_effects`` (short prompts only).
 
+Memory: the growth of the process's peak resident size during EAP over the resident size before it
+(``eap_grew_mib``), the peak then (``eap_peak_mib``) and the peak of the whole run (``peak_mib``), from
+``benchmarks/peak.py``.
+
     OMP_NUM_THREADS=1 python benchmarks/circuits_retrieval.py --model smollm2 --length 8192
     OMP_NUM_THREADS=1 python benchmarks/circuits_retrieval.py --model toy-induction --heads 1.1 1.3 --length 64 --check
 """
@@ -27,6 +31,7 @@ import random
 import time
 
 import torch
+from peak import grown_mib, reset_peak, status_bytes  # benchmarks/peak.py, beside this script
 
 import interp
 from analyses import edge_attribution, edge_effects, needle_task, qk_attribution
@@ -86,9 +91,9 @@ def main() -> None:
     clean, corrupted, metric = needle_task(model, args.length)
     metric = scalar_metric(metric)
     start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    cpu = time.process_time()
+    before, cpu = reset_peak(), time.process_time()
     eap = edge_attribution(model, clean, corrupted, metric, method="eap")
-    eap_cpu = time.process_time() - cpu
+    eap_cpu, eap_grew, eap_peak = time.process_time() - cpu, grown_mib(before), status_bytes("VmHWM") / 2**20
     sites = {h: model.cfg.sites[h[0]] for h in heads}
     group = {h: h[1] // (sites[h].n_heads // sites[h].n_kv_heads) for h in heads}
     inputs = {h: {"q": f"{sites[h].name}:{h[1]}.q", "k": f"{sites[h].name}:{group[h]}.k",
@@ -99,7 +104,8 @@ def main() -> None:
     qk = qk_attribution(model, clean, heads, pairs="top1", queries=rows, causal=False)
     qk_cpu = time.process_time() - cpu
     report = {"model": args.model, "length": args.length, "start": start, "threads": torch.get_num_threads(),
-              "eap_cpu_s": eap_cpu, "qk_cpu_s": qk_cpu, "metric": {k: eap.attrs[k] for k in ("clean", "corrupted")},
+              "eap_cpu_s": eap_cpu, "eap_grew_mib": eap_grew, "eap_peak_mib": eap_peak, "qk_cpu_s": qk_cpu,
+              "metric": {k: eap.attrs[k] for k in ("clean", "corrupted")},
               "heads": {}}
     for h in heads:
         mine = qk[(qk["layer"] == h[0]) & (qk["head"] == h[1])]
@@ -149,6 +155,7 @@ def main() -> None:
     for kind in ("top", "random"):
         values = [abs(f["exact"]) for f in found if f["kind"] == kind]
         report[f"mean_abs_exact_{kind}"] = sum(values) / max(1, len(values))
+    report["peak_mib"] = status_bytes("VmHWM") / 2**20  # since the reset before EAP: EAP, QK attribution, patching
     report["load"] = os.getloadavg()
     report["end"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(json.dumps(report, indent=1))

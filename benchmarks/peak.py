@@ -1,6 +1,7 @@
-"""A child process's peak memory on Linux, for the benchmarks that set peaks side by side in fresh processes
-(``bench_vs_kvpress.py``, ``bench_vs_eapig.py``, ``bench_circuits_long.py``, ``bench_streaming.py``). Standard library only: the children of
-the peer comparisons run in the peers' own virtualenvs."""
+"""A process's peak memory on Linux, for the benchmarks that set peaks side by side in fresh processes
+(``bench_vs_kvpress.py``, ``bench_vs_eapig.py``, ``bench_circuits_long.py``, ``bench_streaming.py``) and for
+``circuits_retrieval.py``'s own. Standard library only: the children of the peer comparisons run in the peers' own
+virtualenvs."""
 
 from __future__ import annotations
 

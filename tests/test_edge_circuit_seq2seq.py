@@ -237,6 +237,18 @@ def test_eap_is_the_exact_gradient_at_the_receiver_dotted_with_the_senders_diffe
     assert set(scores["eager"]["input"]) == {"q", "k", "v", "mlp", "logits"}
 
 
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+def test_recomputing_both_stacks_blocks_in_the_backward_gives_the_same_scores(attn):
+    model = _t5(attn)
+    clean, corrupted = _pair(6)
+    metric = logit_difference(5, 7)
+    runs = {r: edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2, recompute=r)
+            for r in (False, True)}
+    assert runs[False]["score"].abs().max() > 1e-3
+    assert (runs[False]["score"] - runs[True]["score"]).abs().max() <= 1e-6 * runs[False]["score"].abs().max()
+    assert all("forward" not in b.__dict__ for stack in model._blocks.values() for b in stack)
+
+
 def test_a_circuit_of_t5_is_chosen_and_evaluated():
     model = _t5()
     clean, corrupted = _pair(4)

@@ -211,8 +211,9 @@ def test_eap_on_the_flash_path_equals_the_eager_path_and_ig_with_one_step_is_eap
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "bert"])  # bert: the norms' scales sliced alike
 def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
-    """What long inputs switch on (each step contracted as it ends instead of the steps' gradients summed first;
-    positions in several chunks) gives the same scores as the whole at once."""
+    """What long inputs switch on (each step contracted as it ends instead of the steps' gradients summed first,
+    during the backward a block at a time where the model is one stack of pre-norm blocks; positions in several
+    chunks) gives the same scores as the whole at once."""
     from analyses.circuits import attribution
 
     model = interp.load_model(tiny_model(family), attn="flash")
@@ -225,6 +226,14 @@ def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
     parts = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
     assert whole["score"].abs().max() > 0.1
     assert (whole["score"] - parts["score"]).abs().max() <= 1e-5 * whole["score"].abs().max()
+    monkeypatch.setattr(attribution, "_TAPS_BYTES", 0)  # contracted at every block the backward reaches
+    contracted, contract = [], attribution._contract
+    monkeypatch.setattr(attribution, "_contract", lambda m, keys, **kw: (contracted.append(list(keys)),
+                                                                        contract(m, keys, **kw)))
+    early = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
+    assert (whole["score"] - early["score"]).abs().max() <= 1e-5 * whole["score"].abs().max()
+    blocks = model.cfg.n_layers
+    assert len(contracted) == 3 * (1 if family == "bert" else blocks)  # post-norm: after each backward
 
 
 def test_toy_induction_circuit_k_edges_from_the_previous_token_head_and_faithfulness_beats_random():
@@ -453,3 +462,39 @@ def test_batched_edge_sets_and_single_edge_effects_equal_one_run_each(family):
         assert list(zip(df["upstream"], df["downstream"])) == edges and df.attrs["forwards"] == forwards
         assert max(abs(a - b) for a, b in zip(df["effect"], want)) <= TOL
         assert (df.attrs["block_fraction"] < 1) == (forwards > 1)
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3_text", "phi", "bert"])  # phi: parallel blocks
+def test_recomputing_each_block_in_the_backward_gives_the_same_scores_and_leaves_the_model_as_it_was(family, attn,
+                                                                                                     monkeypatch):
+    """Blocks recomputed in the backward (what long inputs switch on) run twice, give the scores of one run and
+    leave no block changed."""
+    from analyses.circuits import attribution
+
+    model = interp.load_model(tiny_model(family), attn=attn)
+    clean, corrupted = _pair(4, shape=(2, 9))
+    metric = logit_difference(5, 7)
+    calls = []
+    handle = model._blocks[1].register_forward_pre_hook(lambda m, a: None)  # the user's hook, kept
+    first = next(model._blocks[1].children())  # a recomputation may stop after the last tensor the backward needs
+    counter = first.register_forward_pre_hook(lambda m, a: calls.append(1))
+    runs = {}
+    for recompute in (False, True):
+        calls.clear()
+        runs[recompute] = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2,
+                                           recompute=recompute)
+        runs[recompute].attrs["calls"] = len(calls)
+    assert runs[True].attrs["calls"] > runs[False].attrs["calls"]  # the block ran again in each backward
+    assert runs[False]["score"].abs().max() > 0.1
+    assert (runs[False]["score"] - runs[True]["score"]).abs().max() <= 1e-6 * runs[False]["score"].abs().max()
+    assert all("forward" not in block.__dict__ for block in model._blocks)
+    assert len(model._blocks[1]._forward_pre_hooks) == 1
+    monkeypatch.setattr(attribution, "_RECOMPUTE_TOKENS", 18)  # 2 x 9 tokens: the default recomputes
+    calls.clear()
+    auto = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2)
+    assert len(calls) == runs[True].attrs["calls"]
+    assert (auto["score"] - runs[True]["score"]).abs().max() == 0
+    counter.remove(), handle.remove()
+    with pytest.raises(ValueError, match="recompute must be True, False or None"):
+        edge_attribution(model, clean, corrupted, metric, method="eap", recompute="yes")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.utils.checkpoint
 
 from hooks.points import TORCH_HOOK_TABLES as _HOOK_TABLES
 from interp.runtime import distributed
@@ -25,7 +26,7 @@ from ..data.batches import Batch, _main_output
 from .finite import check_finite, finite_copies, warn_non_finite, watching
 from ..data.metrics import Metric
 
-__all__ = ["scan", "copies_per_forward", "kept_logits", "slice_output", "Shard"]
+__all__ = ["scan", "copies_per_forward", "kept_logits", "recomputing", "slice_output", "Shard"]
 
 
 def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], int],
@@ -194,6 +195,36 @@ class Prefix:
                     block.forward = forward
                 for name, hooks in table.items():
                     setattr(block, name, hooks)
+
+
+@contextmanager
+def recomputing(model, enabled: bool = True):
+    """Each block of ``model`` keeps only its input for the backward and runs again when the backward reaches it
+    (activation checkpointing, torch's non-reentrant ``checkpoint``): a forward with a gradient then holds the
+    block inputs plus one block's activations, not every block's. The gradients are the same (the blocks run
+    again on the same inputs, deterministically). What runs inside a block runs twice, its hooks too: a hook that
+    only reads or edits gives the same values; one that counts its calls sees two."""
+    blocks = [] if not enabled else [b for stack in (model._blocks.values() if isinstance(model._blocks, dict)
+                                                      else [model._blocks]) for b in stack]
+    own = [block.__dict__.get("forward") for block in blocks]  # accelerate's dispatch: put it back after
+
+    def again(forward):
+        def run(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return run
+
+    try:  # changed inside the try: an interrupt must not leave a block checkpointed in the user's model
+        for block in blocks:
+            block.forward = again(block.forward)
+        yield
+    finally:
+        for block, forward in zip(blocks, own):
+            if forward is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = forward
 
 
 def _repeat(value, copies: int, device):

@@ -24,6 +24,9 @@ output carried through the norms between, with the clean run's scales for ``a_u(
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from functools import partial
+
 import pandas as pd
 import torch
 
@@ -31,7 +34,7 @@ from hooks.names import hook_name
 from interp.runtime.progress import progress
 
 from ..causal.attribution import _contiguous_output_layer
-from ..causal.engine import _arguments, _run, kept_logits
+from ..causal.engine import _arguments, _run, kept_logits, recomputing
 from ..causal.patching import paired_batches, scalar_metric
 from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading, senders
 from .patching import node_hook
@@ -41,6 +44,8 @@ __all__ = ["METHODS", "edge_attribution"]
 
 METHODS = ("eap", "eap-ig")
 _CHUNK_ELEMENTS = 1 << 25  # elements of one chunk's stacked node differences (128 MiB in fp32)
+_RECOMPUTE_TOKENS = 4096  # batch x positions from which the gradient runs recompute each block in the backward
+_TAPS_BYTES = 1 << 30  # the receivers' streams and gradients held in the backward before their scores are taken
 _SUMMED_ELEMENTS = 1 << 26  # receivers x tokens x d_model up to which the steps' gradients are summed, then
                             # contracted once (256 MiB in fp32); above it each step is contracted as it ends
 
@@ -121,6 +126,7 @@ class _Taps:
 
     def __init__(self, model, receivers: list[Receiver], shape):
         self.model, self.shape, self.x, self.grad, self.handles = model, shape, {}, {}, []
+        self.dropped_nonzero = False  # a gradient let go of (``drop``) was not all zero
         self.reads = {r: reading(model, r) for r in receivers}
         self.groups: dict[object, list[Receiver]] = {}
         for r, read in self.reads.items():
@@ -165,6 +171,22 @@ class _Taps:
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
+
+    def _held(self, keys) -> list:
+        return [(k, self.x) for k in keys if k in self.x] + [(t, self.grad) for t in self.grad if t[0] in keys]
+
+    def held_bytes(self, keys) -> int:
+        return sum(where[k].numel() * where[k].element_size() for k, where in self._held(set(keys)))
+
+    def drop(self, keys) -> None:
+        """Let go of the streams and gradients of ``keys`` (their scores are in)."""
+        for k, where in self._held(set(keys)):
+            if where is self.grad:
+                self.dropped_nonzero = self.dropped_nonzero or bool(where[k].any())
+            del where[k]
+
+    def any_nonzero(self) -> bool:
+        return self.dropped_nonzero or any(bool(g.any()) for g in self.grad.values())
 
     def _rows(self, t: torch.Tensor, rows: slice) -> torch.Tensor:
         """``t`` as ``(b, p, ...)`` (a module run on ``(b * p, m)``, OPT's MLP, reshaped) at positions ``rows``."""
@@ -221,17 +243,66 @@ class _Taps:
         return receivers, torch.stack([g.float() for g in out])
 
 
+class _EarlyContraction:
+    """Scores contracted during the backward, as soon as the backward has reached a block's input (so every
+    receiver in that block and above has its gradient), whenever the streams and gradients those receivers hold
+    pass ``_TAPS_BYTES`` (and at the first block), and those then let go of: the backward holds a few blocks' taps
+    instead of every block's. One stack of pre-norm or parallel blocks (post-norm carries nodes through every norm,
+    an encoder-decoder's decoder reads the encoder's stream: those contract after the backward)."""
+
+    def __init__(self, model, taps: _Taps, contract):
+        self.blocks, self.taps, self.contract = list(model._blocks), taps, contract
+        self.block_of = {key: max(r.layer for r in rs) for key, rs in taps.groups.items()}
+        self.pending, self.handles = set(self.block_of), []
+
+    @staticmethod
+    def applies(model) -> bool:
+        return not isinstance(model._blocks, dict) and not norm_steps(model)
+
+    def __enter__(self):
+        self.handles = [block.register_forward_pre_hook(self._watch(l), with_kwargs=True)
+                        for l, block in enumerate(self.blocks)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def _watch(self, layer: int):
+        def pre(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(lambda g: self._reached(layer))
+        return pre
+
+    def _reached(self, layer: int) -> None:
+        complete = [key for key in self.pending if self.block_of[key] >= layer]
+        if complete and (layer == 0 or self.taps.held_bytes(complete) >= _TAPS_BYTES):
+            self.flush(complete)
+
+    def flush(self, keys=None) -> None:
+        keys = [key for key in (self.pending if keys is None else keys) if key in self.pending]
+        if keys:
+            self.contract({key: self.taps.groups[key] for key in keys})
+            self.taps.drop(keys)
+            self.pending -= set(keys)
+
+
 def _differentiable(x: torch.Tensor) -> torch.Tensor:
     """``x`` plus a zero that needs a gradient, not a leaf: module hooks (FlopCounterMode's) refuse a leaf."""
     return x + torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
 
 
-def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5) -> pd.DataFrame:
+def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", steps: int = 5,
+                     recompute: bool | None = None) -> pd.DataFrame:
     """Score every edge of the model's graph (``analyses.circuits.graph``) by EAP or EAP-IG.
 
     clean, corrupted: inputs of the same shape (as for ``activation_patching``). metric: ``metric(output, inputs)``
     with a gradient (``analyses.data.metrics``: ``logit_difference``, ...), taken as the mean over examples. method:
-    ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's interpolation points.
+    ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's interpolation points. recompute: keep only each block's input for
+    the backward and run the block again when the backward reaches it (``analyses.causal.engine.recomputing``): the
+    same scores, one more forward's time, the memory of the block inputs and one block's activations instead of
+    every block's; ``None`` (the default) recomputes from ``_RECOMPUTE_TOKENS`` tokens (batch x positions) on.
 
     Returns one row per edge: the upstream columns (``upstream``, ``up_kind``, ``up_layer``, ``up_site``,
     ``up_head``), the downstream ones (``downstream``, ``input`` in q/k/v/mlp/logits, ``down_layer``,
@@ -243,6 +314,9 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer (EAP-IG's interpolation points); got {steps!r}.")
+    if recompute is not None and not isinstance(recompute, bool):
+        raise ValueError(f"recompute must be True, False or None (from {_RECOMPUTE_TOKENS} tokens on); got "
+                         f"{recompute!r}.")
     steps = 1 if method == "eap" else steps
     edges = graph_edges(model)
     metric = scalar_metric(metric)
@@ -263,6 +337,8 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     scores = torch.zeros(len(nodes), len(receivers), dtype=torch.float64)
     (inputs, rest), read = _compact_names(model), node_readers(model)
     names, shape = inputs + rest, tuple(corrupted["input_ids"].shape[:2])
+    if recompute is None:
+        recompute = max(shape[0] * shape[1], shape[0] * _decoder_length(corrupted)) >= _RECOMPUTE_TOKENS
     with model.studying():
         with torch.no_grad():
             args, kwargs = _arguments(clean)
@@ -279,12 +355,18 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
             taps = _Taps(model, receivers, shape)
             for key, receivers_of in taps.groups.items():
                 spans[stream_of[receivers_of[0]]][2][key] = True
+            contract = partial(_contract, model, gradients=taps.stream_gradients, nodes=nodes,
+                               stores=(clean_store, corrupted_store), read=read, receiver_at=receiver_at,
+                               reach=reach, scores=scores, spans=spans, steps=steps)
+            # each step contracted as it ends (not small): during the backward where it can be
+            early = _EarlyContraction(model, taps, contract) if not small and _EarlyContraction.applies(model) \
+                else None
             hooks = [(name, _interpolate(clean_store[name], k / steps, moved)) for name in inputs]
             if k == 0:  # alpha 0 is the corrupted run itself: its node outputs are read on the way
                 hooks.append((rest, _keeping(corrupted_store)))
             with torch.enable_grad():
-                with model.hooks(hooks), taps, _contiguous_output_layer(model), \
-                        recording_scales(model, corrupted_store, enabled=k == 0):
+                with model.hooks(hooks), taps, early or nullcontext(), _contiguous_output_layer(model), \
+                        recomputing(model, recompute), recording_scales(model, corrupted_store, enabled=k == 0):
                     out = _run(model, corrupted, **keep)
                     if k == 0:
                         corrupted_store.update({name: moved[name][1].detach() for name in inputs})
@@ -299,7 +381,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                     corrupted_value = metric(out, corrupted)
             del out, value
             moved.clear()
-            if not any(bool(g.any()) for g in taps.grad.values()):
+            if not taps.any_nonzero():
                 raise ValueError(f"edge_attribution scores edges by the metric's gradient at each input of the graph; "
                                  f"{metric.name}'s gradient is 0 at every one (it does not depend on the model's "
                                  "heads, MLPs or input). Use a metric computed from the logits the graph feeds.")
@@ -308,13 +390,16 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                     receivers_of, g = taps.stream_gradients(key, slice(None))
                     if g is not None:
                         summed[key] = (receivers_of, g / steps + (summed[key][1] if key in summed else 0.0))
+            elif early is not None:
+                early.flush()  # whatever the backward did not reach
             else:
-                _contract(model, taps.groups, lambda key, rows: taps.stream_gradients(key, rows), nodes,
-                          (clean_store, corrupted_store), read, receiver_at, reach, scores, spans, steps)
-            del taps
+                contract(taps.groups)
+            del taps, early, contract
         if small:
-            _contract(model, summed, lambda key, rows: (summed[key][0], summed[key][1][:, :, rows]), nodes,
-                      (clean_store, corrupted_store), read, receiver_at, reach, scores, spans, 1)
+            _contract(model, {key: found[0] for key, found in summed.items()},
+                      gradients=lambda key, rows: (summed[key][0], summed[key][1][:, :, rows]), nodes=nodes,
+                      stores=(clean_store, corrupted_store), read=read, receiver_at=receiver_at, reach=reach,
+                      scores=scores, spans=spans, steps=1)
     df = edge_frame(edges)
     df["score"] = [float(scores[node_at[u], receiver_at[r]]) for u, r in edges]
     df["abs_score"] = df["score"].abs()
@@ -322,14 +407,26 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     return df
 
 
-def _contract(model, keys, gradients, nodes, stores, read, receiver_at, reach, scores, spans, steps: int) -> None:
+def _decoder_length(batch) -> int:
+    decoder = batch.get("decoder_input_ids")
+    return 0 if decoder is None else int(decoder.shape[1])
+
+
+def _contract(model, keys: dict, *, gradients, nodes, stores, read, receiver_at, reach, scores, spans,
+              steps: int) -> None:
     """``scores[u, v] += (a_u(clean) - a_u(corrupted)) . d metric / d x_v / steps``, summed over the batch and
     positions, a chunk of positions at a time (a chunk's stacked node outputs stay under ``_CHUNK_ELEMENTS``), each
-    receiver against the senders it can read only. ``gradients(key, rows)``: the receivers reading stream ``key``
-    and their gradients ``(R, b, c, m)`` at positions ``rows`` (or None). ``spans``: per residual stream (an
-    encoder-decoder model's encoder and decoder have their own lengths) ``[first node, end, {keys reading it}]``."""
+    receiver against the senders it can read only. ``keys``: the streams to contract, each with the receivers
+    reading it; ``gradients(key, rows)``: those receivers and their gradients ``(R, b, c, m)`` at positions
+    ``rows`` (or None). ``spans``: per residual stream (an encoder-decoder model's encoder and decoder have their
+    own lengths) ``[first node, end, {keys reading it}]``."""
     with torch.no_grad():
         for first, end, reading_it in spans.values():
+            wanted = [key for key in keys if key in reading_it]
+            if not wanted:
+                continue
+            if not norm_steps(model):  # only the senders these receivers read (post-norm: carried through all)
+                end = min(end, max(reach[r] for key in wanted for r in keys[key]))
             b, p, m = stores[0][node_hook(nodes[first])].shape
             chunk = max(1, _CHUNK_ELEMENTS // max(1, (end - first) * b * m))
             for start in range(0, p, chunk):

@@ -143,7 +143,8 @@ def recording_scales(model, store: dict, enabled: bool = True):
 
     def keep(j):
         def pre(module, args):
-            store[_scale_key(j)] = norm_scale(module, args[0]).detach()
+            with torch.no_grad():  # a record, not part of the run's graph (nor of a recomputed block's)
+                store[_scale_key(j)] = norm_scale(module, args[0])
         return pre
 
     handles = [step.module.register_forward_pre_hook(keep(j)) for j, step in enumerate(steps)]
