@@ -12,6 +12,8 @@ from conftest import main_output, no_torch_hooks, tiny_hf
 
 import interp
 from interp import utils
+from interp.structure.norms import parallel_mlp_norm
+from interp.structure.probe import _is_norm
 from tests.tiny import FAMILIES, tiny_model
 
 ATOL = 1e-5
@@ -20,7 +22,7 @@ WHERE = ["blocks.1.ln1", "blocks.0.ln2", "ln_final"]
 
 def _pair(family: str, attn: str):
     """(a reference HF model, our model on an identical copy)."""
-    hf = tiny_hf(family)
+    hf = tiny_hf(family) if family in ("llama", "gpt2") else tiny_model(family)
     ref = copy.deepcopy(hf)
     return ref, interp.load_model(hf, attn=attn)
 
@@ -54,7 +56,7 @@ def _by_hand(ref, path: str, scale_factor=1.0, normalized_fn=None):
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])  # gpt_neox: ln2 of a parallel block
 def test_norm_points_exist_and_fire_the_values_the_cache_gives(family, attn):
     _, model = _pair(family, attn)
     names = [f"{w}.hook_{k}" for w in ("blocks.0.ln1", "blocks.1.ln1", "blocks.0.ln2", "blocks.1.ln2", "ln_final")
@@ -79,7 +81,7 @@ def test_norm_points_exist_and_fire_the_values_the_cache_gives(family, attn):
 
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("attn", ["eager", "flash"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_a_scale_edit_changes_the_logits_as_recomputing_the_norm_by_hand(family, attn, where):
     ref, model = _pair(family, attn)
     ids = _ids(1)
@@ -189,14 +191,21 @@ def test_every_family_norm_rebuilt_from_its_hooks_is_the_modules_and_an_edit_rea
     """On every family of tests/tiny.py: a hook that returns a copy of the scale makes the norm's output be rebuilt
     from the hooks (normalized * w + b, Gemma's 1 + w included), which equals the module's own output; doubling
     the last norm's scale (ln_final where there is one: Gemma 3's q/k norms and normed attention output make a
-    block's attention blind to ln1's scale) changes the output. The names exist exactly where the norm does (no ln1/ln2 in post-norm blocks
-    or where no norm reads the stream, no ln2 in parallel ones)."""
+    block's attention blind to ln1's scale) changes the output. The names exist exactly where the norm does (no
+    ln1/ln2 in post-norm blocks or where no norm reads the stream; ln2 in a parallel block only where its MLP has a
+    norm of its own)."""
     model = interp.load_model(copy.deepcopy(tiny_model(family)), attn="flash")
     names = [n for n in model.hook_names if n.endswith((".hook_scale", ".hook_normalized"))]
     kind = model.cfg.block
     for layer, in_norm in enumerate(model.structure.attn_in_norm):  # None: OLMo2 (sublayer outputs normed
         assert (f"blocks.{layer}.ln1.hook_scale" in names) == (kind != "post-norm" and in_norm is not None)  # only),
-    assert not any(".ln2." in n for n in names) or kind == "pre-norm"                  # ModernBERT's first block
+    for layer, mid in enumerate(model.structure.resid_mid):  # a norm before the MLP (not OLMo2's); parallel: where
+        block = model._blocks[layer]                            # the MLP has a norm of its own (GPT-NeoX, not Phi)
+        before = kind == "pre-norm" and mid is not None and mid[1] == "input" and _is_norm(block.get_submodule(mid[0]))
+        own = kind == "parallel" and parallel_mlp_norm(model.structure, block, layer) not in (
+            None, model.in_norm_of(model.cfg.sites[layer]))
+        assert (f"blocks.{layer}.ln2.hook_scale" in names) == (before or own), (family, layer)
+    assert any(".ln2." in n for n in names) or family not in ("llama", "gpt2", "gpt_neox")
     assert ("ln_final.hook_scale" in names) == (model.structure.final_norm is not None)
     scales = [n for n in names if n.endswith("hook_scale")]
     if not scales:

@@ -54,7 +54,7 @@ import torch
 
 from hooks.names import hook_name
 from interp.attention.sites import is_layered
-from interp.structure.norms import norm_centres, norm_scale, norm_weight
+from interp.structure.norms import norm_centres, norm_scale, norm_weight, parallel_mlp_norm
 from interp.structure.probe import _is_norm
 
 from .nodes import Node, Reading, Receiver
@@ -96,18 +96,14 @@ def check_graph(model) -> None:
 
 
 def mlp_norm(model, layer: int):
-    """The norm through which parallel block ``layer``'s MLP reads the block's input (the block's one norm, shared
-    with attention, or the one that is not attention's), or a clear error. (A pre-norm block's MLP reads the stream
-    after attention at ``structure.resid_mid``: its norm, or the MLP itself where there is none.)"""
-    s = model.structure
-    inside = set(model._blocks[layer].get_submodule(s.attn[layer]).modules())
-    norms = [m for m in model._blocks[layer].modules() if _is_norm(m) and m not in inside]
-    attn_norm = model.in_norm_of(model.cfg.sites[layer])
-    own = [m for m in norms if m is not attn_norm]
-    if len(own) == 1 or (not own and attn_norm is not None):
-        return own[0] if own else attn_norm
-    raise ValueError(f"Edge circuits patch an MLP's input through its norm; block {layer} of this parallel model has "
-                     f"{len(own)} norms besides attention's, and which one the MLP reads is not known.")
+    """The norm through which parallel block ``layer``'s MLP reads the block's input
+    (``interp.structure.norms.parallel_mlp_norm``), or a clear error. (A pre-norm block's MLP reads the stream after
+    attention at ``structure.resid_mid``: its norm, or the MLP itself where there is none.)"""
+    norm = parallel_mlp_norm(model.structure, model._blocks[layer], layer)
+    if norm is None:
+        raise ValueError(f"Edge circuits patch an MLP's input through its norm; block {layer} of this parallel model "
+                         "has several norms besides attention's, and which one the MLP reads is not known.")
+    return norm
 
 
 def node_readers(model) -> dict:

@@ -88,7 +88,7 @@ class ModelCache(ActivationCache):
             x = self["resid_post", -1]
             norm = model.final_norm()
         else:
-            x = self["resid_pre" if which == "ln1" else "resid_mid", int(layer)]
+            x = self[model.norm_input(int(layer), mlp_input=which == "ln2"), int(layer)]
             norm = model.block_norm(int(layer), mlp_input=which == "ln2")
         if norm is None:
             raise KeyError(f"{model.__class__.__name__} has no final norm, so no ln_final hooks.")
@@ -213,7 +213,7 @@ class ModelCache(ActivationCache):
         if layer == n:
             return model.final_norm(), self._get(prefix, n - 1, "resid_post")
         norm = model.block_norm(layer, mlp_input)
-        return norm, self._get(prefix, layer, "resid_mid" if mlp_input else "resid_pre")
+        return norm, self._get(prefix, layer, model.norm_input(layer, mlp_input))
 
     def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
                           pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,

@@ -132,7 +132,8 @@ class WeightsMixin:
         return None if path is None else self.hf.get_submodule(path)
 
     def block_norm(self, layer: int, mlp_input: bool = False) -> torch.nn.Module:
-        """The norm block ``layer``'s attention (``mlp_input``: its MLP) reads the residual stream through."""
+        """The norm block ``layer``'s attention (``mlp_input``: its MLP) reads the residual stream through; the
+        stream it reads: ``norm_input(layer, mlp_input)``."""
         if self.cfg.block == "post-norm":
             raise NotImplementedError("Post-norm blocks (BERT) normalise after each sublayer: a block's input has no "
                                       "norm of its own to apply; use apply_ln=False or the final stream.")
@@ -144,6 +145,11 @@ class WeightsMixin:
             raise NotImplementedError(f"Block {layer}'s {'MLP' if mlp_input else 'attention'} reads the stream "
                                       f"through no norm interp found ({self.cfg.block} blocks).")
         return norm
+
+    def norm_input(self, layer: int, mlp_input: bool = False) -> str:
+        """The hook kind of the stream ``block_norm(layer, mlp_input)`` reads: ``"resid_pre"`` (attention's norm,
+        and a parallel block's MLP norm) or ``"resid_mid"`` (a pre-norm block's MLP norm)."""
+        return "resid_mid" if mlp_input and self.cfg.block != "parallel" else "resid_pre"
 
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802
@@ -293,7 +299,8 @@ class _Block:
 
     @property
     def ln2(self) -> _Named:
-        """The norm the MLP reads ``hook_resid_mid`` through, with its hook points."""
+        """The norm the MLP reads the stream through (``hook_resid_mid``; a parallel block's input), with its hook
+        points."""
         return _norm_named(self._model, self._model.block_norm(self._layer, mlp_input=True), f"blocks.{self._layer}.ln2")
 
     @property

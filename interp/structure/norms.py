@@ -9,7 +9,8 @@ import torch
 
 from .probe import _is_norm
 
-__all__ = ["norm_bias", "norm_centres", "norm_divide", "norm_eps", "norm_modules", "norm_scale", "norm_weight"]
+__all__ = ["norm_bias", "norm_centres", "norm_divide", "norm_eps", "norm_modules", "norm_scale", "norm_weight",
+           "parallel_mlp_norm"]
 
 
 def norm_eps(norm, d_model: int) -> float:
@@ -96,22 +97,42 @@ def _centred(x: torch.Tensor, centres: bool) -> torch.Tensor:
     return x - x.mean(-1, keepdim=True) if centres else x
 
 
+def parallel_mlp_norm(structure, block, layer: int) -> torch.nn.Module | None:
+    """The norm through which parallel block ``layer``'s MLP reads the block's input: the block's one norm outside
+    attention that is not attention's own (GPT-NeoX), attention's where that is the block's only one (Phi, GPT-J:
+    shared), None where several could be."""
+    inside = set(block.get_submodule(structure.attn[layer]).modules())
+    path = structure.attn_in_norm[layer]
+    attn_norm = None if path is None else block.get_submodule(path)
+    own = [m for m in block.modules() if _is_norm(m) and m not in inside and m is not attn_norm]
+    if len(own) == 1 or (not own and attn_norm is not None):
+        return own[0] if own else attn_norm
+    return None
+
+
 def norm_modules(structure, blocks, hf) -> dict[str, torch.nn.Module]:
     """TransformerLens's norm names -> the HF norm module, where the model has one: ``blocks.{l}.ln1`` the norm
     block ``l``'s attention reads the stream through (pre-norm and parallel blocks), ``blocks.{l}.ln2`` the norm
-    that reads ``hook_resid_mid`` before the MLP (pre-norm blocks), ``ln_final`` the norm before the output
-    layer. Post-norm blocks (BERT) normalise after each sublayer: no ln1/ln2."""
+    the MLP reads the stream through (pre-norm blocks: ``hook_resid_mid``; parallel blocks: the block's input,
+    where the MLP has a norm of its own, GPT-NeoX's; Phi's one norm serves both and is ``ln1`` only: an edit of
+    ``ln2`` would reach attention too), ``ln_final`` the norm before the output layer. Post-norm blocks (BERT)
+    normalise after each sublayer: no ln1/ln2."""
     found = {}
     if structure.final_norm is not None:
         found["ln_final"] = hf.get_submodule(structure.final_norm)
     if structure.kind == "post-norm":
         return found
     for layer, block in enumerate(blocks):
-        if structure.attn_in_norm[layer] is not None:
-            found[f"blocks.{layer}.ln1"] = block.get_submodule(structure.attn_in_norm[layer])
+        attn_norm = structure.attn_in_norm[layer]
+        if attn_norm is not None:
+            found[f"blocks.{layer}.ln1"] = block.get_submodule(attn_norm)
         mid = structure.resid_mid[layer]
         if structure.kind == "pre-norm" and mid is not None and mid[1] == "input":
             module = block.get_submodule(mid[0])
             if _is_norm(module):
+                found[f"blocks.{layer}.ln2"] = module
+        elif structure.kind == "parallel" and structure.mlp[layer] is not None:
+            module = parallel_mlp_norm(structure, block, layer)
+            if module is not None and module is not found.get(f"blocks.{layer}.ln1"):
                 found[f"blocks.{layer}.ln2"] = module
     return found
