@@ -398,7 +398,9 @@ def test_the_circuit_command_refines_and_writes_a_line_per_stage_off_a_terminal(
     assert edges["in_circuit"].sum() == last["edges"]  # the curve's refined circuit, not another refinement's
     lines = printed.err.splitlines()
     assert any(line.startswith("circuit: eap-ig (stage 2 of 4") for line in lines), lines
-    assert any(line.startswith("eap-ig gradients: 5/5 step, done in") for line in lines), lines
+    blocks = 2 * (1 + 2 * 5)  # toy-induction's 2 blocks: the clean run, then each step's run and backward
+    assert any(line.startswith(f"eap-ig: blocks run, then differentiated: {blocks}/{blocks} block, done in")
+               for line in lines), lines
     assert progress_module._state["on"] is None  # the command's choice does not outlive it
 
 

@@ -243,6 +243,33 @@ class _Taps:
         return receivers, torch.stack([g.float() for g in out])
 
 
+def _all_blocks(model) -> list:
+    return [b for stack in (model._blocks.values() if isinstance(model._blocks, dict) else [model._blocks])
+            for b in stack]
+
+
+class _Ticking:
+    """Progress of a long attribution (minutes at 32k tokens): one tick per block run, and one per block the backward
+    reaches (when the gradient at its output is complete)."""
+
+    def __init__(self, blocks: list, bar):
+        self.blocks, self.bar, self.handles = blocks, bar, []
+
+    def _tick(self, module, args, out):
+        self.bar.update(1)
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if torch.is_grad_enabled() and isinstance(y, torch.Tensor) and y.requires_grad:
+            y.register_hook(lambda g: self.bar.update(1))
+
+    def __enter__(self):
+        self.handles = [b.register_forward_hook(self._tick) for b in self.blocks]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
 class _EarlyContraction:
     """Scores contracted during the backward, as soon as the backward has reached a block's input (so every
     receiver in that block and above has its gradient), whenever the streams and gradients those receivers hold
@@ -339,7 +366,10 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     names, shape = inputs + rest, tuple(corrupted["input_ids"].shape[:2])
     if recompute is None:
         recompute = max(shape[0] * shape[1], shape[0] * _decoder_length(corrupted)) >= _RECOMPUTE_TOKENS
-    with model.studying():
+    blocks = _all_blocks(model)
+    bar = progress(total=len(blocks) * (1 + 2 * steps), desc=f"{method}: blocks run, then differentiated",
+                   unit="block")
+    with model.studying(), _Ticking(blocks, bar):
         with torch.no_grad():
             args, kwargs = _arguments(clean)
             with recording_scales(model, {}) as clean_scales:  # post-norm: each norm's scale, to carry the nodes
@@ -351,7 +381,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
         corrupted_store, moved, summed = {}, {}, {}
         b, p, m = max((clean_store[name].shape for name in inputs), key=lambda shape: shape[1])
         small = len(receivers) * b * p * m <= _SUMMED_ELEMENTS
-        for k in progress(range(steps), total=steps, desc=f"{method} gradients", unit="step"):
+        for k in range(steps):
             taps = _Taps(model, receivers, shape)
             for key, receivers_of in taps.groups.items():
                 spans[stream_of[receivers_of[0]]][2][key] = True
@@ -400,6 +430,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
                       gradients=lambda key, rows: (summed[key][0], summed[key][1][:, :, rows]), nodes=nodes,
                       stores=(clean_store, corrupted_store), read=read, receiver_at=receiver_at, reach=reach,
                       scores=scores, spans=spans, steps=1)
+    bar.close()
     df = edge_frame(edges)
     df["score"] = [float(scores[node_at[u], receiver_at[r]]) for u, r in edges]
     df["abs_score"] = df["score"].abs()
