@@ -26,7 +26,7 @@ from ..data.batches import Batch, _main_output
 from .finite import check_finite, finite_copies, warn_non_finite, watching
 from ..data.metrics import Metric
 
-__all__ = ["scan", "copies_per_forward", "kept_logits", "recomputing", "slice_output", "Shard"]
+__all__ = ["scan", "all_blocks", "copies_per_forward", "kept_logits", "recomputing", "slice_output", "Shard"]
 
 
 def scan(model, batch: Batch, items: Sequence, first_layer: Callable[[object], int],
@@ -197,6 +197,12 @@ class Prefix:
                     setattr(block, name, hooks)
 
 
+def all_blocks(model) -> list:
+    """The model's blocks in the order they run (an encoder-decoder model's encoder stack, then its decoder's)."""
+    return [b for stack in (model._blocks.values() if isinstance(model._blocks, dict) else [model._blocks])
+            for b in stack]
+
+
 @contextmanager
 def recomputing(model, enabled: bool = True):
     """Each block of ``model`` keeps only its input for the backward and runs again when the backward reaches it
@@ -204,8 +210,7 @@ def recomputing(model, enabled: bool = True):
     block inputs plus one block's activations, not every block's. The gradients are the same (the blocks run
     again on the same inputs, deterministically). What runs inside a block runs twice, its hooks too: a hook that
     only reads or edits gives the same values; one that counts its calls sees two."""
-    blocks = [] if not enabled else [b for stack in (model._blocks.values() if isinstance(model._blocks, dict)
-                                                      else [model._blocks]) for b in stack]
+    blocks = all_blocks(model) if enabled else []
     own = [block.__dict__.get("forward") for block in blocks]  # accelerate's dispatch: put it back after
 
     def again(forward):

@@ -34,7 +34,7 @@ from hooks.names import hook_name
 from interp.runtime.progress import progress
 
 from ..causal.attribution import _contiguous_output_layer
-from ..causal.engine import _arguments, _run, kept_logits, recomputing
+from ..causal.engine import _arguments, _run, all_blocks, kept_logits, recomputing
 from ..causal.patching import paired_batches, scalar_metric
 from .graph import Node, Receiver, edge_frame, graph_edges, node_readers, reading, senders
 from .patching import node_hook
@@ -243,11 +243,6 @@ class _Taps:
         return receivers, torch.stack([g.float() for g in out])
 
 
-def _all_blocks(model) -> list:
-    return [b for stack in (model._blocks.values() if isinstance(model._blocks, dict) else [model._blocks])
-            for b in stack]
-
-
 class _Ticking:
     """Progress of a long attribution (minutes at 32k tokens): one tick per block run, and one per block the backward
     reaches (when the gradient at its output is complete)."""
@@ -366,7 +361,7 @@ def edge_attribution(model, clean, corrupted, metric, method: str = "eap-ig", st
     names, shape = inputs + rest, tuple(corrupted["input_ids"].shape[:2])
     if recompute is None:
         recompute = max(shape[0] * shape[1], shape[0] * _decoder_length(corrupted)) >= _RECOMPUTE_TOKENS
-    blocks = _all_blocks(model)
+    blocks = all_blocks(model)
     bar = progress(total=len(blocks) * (1 + 2 * steps), desc=f"{method}: blocks run, then differentiated",
                    unit="block")
     with model.studying(), _Ticking(blocks, bar):
