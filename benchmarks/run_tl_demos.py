@@ -149,12 +149,13 @@ def _over_limit(signum, frame):
     raise CellLimit("stopped at the cell's CPU-time limit (no error until then)")
 
 
-def run_notebook(path: Path, model, device: str, out=print, log=None,
-                 cell_limit: float | None = None) -> list[tuple[int, str, str, float]]:
+def run_notebook(path: Path, model, device: str, out=print, log=None, cell_limit: float | None = None,
+                 skip=()) -> list[tuple[int, str, str, float]]:
     """Run ``path``'s code cells in one namespace (``model``: a name, folder or HF model, as ``from_pretrained``
-    takes it); ``(cell number, "ran" | "failed", detail, CPU seconds)`` per cell. What a cell prints goes to
-    ``log`` (a writable text file, or nowhere), with a failed cell's traceback. A cell that runs past
-    ``cell_limit`` seconds of this process's CPU time is stopped and counted as failed (``CellLimit``)."""
+    takes it); ``(cell number, "ran" | "failed" | "skipped", detail, CPU seconds)`` per cell. What a cell prints
+    goes to ``log`` (a writable text file, or nowhere), with a failed cell's traceback. A cell that runs past
+    ``cell_limit`` seconds of this process's CPU time is stopped and counted as failed (``CellLimit``); the cells
+    numbered in ``skip`` are not run (a cell that reads what one of them defines then fails)."""
     import interp
 
     loaded = {}
@@ -169,6 +170,10 @@ def run_notebook(path: Path, model, device: str, out=print, log=None,
     cells = [c for c in json.loads(path.read_text())["cells"] if c.get("cell_type") == "code"]
     results = []
     for number, cell in enumerate(cells, 1):
+        if number in skip:
+            results.append((number, "skipped", "not run (--skip)", 0.0))
+            out(f"{path.stem} cell {number:3d}: skipped (--skip)")
+            continue
         source = cell_source(cell)
         start, printed = time.process_time(), io.StringIO()
         if cell_limit:
@@ -214,11 +219,18 @@ def markdown(notebook: str, cells: list[tuple[int, str, str, float]], header: li
     """One notebook's per-cell table: the run's header, its counts, each failed cell with its error and reason,
     and the cells ``REASONS`` names that ran this time."""
     failed = [r for r in cells if r[1] == "failed"]
-    lines = [f"**{notebook}: {len(cells) - len(failed)} of {len(cells)} cells ran, {len(failed)} failed** "
-             f"({sum(r[3] for r in cells):.0f} s CPU).", "", *header, ""]
-    if failed:
+    skipped = [r for r in cells if r[1] == "skipped"]
+    ran = len(cells) - len(failed) - len(skipped)
+    lines = [f"**{notebook}: {ran} of {len(cells)} cells ran, {len(failed)} failed"
+             + (f", {len(skipped)} not run (--skip)" if skipped else "")
+             + f"** ({sum(r[3] for r in cells):.0f} s CPU).", "", *header, ""]
+    if failed or skipped:
         lines += ["| cell | error | why |", "|---|---|---|"]
-        for number, _, detail, _ in failed:
+        for number, status, detail, _ in sorted(failed + skipped):
+            if status == "skipped":
+                reason = REASONS.get(notebook, {}).get(number, ("", ""))[1]
+                lines.append(f"| {number} | not run (`--skip`) | {reason or '**not explained**'} |")
+                continue
             error = detail.replace("|", "\\|").replace("`", "'")[:110]
             lines.append(f"| {number} | `{error}` | {explain(notebook, number, detail)} |")
     stale = sorted(n for n in REASONS.get(notebook, {}) if any(r[0] == n and r[1] == "ran" for r in cells))
@@ -299,6 +311,8 @@ def main(argv=None) -> int:
                                                        "Activation_Patching_in_TL_Demo"])
     parser.add_argument("--cell-limit", type=float, help="stop a cell after this many seconds of CPU time "
                         "(counted as failed: CellLimit)")
+    parser.add_argument("--skip", type=int, nargs="*", default=[], help="cell numbers not to run (each notebook "
+                        "of the run), e.g. a long loop over a second model's heads; listed as not run")
     parser.add_argument("--log", type=Path, help="write what the cells print (and tracebacks) here")
     parser.add_argument("--markdown", type=Path, help="write each notebook's per-cell table here, between its "
                         "'<!-- run_tl_demos: NAME -->' and '<!-- run_tl_demos: end NAME -->' lines (appended if none)")
@@ -325,7 +339,8 @@ def main(argv=None) -> int:
     install_transformer_lens()
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 (open for the whole run)
     try:
-        results = {path.stem: run_notebook(path, args.model, args.device, log=log, cell_limit=args.cell_limit)
+        results = {path.stem: run_notebook(path, args.model, args.device, log=log, cell_limit=args.cell_limit,
+                                           skip=set(args.skip))
                    for path in paths}
     finally:
         if log is not None:

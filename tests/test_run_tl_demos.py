@@ -110,3 +110,15 @@ def test_a_cell_past_the_cpu_limit_is_stopped_and_the_next_one_runs(tmp_path):
     # the kernel's profiling timer samples CPU time per tick, process_time reads it exactly: a tick or two apart
     assert results[0][1] == "failed" and results[0][2].startswith("CellLimit") and 0.4 <= results[0][3] < 5
     assert results[1][1] == "ran"  # the namespace survived: x was defined by the stopped cell
+
+
+def test_skipped_cells_are_not_run_and_are_listed_with_their_reason(tmp_path, monkeypatch):
+    path = _notebook(tmp_path / "Skip.ipynb", ["x = 1", "raise SystemExit('must not run')", "y = x + 1"])
+    lines = []
+    results = run_tl_demos.run_notebook(path, tiny_hf("llama"), "cpu", out=lines.append, skip={2})
+    assert [r[1] for r in results] == ["ran", "skipped", "ran"]
+    assert "skipped" in lines[1] and lines[-1] == "Skip: 2 of 3 cells ran"
+    monkeypatch.setattr(run_tl_demos, "REASONS", {"Skip": {2: ("CellLimit", "a second model's heads")}})
+    text = run_tl_demos.markdown("Skip", results, [])
+    assert text.startswith("**Skip: 2 of 3 cells ran, 0 failed, 1 not run (--skip)**")
+    assert "| 2 | not run (`--skip`) | a second model's heads |" in text
