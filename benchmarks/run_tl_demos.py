@@ -29,12 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 LOADING = re.compile(r"HookedTransformer\.from_pretrained(?:_no_processing)?\(|TransformerBridge\.boot_transformers\(")
 # Why a cell fails where it is not interp's to fix: notebook -> cell number -> (the error's start, the reason).
 # A failure whose error does not start so is reported as not explained.
-_CUT = ("CellLimit", "{}: {} forwards of SmolLM2 on the CPU; stopped at the run's CPU-time limit with no error until "
-                     "then")
+_CUT = ("CellLimit", "{}: {} forwards of SmolLM2 on the CPU")  # the error column says it was stopped at the limit
 # CPU seconds one patched forward of SmolLM2 takes, averaged over the 30 layers it starts from (the blocks before
 # are replayed), one thread: the IOI batch (8 x 14 tokens) and the induction batch (4 x 41); measured by
 # benchmarks/bench_tl_patching.py 2026-11-28 14:05 UTC, load 6.5, OMP_NUM_THREADS=1
 _IOI, _INDUCTION = 0.29, 0.40
+
+
+# what TransformerLens's own notebook says of its slowest cells (15-18, 22, 24): nbval's marker, so its CI never runs them
+_NBVAL = "; marked `NBVAL_SKIP` in the notebook (\"too slow for CI without GPU\"): TransformerLens's own CI skips it"
 
 
 def _needs(forwards: int, rate: float) -> str:
@@ -80,13 +83,13 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
         17: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every`",
                                      "270 + 270 + 90 + 90 + 270 = 990 (GPT-2: 720)") + _needs(990, _IOI)),
         18: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_by_pos_every`", "990 x 14 = 13860 (GPT-2: 10800)")
-             + _needs(13860, _IOI)),
+             + _needs(13860, _IOI) + _NBVAL),
         22: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` and `..._by_pos_every` on "
                                      "attn-only-2l's induction batch (a second model, loaded as SmolLM2 here)",
-                                     "990 + 990 x 41") + _needs(990 * 42, _INDUCTION)),
+                                     "990 + 990 x 41") + _needs(990 * 42, _INDUCTION) + _NBVAL),
         24: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` on three corrupted induction batches "
                                      "(attn-only-2l, loaded as SmolLM2 here)", "3 x 990")
-             + _needs(3 * 990, _INDUCTION)),
+             + _needs(3 * 990, _INDUCTION) + _NBVAL),
     },
 }
 COMPAT = re.compile(r"\b\w+\.enable_compatibility_mode\(")  # TransformerLens 4's other half of loading: a no-op
