@@ -47,7 +47,6 @@ def _needs(forwards: int, rate: float) -> str:
 _GQA = "GPT-2's head numbers on `hook_{}`: SmolLM2 has 3 key/value heads (per key/value head in TransformerLens 4.3 too)"
 REASONS: dict[str, dict[int, tuple[str, str]]] = {
     "Main_Demo": {
-        17: (_CUT[0], _CUT[1].format("residual-stream patching at every layer and position", "30 layers x positions (GPT-2: 12 x)")),
         15: ("IndexError", "GPT-2's head 8 ablated on `hook_v`: SmolLM2 has 3 key/value heads (TransformerLens "
                            "4.3's `hook_v` is per key/value head too)"),
         52: ("ValueError: All arguments should have the same length", "GPT-2's 12 x 12 heads written out as hover "
@@ -60,30 +59,15 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
         60: ("NameError", "follows from cell 59: plots their losses"),
     },
     "Exploratory_Analysis_Demo": {
-        21: (_CUT[0], _CUT[1].format("`resid_pre` patching at every layer and position", "30 layers x positions (GPT-2: 12 x)")),
-        23: (_CUT[0], _CUT[1].format("`attn_out` and `mlp_out` patching at every layer and position",
-                                     "2 x 30 layers x positions (GPT-2: 2 x 12 x)")),
-        26: (_CUT[0], _CUT[1].format("`z` patching of every head", "30 x 9 = 270 (GPT-2: 144)")),
         28: ("IndexError", _GQA.format("v") + ": it patches all 9 query heads' indices on `hook_v`"),
-        31: (_CUT[0], _CUT[1].format("`pattern` patching of every head", "270 (GPT-2: 144)")),
         35: ("IndexError", _GQA.format("v") + " (direct-path patching into values)"),
         36: (_CUT[0], _CUT[1].format("direct-path patching into queries, layers 7 to 28 (GPT-2: 7 to 10)",
                                      "22 x 2 x 81 = 3564 (GPT-2: 4 x 2 x 144)")),
         37: ("IndexError", _GQA.format("k") + " (direct-path patching into keys)"),
     },
     "Activation_Patching_in_TL_Demo": {  # its patching on interp's transformer_lens.patching (tl_patching)
-        13: (_CUT[0], _CUT[1].format("`get_act_patch_resid_pre`", "30 layers x 14 positions = 420 (GPT-2: 12 x 15)")
-             + _needs(420, _IOI)),
-        14: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_all_pos`", "30 x 9 = 270 (GPT-2: 144)")
-             + _needs(270, _IOI)),
-        15: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_out_by_pos`", "270 x 14 = 3780 (GPT-2: 2160)")
-             + _needs(3780, _IOI)),
-        16: (_CUT[0], _CUT[1].format("`get_act_patch_block_every`", "3 x 420 = 1260 (GPT-2: 540)")
-             + _needs(1260, _IOI)),
-        17: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every`",
-                                     "270 + 270 + 90 + 90 + 270 = 990 (GPT-2: 720)") + _needs(990, _IOI)),
         18: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_by_pos_every`", "990 x 14 = 13860 (GPT-2: 10800)")
-             + _needs(13860, _IOI) + _NBVAL),
+             + _needs(13860, _IOI) + _NBVAL),  # cells 13-17 run to the end at 1,300 CPU s a cell (2026-11-28)
         22: (_CUT[0], _CUT[1].format("`get_act_patch_attn_head_all_pos_every` and `..._by_pos_every` on "
                                      "attn-only-2l's induction batch (a second model, loaded as SmolLM2 here)",
                                      "990 + 990 x 41") + _needs(990 * 42, _INDUCTION) + _NBVAL),
