@@ -63,6 +63,7 @@ def main() -> None:
 
     scores, parts = {}, {}
     from analyses.circuits import attribution
+    from analyses.circuits.taps import Taps
 
     def counted(owner, name, key):  # an inner counter around one function: its FLOPs, also counted by the outer one
         fn = getattr(owner, name)
@@ -78,14 +79,14 @@ def main() -> None:
         """``row`` plus where the FLOPs beyond the model's passes go (each part counted by a counter of its own inside the
         whole's; the CPU time from a second run without counters)."""
         parts.clear()
-        originals = [counted(attribution._Taps, "stream_gradients", "receivers"),
+        originals = [counted(Taps, "stream_gradients", "receivers"),
                      counted(attribution, "_contract", "edges")]
-        attribution._Taps.stream_gradients, attribution._contract = originals[0][1], originals[1][1]
+        Taps.stream_gradients, attribution._contract = originals[0][1], originals[1][1]
         try:
             with FlopCounterMode(display=False) as counter:
                 fn()
         finally:
-            attribution._Taps.stream_gradients, attribution._contract = originals[0][0], originals[1][0]
+            Taps.stream_gradients, attribution._contract = originals[0][0], originals[1][0]
         f, receivers, edges = counter.get_total_flops(), parts.get("receivers", 0), parts.get("edges", 0)
         cpu = time.process_time()
         fn()

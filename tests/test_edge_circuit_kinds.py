@@ -202,14 +202,14 @@ def test_gradients_carried_back_by_the_columns_weight_equal_autograd_through_the
     """Edge attribution carries a head's column gradient back by ``g @ W[cols]`` and the norm's backward batched over
     the receivers sharing it; autograd through each receiver's own projection and norm gives the same scores (GPT-2:
     a transposed Conv1D and a LayerNorm; GPT-NeoX: interleaved q/k/v columns; Gemma 3: sandwich norms)."""
-    from analyses.circuits import attribution
+    from analyses.circuits import taps
 
     model = interp.load_model(tiny_model(family), attn="flash")
     clean, corrupted = _pair(4)
     metric = logit_difference(5, 7)
     fast = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2)
-    reading = attribution.reading
-    monkeypatch.setattr(attribution, "reading", lambda model, r: reading(model, r)._replace(weight=None))
+    reading = taps.reading
+    monkeypatch.setattr(taps, "reading", lambda model, r: reading(model, r)._replace(weight=None))
     slow = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=2)
     assert fast["score"].abs().max() > 0.1
     assert (fast["score"] - slow["score"]).abs().max() <= 1e-5 * fast["score"].abs().max()

@@ -214,7 +214,7 @@ def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
     """What long inputs switch on (each step contracted as it ends instead of the steps' gradients summed first,
     during the backward a block at a time where the model is one stack of pre-norm blocks; positions in several
     chunks) gives the same scores as the whole at once."""
-    from analyses.circuits import attribution
+    from analyses.circuits import attribution, taps
 
     model = interp.load_model(tiny_model(family), attn="flash")
     clean, corrupted = _pair(3, shape=(2, 9))
@@ -226,7 +226,7 @@ def test_long_inputs_give_the_scores_of_short_ones(family, monkeypatch):
     parts = edge_attribution(model, clean, corrupted, metric, method="eap-ig", steps=3)
     assert whole["score"].abs().max() > 0.1
     assert (whole["score"] - parts["score"]).abs().max() <= 1e-5 * whole["score"].abs().max()
-    monkeypatch.setattr(attribution, "_TAPS_BYTES", 0)  # contracted at every block the backward reaches
+    monkeypatch.setattr(taps, "TAPS_BYTES", 0)  # contracted at every block the backward reaches
     contracted, contract = [], attribution._contract
     monkeypatch.setattr(attribution, "_contract", lambda m, keys, **kw: (contracted.append(list(keys)),
                                                                         contract(m, keys, **kw)))

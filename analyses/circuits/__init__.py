@@ -8,7 +8,9 @@
   downstream input recomputed through the receiver's own norm.
 - ``postnorm``: post-norm blocks (BERT, MiniLM, RoBERTa, DistilBERT): each node's output carried through every
   later norm with the run's own scale, the constants in the input node, so that the stream is a sum of nodes.
-- ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step.
+- ``attribution``: EAP and EAP-IG, every edge scored from one backward per interpolation step; ``taps`` holds
+  that backward's parts (each receiver's gradient from it, the scores taken during it a few blocks at a time,
+  its progress).
 - ``evaluation``: circuits chosen from the scores (top-n, threshold, pruned to what reaches the metric), their
   faithfulness curve by exact patching with bootstrap intervals, MIB's CPR and CMD, random circuits of each size.
 - ``saved``: a circuit with its provenance (digests of weights, tokenizer and prompts; versions; method, steps,
