@@ -188,11 +188,8 @@ class Prefix:
                             setattr(block, name, type(getattr(block, name))())
             yield
         finally:
-            for block, forward, table in zip(skipped, own, tables):
-                if forward is None:
-                    block.__dict__.pop("forward", None)
-                else:
-                    block.forward = forward
+            _put_back(skipped, own)
+            for block, table in zip(skipped, tables):
                 for name, hooks in table.items():
                     setattr(block, name, hooks)
 
@@ -225,11 +222,16 @@ def recomputing(model, enabled: bool = True):
             block.forward = again(block.forward)
         yield
     finally:
-        for block, forward in zip(blocks, own):
-            if forward is None:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = forward
+        _put_back(blocks, own)
+
+
+def _put_back(blocks: list, own: list) -> None:
+    """Each block's forward as it was: its class's (``own`` None) or the one on the instance (accelerate's)."""
+    for block, forward in zip(blocks, own):
+        if forward is None:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = forward
 
 
 def _repeat(value, copies: int, device):
