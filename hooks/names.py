@@ -19,7 +19,7 @@ __all__ = ["HookSpec", "HOOK_TABLE", "attn_site", "expand_names", "get_act_name"
            "unknown_name_error"]
 
 
-_NORM_RE = re.compile(r"(?:^|\.)(ln1|ln2|ln_final)\.hook_")
+_NORM_RE = re.compile(r"(?:^|\.)(ln1|ln2|ln_cross|ln_final)\.hook_")
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,7 @@ def spec_for(name: str) -> HookSpec:
     the rows of their decoder-only counterparts; in cross-attention q comes from the decoder and k, v from the
     encoder's output."""
     name = _STACK_RE.sub("", name).replace(".cross_attn.", ".attn.").replace("hook_cross_attn_out", "hook_attn_out")
+    name = name.replace(".ln_cross.", ".ln1.")  # the norm cross-attention's queries read the stream through
     return _BY_TEMPLATE[_LAYER_RE.sub(".{l}.", name, count=1)]
 
 
@@ -172,8 +173,9 @@ def unknown_name_error(name: str, valid: list[str]) -> ValueError:
         return ValueError(
             f"This model has no hook {name!r}: interp makes a norm's hook_scale/hook_normalized only where a norm "
             f"reads the residual stream: ln1 before attention (pre-norm and parallel blocks), ln2 before the MLP "
-            f"(pre-norm blocks), ln_final before the output layer, in decoder-only and encoder-only models (none yet "
-            f"in encoder-decoder ones); post-norm blocks (BERT) normalise after each sublayer. This model's: "
+            f"(pre-norm blocks), ln_final before the output layer (an encoder-decoder model: per stack, "
+            f"encoder.blocks.0.ln1, decoder.blocks.0.ln_cross before cross-attention, encoder.ln_final); post-norm "
+            f"blocks (BERT, BART) normalise after each sublayer. This model's: "
             f"{[n for n in valid if _NORM_RE.search(n)][:6] or 'none'}."
         )
     close = suggest_names(name, valid)

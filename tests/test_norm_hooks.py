@@ -14,6 +14,7 @@ import interp
 from interp import utils
 from interp.structure.norms import parallel_mlp_norm
 from interp.structure.probe import _is_norm
+from test_seq2seq import _tiny as _tiny_seq2seq
 from tests.tiny import FAMILIES, tiny_model
 
 ATOL = 1e-5
@@ -179,11 +180,14 @@ def test_a_bad_edit_and_a_norm_the_model_lacks_get_one_line():
     with pytest.raises(ValueError, match="post-norm blocks .BERT.") as error:
         bert.run_with_hooks(torch.tensor([[1, 2, 3]]), fwd_hooks=[("blocks.0.ln1.hook_scale", lambda s, hook: s)])
     assert "\n" not in str(error.value)
-    from test_seq2seq import _tiny
-
-    t5 = interp.load_model(_tiny("t5"))  # encoder-decoder models: none yet, said in the same line
-    with pytest.raises(ValueError, match="none yet in encoder-decoder ones"):
-        t5.add_hook("encoder.blocks.0.ln1.hook_scale", lambda s, hook: None)
+    bart = interp.load_model(_tiny_seq2seq("bart"))  # post-norm encoder-decoder blocks: none, said in one line
+    assert not [n for n in bart.hook_names if ".ln" in n]
+    with pytest.raises(ValueError, match=r"post-norm blocks \(BERT, BART\)") as error:
+        bart.add_hook("encoder.blocks.0.ln1.hook_scale", lambda s, hook: None)
+    assert "\n" not in str(error.value)
+    with pytest.raises(KeyError, match="post-norm blocks"):
+        bart.run_with_cache(torch.tensor([[3, 4, 5]]), decoder_input_ids=torch.tensor([[3, 4]]))[1][
+            "decoder.blocks.0.ln1.hook_scale"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -219,3 +223,100 @@ def test_every_family_norm_rebuilt_from_its_hooks_is_the_modules_and_an_edit_rea
     assert float((rebuilt - clean).abs().max()) <= 1e-5 * max(1.0, size), family
     assert float((doubled - clean).abs().max()) > 1e-4 * size, family
     assert no_torch_hooks(model.hf)
+
+
+# An encoder-decoder model's norms, per stack: T5 (RMSNorm, relative positions) and mBART (LayerNorm), both pre-norm
+SEQ2SEQ_WHERE = ["encoder.blocks.1.ln1", "encoder.blocks.0.ln2", "encoder.ln_final", "decoder.blocks.0.ln1",
+                 "decoder.blocks.1.ln_cross", "decoder.blocks.0.ln2", "decoder.ln_final"]
+
+
+def _seq2seq_pair(family: str, attn: str):
+    hf = _tiny_seq2seq(family)
+    with torch.no_grad():  # BART-like init (std 0.02) leaves the sublayers' outputs too small for a norm edit to show
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear) and family != "t5":
+                module.weight.mul_(8)
+    ref = copy.deepcopy(hf)
+    return ref, interp.load_model(hf, attn=attn)
+
+
+def _seq2seq_batch(seed=0):
+    """A padded source and target, so that the norms' streams hold padded rows too."""
+    generator = torch.Generator().manual_seed(seed)
+    src, tgt = torch.randint(3, 99, (2, 8), generator=generator), torch.randint(3, 99, (2, 5), generator=generator)
+    src_mask, tgt_mask = torch.ones_like(src), torch.ones_like(tgt)
+    src_mask[1, 5:] = 0
+    tgt_mask[1, 3:] = 0
+    return dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt, decoder_attention_mask=tgt_mask)
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", ["t5", "mbart"])
+def test_encoder_decoder_norm_points_fire_the_values_the_cache_gives(family, attn):
+    """Each stack's norms, TransformerLens's names under the stack's prefix (cross-attention's norm is
+    ``ln_cross``): they exist for every block, fire with the values a default cache builds on access from the
+    streams the norm reads, and observing them changes nothing."""
+    _, model = _seq2seq_pair(family, attn)
+    wheres = [f"{stack}.blocks.{l}.{norm}" for stack, norms in (("encoder", ("ln1", "ln2")),
+                                                                  ("decoder", ("ln1", "ln_cross", "ln2")))
+              for l in range(2) for norm in norms] + ["encoder.ln_final", "decoder.ln_final"]
+    names = [f"{w}.hook_{k}" for w in wheres for k in ("scale", "normalized")]
+    assert sorted(n for n in model.hook_names if ".ln" in n) == sorted(names)
+    batch = _seq2seq_batch()
+    seen = {}
+    _, captured = model.run_with_cache(batch, names_filter=names)
+    out, default = model.run_with_cache(batch)
+    with model.hooks([(names, lambda t, hook: seen.update({hook.name: t.clone()}))]):
+        hooked = model(batch)
+    assert torch.equal(hooked.logits, out.logits)
+    for name in names:
+        stack_len = batch["input_ids" if name.startswith("encoder") else "decoder_input_ids"].shape[1]
+        assert seen[name].shape == ((2, stack_len, 1) if name.endswith("scale") else (2, stack_len, 32)), name
+        assert torch.equal(seen[name], captured[name]), name
+        torch.testing.assert_close(default[name], seen[name], atol=1e-6, rtol=1e-6)
+        assert name in default and name not in default._store  # built on access, not kept
+    assert "decoder.blocks.0.ln_cross.hook_scale" in model.hook_dict and "decoder.blocks.0.ln3.hook_scale" not in default
+
+
+@pytest.mark.parametrize("where", SEQ2SEQ_WHERE)
+@pytest.mark.parametrize("attn", ["eager", "flash"])
+@pytest.mark.parametrize("family", ["t5", "mbart"])
+def test_encoder_decoder_scale_edit_changes_the_logits_as_recomputing_the_norm_by_hand(family, attn, where):
+    ref, model = _seq2seq_pair(family, attn)
+    batch = _seq2seq_batch(1)
+    norm = model._norms[where][0]
+    path = next(name for name, m in model.hf.named_modules() if m is norm)
+    with torch.no_grad():
+        clean = model(batch).logits
+        edited = model.run_with_hooks(batch, fwd_hooks=[(f"{where}.hook_scale", lambda s, hook: s * 2)]).logits
+        handle = _by_hand(ref, path, scale_factor=2.0)
+        expected = ref(**batch).logits
+        handle.remove()
+    assert (edited - clean).abs().max() > 1e-2 * clean.abs().max()  # the edit reached the logits
+    torch.testing.assert_close(edited, expected, atol=ATOL, rtol=ATOL)
+    assert no_torch_hooks(model.hf)
+
+
+@pytest.mark.parametrize("family", ["t5", "mbart"])
+def test_apply_ln_reads_each_stack_through_its_own_norms(family):
+    """``accumulated_resid(stack=..., apply_ln=True)`` and ``apply_ln_to_stack``: the stream entering a block, read
+    through that block's ln1 (``mlp_input``: ln2), is the norm's ``hook_normalized``; the final stream through the
+    stack's ``ln_final`` too. BART (post-norm) refuses in one line."""
+    _, model = _seq2seq_pair(family, "flash")
+    batch = _seq2seq_batch(2)
+    _, cache = model.run_with_cache(batch)
+    for stack in ("encoder", "decoder"):
+        normed = cache.accumulated_resid(stack=stack, apply_ln=True, layer=1)
+        torch.testing.assert_close(normed[-1], cache[f"{stack}.blocks.1.ln1.hook_normalized"], atol=1e-5, rtol=1e-5)
+        final = cache.accumulated_resid(stack=stack, apply_ln=True)
+        torch.testing.assert_close(final[-1], cache[f"{stack}.ln_final.hook_normalized"], atol=1e-5, rtol=1e-5)
+        mid = cache[f"{stack}.blocks.0.hook_resid_pre"] + cache[f"{stack}.blocks.0.hook_attn_out"]
+        if stack == "decoder":
+            mid = mid + cache["decoder.blocks.0.hook_cross_attn_out"]
+        torch.testing.assert_close(cache.apply_ln_to_stack(mid[None], 0, mlp_input=True, stack=stack)[0],
+                                   cache[f"{stack}.blocks.0.ln2.hook_normalized"], atol=1e-5, rtol=1e-5)
+    bart = interp.load_model(_tiny_seq2seq("bart"))
+    _, cache = bart.run_with_cache(batch)
+    with pytest.raises(NotImplementedError, match="post-norm") as error:
+        cache.accumulated_resid(stack="decoder", layer=1, apply_ln=True)
+    assert "\n" not in str(error.value)

@@ -8,18 +8,19 @@ Shapes: every stack is ``(component, *batch_and_pos, m)``; a cache after ``remov
 are TransformerLens's with ``fold_ln``: ``apply_ln_to_stack`` centres (LayerNorm) and divides by the scale the
 norm computed on this run, and the norm's weight lives in ``model.W_U`` (``model.fold_ln``, default True).
 
-What a model does not allow is refused in one line: a decomposition whose parts do not add up to the stream
-(post-norm blocks such as BERT's, norms on a sublayer's output such as Gemma's, scaled residual branches), MLP
-neurons (interp has no hook inside an MLP), the norm of a block that has none (post-norm).
+Refused in one line: a decomposition whose parts do not add up to the stream (post-norm blocks, Gemma's normed
+sublayer outputs, scaled branches), MLP neurons (no hook inside an MLP), the norm of a block that has none.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 
 from hooks import ActivationCache, get_act_name
+from hooks.names import unknown_name_error
 
 from .circuits import head_weights
 from .differences import warn_tl_differences
@@ -49,7 +50,7 @@ def _pos(tensor: torch.Tensor, pos_slice, dim: int = -2) -> torch.Tensor:
     return tensor[tuple(index)]
 
 
-_NORM_NAME = re.compile(r"^(?:blocks\.(\d+)\.(ln1|ln2)|ln_final)\.hook_(scale|normalized)$")
+_NORM_NAME = re.compile(r"^((?:encoder\.|decoder\.)?(?:blocks\.\d+\.(?:ln1|ln2|ln_cross)|ln_final))\.hook_(scale|normalized)$")
 
 
 class ModelCache(ActivationCache):
@@ -77,23 +78,22 @@ class ModelCache(ActivationCache):
             return False
         return True
 
-    def _norm_hook(self, layer, which, kind) -> torch.Tensor:
-        """TransformerLens's ``blocks.{l}.ln1/ln2.hook_scale``/``hook_normalized`` and ``ln_final``'s, built on
-        access from the stream the norm reads (``interp.structure.norms.norm_scale``) where the run did not capture
-        them (they are opt-in hook points): the scale ``(..., 1)`` and the stream centred (LayerNorm) and divided by
-        it, before the norm's weight, as TransformerLens's and as the hook points compute them. A run whose hooks
-        edited them: name them in ``run_with_cache(names=...)`` to keep the edited values."""
-        model = self.model
-        if layer is None:
-            x = self["resid_post", -1]
-            norm = model.final_norm()
-        else:
-            x = self[model.norm_input(int(layer), mlp_input=which == "ln2"), int(layer)]
-            norm = model.block_norm(int(layer), mlp_input=which == "ln2")
-        if norm is None:
-            raise KeyError(f"{model.__class__.__name__} has no final norm, so no ln_final hooks.")
+    def _norm_hook(self, where: str, kind: str) -> torch.Tensor:
+        """A norm's ``hook_scale``/``hook_normalized`` (``model._norms``) not captured (opt-in), built on access from
+        the stream the norm reads, as the hook points compute them; name them in ``run_with_cache(names=...)`` to
+        keep values a hook edited."""
+        model = self._require_model(f"{where}.hook_{kind}")
+        if where not in model._norms:
+            raise KeyError(str(unknown_name_error(f"{where}.hook_{kind}", list(model.hook_names))))
+        norm, x = self._norm_stream(where)
         scale = norm_scale(norm, x).to(x.dtype)  # as the hook point computes it (interp.model.norm_hooks)
         return scale if kind == "scale" else norm_divide(x, scale, norm_centres(norm, x.shape[-1]))
+
+    def _norm_stream(self, where: str) -> tuple[torch.nn.Module, torch.Tensor]:
+        """The norm ``where`` names (``"blocks.3.ln2"``, ``"decoder.ln_final"``) and its input on this run: the sum,
+        in the model's order, of the cached streams ``model._norms`` says it reads."""
+        norm, reads = self.model._norms[where]
+        return norm, functools.reduce(torch.add, (self[name] for name in reads))
 
     def to(self, device, dtype=None) -> ModelCache:
         moved = super().to(device, dtype)
@@ -207,13 +207,15 @@ class ModelCache(ActivationCache):
         """The norm a stack is read through and the stream it normalised on this run, or (None, None)."""
         model = self._require_model("apply_ln")
         prefix, _ = self._stack_prefix(stack)
-        if prefix != "blocks":
-            raise NotImplementedError("apply_ln on an encoder-decoder model's stacks is not supported: their norms are "
-                                      "not recorded per block; use apply_ln=False.")
+        where = f"{prefix[:-6]}ln_final" if layer == n else f"{prefix}.{layer}.{'ln2' if mlp_input else 'ln1'}"
+        if where in model._norms:
+            return self._norm_stream(where)
         if layer == n:
-            return model.final_norm(), self._get(prefix, n - 1, "resid_post")
-        norm = model.block_norm(layer, mlp_input)
-        return norm, self._get(prefix, layer, model.norm_input(layer, mlp_input))
+            return None, None
+        if prefix == "blocks":
+            model.block_norm(layer, mlp_input)  # raises why this block has no such norm
+        raise NotImplementedError(f"apply_ln: {stack} block {layer} has no {where.rsplit('.', 1)[1]} (post-norm blocks "
+                                  "normalise after each sublayer); use apply_ln=False.")
 
     def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
                           pos_slice=None, batch_slice=None, has_batch_dim: bool = True, recompute_ln: bool = False,

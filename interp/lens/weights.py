@@ -20,7 +20,7 @@ import torch
 
 from .circuits import LowRank, head_biases, head_weights
 from ..tokens.inputs import position_limit
-from ..structure.norms import norm_bias, norm_centres, norm_modules, norm_scale, norm_weight
+from ..structure.norms import mlp_norm_reads, norm_bias, norm_centres, norm_scale, norm_weight
 from ..attention.sites import is_layered
 
 __all__ = ["WeightsMixin"]
@@ -140,7 +140,7 @@ class WeightsMixin:
         if not mlp_input:
             norm = self.in_norm_of(self.cfg.sites[layer])
         else:
-            norm = norm_modules(self.structure, self._blocks, self.hf).get(f"blocks.{layer}.ln2")
+            norm = self._norms.get(f"blocks.{layer}.ln2", (None,))[0]
         if norm is None:
             raise NotImplementedError(f"Block {layer}'s {'MLP' if mlp_input else 'attention'} reads the stream "
                                       f"through no norm interp found ({self.cfg.block} blocks).")
@@ -149,7 +149,7 @@ class WeightsMixin:
     def norm_input(self, layer: int, mlp_input: bool = False) -> str:
         """The hook kind of the stream ``block_norm(layer, mlp_input)`` reads: ``"resid_pre"`` (attention's norm,
         and a parallel block's MLP norm) or ``"resid_mid"`` (a pre-norm block's MLP norm)."""
-        return "resid_mid" if mlp_input and self.cfg.block != "parallel" else "resid_pre"
+        return mlp_norm_reads(self.cfg.block) if mlp_input else "resid_pre"
 
     @property
     def W_U(self) -> torch.Tensor:  # noqa: N802

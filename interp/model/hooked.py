@@ -82,6 +82,7 @@ class HookedModel(TokensMixin, WeightsMixin, _Wrapper):
         self._site_modules = layout.modules  # site name -> attention module
         self._attn_modules = list(layout.modules.values())  # in site order: per layer where there is one site each
         self._weights = layout.weights
+        self._norms = layout.norms  # "blocks.3.ln1" -> (norm module, the cached streams it reads)
         self._attach_at = layout.attach
         self.attn_scales = tuple(site.scale for site in self.cfg.sites)  # what the model passes, not module.scaling
         self.sites = {site.name: site for site in self.cfg.sites}

@@ -63,7 +63,7 @@ def _build(hf, structure) -> Layout:
         for where in (f"blocks.{layer}.ln1", f"blocks.{layer}.ln2"):
             _norm_points(norms, where, layer, blocks[layer], points, attach)
     _norm_points(norms, "ln_final", None, None, points, attach)
-    return Layout(cfg, s, blocks, modules, weights, points, attach)
+    return Layout(cfg, s, blocks, modules, weights, points, attach, norms=norms)
 
 
 def _norm_points(norms: dict, where: str, layer: int | None, block, points: list, attach: dict) -> None:
@@ -71,7 +71,7 @@ def _norm_points(norms: dict, where: str, layer: int | None, block, points: list
     if where not in norms:
         return
     scale, normalized = HookPoint(f"{where}.hook_scale", layer), HookPoint(f"{where}.hook_normalized", layer)
-    served = NormHooks(norms[where], scale, normalized, block)
+    served = NormHooks(norms[where][0], scale, normalized, block)
     points += [scale, normalized]
     attach[scale.name] = attach[normalized.name] = served.attach
 

@@ -39,7 +39,7 @@ from ..structure.probe import _is_norm
 from ..structure.seq2seq import _discover
 from ..attention.sites import Site
 from .config import TLConfigFields, tl_facts
-from .layered import _result_hook
+from .layered import _norm_points, _result_hook
 from .wrapper import Kind, Layout, _replace_first
 
 __all__ = ["SEQ2SEQ", "Seq2SeqConfig", "decoder_inputs"]
@@ -127,12 +127,15 @@ def _build(hf, structure=None) -> Layout:
         empty_sites=tuple(name for name, kept in record.items() if not kept), **tl_facts(hf, norm=_first_norm(hf)))
     blocks = {"encoder": hf.get_encoder().get_submodule(enc_path), "decoder": hf.get_decoder().get_submodule(dec_path)}
     points, attach = [], {}
+    norms = _norms(hf, stacks, sites, weights, blocks)
     for stack in ("encoder", "decoder"):
         for block in range(len(blocks[stack])):
             module = blocks[stack][block]
             points.append(HookPoint(f"{stack}.blocks.{block}.hook_resid_pre", block))
             attach[points[-1].name] = _pre_hook(module)
             for site in (s for s in sites if s.stack == stack and s.block == block):
+                _norm_points(norms, f"{stack}.blocks.{block}.{'ln_cross' if site.kind == 'cross' else 'ln1'}", block,
+                             None, points, attach)
                 for kind in _ATTN_KINDS:
                     read_only = ("it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
                                  if kind == "lse" else None)
@@ -143,13 +146,42 @@ def _build(hf, structure=None) -> Layout:
                 if site.o_proj:  # each head's share of the output projection, as in a layered model
                     points.append(HookPoint(f"{site.name}.hook_result", block))
                     attach[points[-1].name] = _result_attacher(attention.get_submodule(site.o_proj), site)
+            _norm_points(norms, f"{stack}.blocks.{block}.ln2", block, None, points, attach)
             if stacks.mlp[stack][block] is not None:
                 points.append(HookPoint(f"{stack}.blocks.{block}.hook_mlp_out", block))
                 attach[points[-1].name] = _out_hook(module.get_submodule(stacks.mlp[stack][block]))
             points.append(HookPoint(f"{stack}.blocks.{block}.hook_resid_post", block))
             attach[points[-1].name] = _out_hook(module)
+        _norm_points(norms, f"{stack}.ln_final", None, None, points, attach)
     weights = {name: (modules[name], proj, norm) for name, (proj, norm) in weights.items()}
-    return Layout(cfg, None, blocks, modules, weights, points, attach, stacks)
+    return Layout(cfg, None, blocks, modules, weights, points, attach, stacks, norms)
+
+
+def _norms(hf, stacks, sites: list[Site], weights: dict, blocks: dict) -> dict:
+    """Where a norm reads a stack's residual stream (``Layout.norms``), TransformerLens's names under the stack's
+    prefix: ``{stack}.blocks.{l}.ln1`` before self-attention, ``decoder.blocks.{l}.ln_cross`` before
+    cross-attention's queries (TransformerLens's HookedEncoderDecoder: ``ln2``), ``ln2`` before the MLP (its
+    ``ln3`` in a decoder block), ``{stack}.ln_final`` on the last block's output (the encoder's: what
+    cross-attention's keys and values read). Each reads the block's input plus what the sublayers before it added,
+    in the model's order. Post-norm blocks (BART, Marian) normalise after each sublayer: only ``ln_final``."""
+    found = {}
+    for stack, found_blocks in blocks.items():
+        count = len(found_blocks)
+        for block in range(count):
+            prefix = f"{stack}.blocks.{block}"
+            reads = [f"{prefix}.hook_resid_pre"]
+            for site in sorted((s for s in sites if s.stack == stack and s.block == block), key=lambda s: s.kind != "self"):
+                norm = weights[site.name][1]
+                if stacks.kind == "pre-norm" and norm is not None:
+                    found[f"{prefix}.{'ln_cross' if site.kind == 'cross' else 'ln1'}"] = (norm, tuple(reads))
+                reads.append(_out_name(site))
+            path = stacks.mlp_norm[stack][block]
+            if stacks.kind == "pre-norm" and path is not None:
+                found[f"{prefix}.ln2"] = (found_blocks[block].get_submodule(path), tuple(reads))
+        if stacks.final_norm[stack] is not None:
+            found[f"{stack}.ln_final"] = (hf.get_submodule(stacks.final_norm[stack]),
+                                          (f"{stack}.blocks.{count - 1}.hook_resid_post",))
+    return found
 
 
 def _result_attacher(o_proj, site: Site):

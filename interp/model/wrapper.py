@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Layout:
     what the site's ``o_proj`` and projection paths are relative to. points: every HookPoint in hook-name order.
     attach: name of a point served by a torch hook on a module -> ``fn(point) -> handle``. stacks: an
     encoder-decoder model's MLPs and norms per stack (``interp.structure.seq2seq.Seq2SeqStructure``), else None.
+    norms: where a norm reads the residual stream (``"blocks.3.ln1"``, ``"encoder.ln_final"``) -> (the norm module,
+    the hook names of the cached streams whose sum is its input), each with ``{where}.hook_scale``/``hook_normalized``.
     """
 
     cfg: object
@@ -42,6 +44,7 @@ class Layout:
     points: list
     attach: dict
     stacks: object = None
+    norms: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

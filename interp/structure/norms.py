@@ -9,8 +9,8 @@ import torch
 
 from .probe import _is_norm
 
-__all__ = ["norm_bias", "norm_centres", "norm_divide", "norm_eps", "norm_modules", "norm_scale", "norm_weight",
-           "parallel_mlp_norm"]
+__all__ = ["mlp_norm_reads", "norm_bias", "norm_centres", "norm_divide", "norm_eps", "norm_modules", "norm_scale",
+           "norm_weight", "parallel_mlp_norm"]
 
 
 def norm_eps(norm, d_model: int) -> float:
@@ -110,29 +110,35 @@ def parallel_mlp_norm(structure, block, layer: int) -> torch.nn.Module | None:
     return None
 
 
-def norm_modules(structure, blocks, hf) -> dict[str, torch.nn.Module]:
-    """TransformerLens's norm names -> the HF norm module, where the model has one: ``blocks.{l}.ln1`` the norm
-    block ``l``'s attention reads the stream through (pre-norm and parallel blocks), ``blocks.{l}.ln2`` the norm
-    the MLP reads the stream through (pre-norm blocks: ``hook_resid_mid``; parallel blocks: the block's input,
-    where the MLP has a norm of its own, GPT-NeoX's; Phi's one norm serves both and is ``ln1`` only: an edit of
-    ``ln2`` would reach attention too), ``ln_final`` the norm before the output layer. Post-norm blocks (BERT)
-    normalise after each sublayer: no ln1/ln2."""
+def mlp_norm_reads(kind: str) -> str:
+    """The hook kind of the stream a block's MLP norm reads: the block's input (``"resid_pre"``) in a parallel
+    block, ``"resid_mid"`` (after attention) in a pre-norm one."""
+    return "resid_pre" if kind == "parallel" else "resid_mid"
+
+
+def norm_modules(structure, blocks, hf) -> dict[str, tuple[torch.nn.Module, tuple[str, ...]]]:
+    """TransformerLens's norm names -> (the HF norm module, the hook names of the cached streams whose sum it
+    reads), where the model has one: ``blocks.{l}.ln1`` the norm block ``l``'s attention reads the stream through
+    (pre-norm and parallel blocks), ``blocks.{l}.ln2`` the norm the MLP reads the stream through (pre-norm blocks:
+    ``hook_resid_mid``; parallel blocks: the block's input, where the MLP has a norm of its own, GPT-NeoX's; Phi's
+    one norm serves both and is ``ln1`` only: an edit of ``ln2`` would reach attention too), ``ln_final`` the norm
+    before the output layer. Post-norm blocks (BERT) normalise after each sublayer: no ln1/ln2."""
     found = {}
     if structure.final_norm is not None:
-        found["ln_final"] = hf.get_submodule(structure.final_norm)
+        found["ln_final"] = (hf.get_submodule(structure.final_norm), (f"blocks.{len(blocks) - 1}.hook_resid_post",))
     if structure.kind == "post-norm":
         return found
     for layer, block in enumerate(blocks):
         attn_norm = structure.attn_in_norm[layer]
         if attn_norm is not None:
-            found[f"blocks.{layer}.ln1"] = block.get_submodule(attn_norm)
-        mid = structure.resid_mid[layer]
+            found[f"blocks.{layer}.ln1"] = (block.get_submodule(attn_norm), (f"blocks.{layer}.hook_resid_pre",))
+        mid, module = structure.resid_mid[layer], None
         if structure.kind == "pre-norm" and mid is not None and mid[1] == "input":
             module = block.get_submodule(mid[0])
-            if _is_norm(module):
-                found[f"blocks.{layer}.ln2"] = module
+            module = module if _is_norm(module) else None
         elif structure.kind == "parallel" and structure.mlp[layer] is not None:
             module = parallel_mlp_norm(structure, block, layer)
-            if module is not None and module is not found.get(f"blocks.{layer}.ln1"):
-                found[f"blocks.{layer}.ln2"] = module
+            module = None if module is found.get(f"blocks.{layer}.ln1", (None,))[0] else module
+        if module is not None:
+            found[f"blocks.{layer}.ln2"] = (module, (f"blocks.{layer}.hook_{mlp_norm_reads(structure.kind)}",))
     return found
