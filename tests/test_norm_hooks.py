@@ -276,6 +276,8 @@ def test_encoder_decoder_norm_points_fire_the_values_the_cache_gives(family, att
         torch.testing.assert_close(default[name], seen[name], atol=1e-6, rtol=1e-6)
         assert name in default and name not in default._store  # built on access, not kept
     assert "decoder.blocks.0.ln_cross.hook_scale" in model.hook_dict and "decoder.blocks.0.ln3.hook_scale" not in default
+    with pytest.raises(NotImplementedError, match="one final norm per stack.*encoder.ln_final, decoder.ln_final"):
+        model.ln_final
 
 
 @pytest.mark.parametrize("where", SEQ2SEQ_WHERE)

@@ -215,7 +215,11 @@ class WeightsMixin:
         centres and rescales, as TransformerLens's ``LNPre``/``RMSPre``, so ``unembed(ln_final(x))`` is the logits."""
         norm = self.final_norm()
         if norm is None:
-            raise NotImplementedError(f"{type(self.hf).__name__} has no final norm interp found, so no ln_final.")
+            stacks = [w for w in self._norms if w.endswith(".ln_final")]  # an encoder-decoder's, one per stack
+            raise NotImplementedError(
+                f"{type(self.hf).__name__} has no final norm interp found, so no ln_final." if not stacks else
+                f"{type(self.hf).__name__} has one final norm per stack, not one ln_final: its hook points are "
+                f"{', '.join(stacks)} (.hook_scale, .hook_normalized).")
 
         def call(x):
             if not self.fold_ln:
