@@ -50,7 +50,8 @@ def _pos(tensor: torch.Tensor, pos_slice, dim: int = -2) -> torch.Tensor:
     return tensor[tuple(index)]
 
 
-_NORM_NAME = re.compile(r"^((?:encoder\.|decoder\.)?(?:blocks\.\d+\.(?:ln1|ln2|ln_cross)|ln_final))\.hook_(scale|normalized)$")
+_NORM_NAME = re.compile(r"^((?:encoder\.|decoder\.)?(?:blocks\.\d+\.(?:ln1|ln2|ln_cross)|ln_final))"
+                        r"\.hook_(scale|normalized)$")
 
 
 class ModelCache(ActivationCache):
@@ -79,9 +80,8 @@ class ModelCache(ActivationCache):
         return True
 
     def _norm_hook(self, where: str, kind: str) -> torch.Tensor:
-        """A norm's ``hook_scale``/``hook_normalized`` (``model._norms``) not captured (opt-in), built on access from
-        the stream the norm reads, as the hook points compute them; name them in ``run_with_cache(names=...)`` to
-        keep values a hook edited."""
+        """A norm's ``hook_scale``/``hook_normalized`` (opt-in), built on access from the stream the norm reads, as
+        the hook points compute them; name them in ``run_with_cache(names=...)`` to keep values a hook edited."""
         model = self._require_model(f"{where}.hook_{kind}")
         if where not in model._norms:
             raise KeyError(str(unknown_name_error(f"{where}.hook_{kind}", list(model.hook_names))))

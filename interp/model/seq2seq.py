@@ -170,7 +170,8 @@ def _norms(hf, stacks, sites: list[Site], weights: dict, blocks: dict) -> dict:
         for block in range(count):
             prefix = f"{stack}.blocks.{block}"
             reads = [f"{prefix}.hook_resid_pre"]
-            for site in sorted((s for s in sites if s.stack == stack and s.block == block), key=lambda s: s.kind != "self"):
+            here = [s for s in sites if s.stack == stack and s.block == block]
+            for site in sorted(here, key=lambda s: s.kind != "self"):  # self-attention first, as the block runs
                 norm = weights[site.name][1]
                 if stacks.kind == "pre-norm" and norm is not None:
                     found[f"{prefix}.{'ln_cross' if site.kind == 'cross' else 'ln1'}"] = (norm, tuple(reads))
