@@ -61,8 +61,6 @@ REASONS: dict[str, dict[int, tuple[str, str]]] = {
     "Exploratory_Analysis_Demo": {
         28: ("IndexError", _GQA.format("v") + ": it patches all 9 query heads' indices on `hook_v`"),
         35: ("IndexError", _GQA.format("v") + " (direct-path patching into values)"),
-        36: (_CUT[0], _CUT[1].format("direct-path patching into queries, layers 7 to 28 (GPT-2: 7 to 10)",
-                                     "22 x 2 x 81 = 3564 (GPT-2: 4 x 2 x 144)")),
         37: ("IndexError", _GQA.format("k") + " (direct-path patching into keys)"),
     },
     "Activation_Patching_in_TL_Demo": {  # its patching on interp's transformer_lens.patching (tl_patching)
