@@ -207,7 +207,7 @@ class ModelCache(ActivationCache):
         """The norm a stack is read through and the stream it normalised on this run, or (None, None)."""
         model = self._require_model("apply_ln")
         prefix, _ = self._stack_prefix(stack)
-        where = f"{prefix[:-6]}ln_final" if layer == n else f"{prefix}.{layer}.{'ln2' if mlp_input else 'ln1'}"
+        where = f"{prefix.removesuffix('blocks')}ln_final" if layer == n else f"{prefix}.{layer}.ln{1 + int(mlp_input)}"
         if where in model._norms:
             return self._norm_stream(where)
         if layer == n:

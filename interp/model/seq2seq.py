@@ -109,6 +109,12 @@ class Seq2SeqConfig(TLConfigFields):
         return self._same("d_head", {s.name: s.d_head for s in self.sites}, "each site's d_head in cfg.sites")
 
 
+def _in_norm_name(site: Site) -> str:
+    """Where the norm a site's queries read the stream through is named (``Layout.norms``): ``ln_cross`` for
+    cross-attention, ``ln1`` for self-attention."""
+    return f"{site.stack}.blocks.{site.block}.{'ln_cross' if site.kind == 'cross' else 'ln1'}"
+
+
 def _out_name(site: Site) -> str:
     prefix = f"{site.stack}.blocks.{site.block}"
     return f"{prefix}.hook_cross_attn_out" if site.kind == "cross" else f"{prefix}.hook_attn_out"
@@ -134,8 +140,7 @@ def _build(hf, structure=None) -> Layout:
             points.append(HookPoint(f"{stack}.blocks.{block}.hook_resid_pre", block))
             attach[points[-1].name] = _pre_hook(module)
             for site in (s for s in sites if s.stack == stack and s.block == block):
-                _norm_points(norms, f"{stack}.blocks.{block}.{'ln_cross' if site.kind == 'cross' else 'ln1'}", block,
-                             None, points, attach)
+                _norm_points(norms, _in_norm_name(site), block, None, points, attach)
                 for kind in _ATTN_KINDS:
                     read_only = ("it is derived from the scores; edit hook_attn_scores or hook_pattern instead"
                                  if kind == "lse" else None)
@@ -174,7 +179,7 @@ def _norms(hf, stacks, sites: list[Site], weights: dict, blocks: dict) -> dict:
             for site in sorted(here, key=lambda s: s.kind != "self"):  # self-attention first, as the block runs
                 norm = weights[site.name][1]
                 if stacks.kind == "pre-norm" and norm is not None:
-                    found[f"{prefix}.{'ln_cross' if site.kind == 'cross' else 'ln1'}"] = (norm, tuple(reads))
+                    found[_in_norm_name(site)] = (norm, tuple(reads))
                 reads.append(_out_name(site))
             path = stacks.mlp_norm[stack][block]
             if stacks.kind == "pre-norm" and path is not None:
